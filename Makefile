@@ -1,0 +1,35 @@
+# Two commands do all the set-up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+# CPU install path. On a CUDA machine: make TORCH_SPEC=torch EXTRA=pycuda (see README).
+TORCH_SPEC ?= torch==2.13.0
+EXTRA ?=
+
+.PHONY: venv proto test test-fast demo bench clean
+
+$(STAMP): requirements.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
+	$(BIN)/pip install -q --disable-pip-version-check -r requirements.txt $(EXTRA)
+	touch $@
+
+venv: $(STAMP)
+
+proto: $(STAMP)
+	$(BIN)/python scripts/gen_proto.py
+
+test: proto
+	$(BIN)/python -m pytest -q
+
+demo: proto
+	$(BIN)/python scripts/demo.py
+
+bench: proto
+	$(BIN)/python bench/block_manager.py
+	$(BIN)/python bench/kernels.py
+	$(BIN)/python bench/e2e.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build/kernels

@@ -1,0 +1,68 @@
+"""Tokenizers for both planes: the byte-level one of `tiny`, or the checkpoint's own (transformers)."""
+from __future__ import annotations
+
+import os
+
+
+class ByteTokenizer:
+    """ids 0-255 are the UTF-8 bytes; 256 = <|endoftext|> (EOS), 257/258 = <|im_start|>/<|im_end|>."""
+
+    eos_token_ids = [256]
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    def __init__(self, path: str):
+        from transformers import AutoTokenizer  # heavy import: only when a checkpoint has one
+
+        self._tok = AutoTokenizer.from_pretrained(path)
+        eos = self._tok.eos_token_id
+        self.eos_token_ids = [] if eos is None else [eos]
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False))
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def load_tokenizer(model: str):
+    """The tokenizer for `--model`: byte-level for `tiny` and for checkpoints that ship none."""
+    if model != "tiny" and os.path.isdir(model) and any(
+            os.path.isfile(os.path.join(model, f)) for f in _TOKENIZER_FILES):
+        return HFTokenizer(model)
+    return ByteTokenizer()
+
+
+class IncrementalDetokenizer:
+    """Text deltas for a growing token list. Holds back a trailing U+FFFD (an incomplete UTF-8
+    sequence) until the next token completes it, so streamed text concatenates to decode(all)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.emitted = ""
+
+    def push(self, new_ids) -> str:
+        self.ids.extend(int(i) for i in new_ids)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):
+            text = text[:-1]
+        if not text.startswith(self.emitted):  # a tokenizer that rewrote earlier text: emit nothing
+            return ""
+        delta, self.emitted = text[len(self.emitted):], text
+        return delta
+
+    def flush(self) -> str:
+        text = self.tokenizer.decode(self.ids)
+        delta = text[len(self.emitted):] if text.startswith(self.emitted) else ""
+        self.emitted = text
+        return delta

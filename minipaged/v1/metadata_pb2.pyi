@@ -1,0 +1,290 @@
+from minipaged.v1 import worker_pb2 as _worker_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("prompt", "prompt_token_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "return_logprobs")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    prompt_token_ids: bytes
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    stop_token_ids: bytes
+    ignore_eos: bool
+    return_logprobs: bool
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[bytes] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[bytes] = ..., ignore_eos: _Optional[bool] = ..., return_logprobs: _Optional[bool] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "preemptions")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    preemptions: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...
+
+class GenerateChunk(_message.Message):
+    __slots__ = ("token_ids", "text", "finish_reason", "usage", "logprobs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: bytes
+    text: str
+    finish_reason: str
+    usage: Usage
+    logprobs: bytes
+    def __init__(self, token_ids: _Optional[bytes] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., logprobs: _Optional[bytes] = ...) -> None: ...
+
+class GenerationResult(_message.Message):
+    __slots__ = ("index", "token_ids", "text", "finish_reason", "usage", "error", "logprobs")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    token_ids: bytes
+    text: str
+    finish_reason: str
+    usage: Usage
+    error: str
+    logprobs: bytes
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., error: _Optional[str] = ..., logprobs: _Optional[bytes] = ...) -> None: ...
+
+class SubmitJobRequest(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[GenerateRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[GenerateRequest, _Mapping]]] = ...) -> None: ...
+
+class SubmitJobReply(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class JobRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class Job(_message.Message):
+    __slots__ = ("job_id", "state", "total", "completed", "results")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    state: str
+    total: int
+    completed: int
+    results: _containers.RepeatedCompositeFieldContainer[GenerationResult]
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ..., total: _Optional[int] = ..., completed: _Optional[int] = ..., results: _Optional[_Iterable[_Union[GenerationResult, _Mapping]]] = ...) -> None: ...
+
+class JobProgress(_message.Message):
+    __slots__ = ("job_id", "state", "total", "completed", "new_results")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    NEW_RESULTS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    state: str
+    total: int
+    completed: int
+    new_results: _containers.RepeatedCompositeFieldContainer[GenerationResult]
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ..., total: _Optional[int] = ..., completed: _Optional[int] = ..., new_results: _Optional[_Iterable[_Union[GenerationResult, _Mapping]]] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsReply(_message.Message):
+    __slots__ = ("num_blocks", "block_size", "used_blocks", "free_blocks", "cached_blocks", "internal_fragmentation_tokens", "kv_utilization", "running", "waiting", "preemptions", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate", "invariants_ok", "steps", "generated_tokens", "prompt_tokens", "tokens_per_second", "metadata_ms_per_step", "num_workers", "ready", "cache_epoch", "live_sequences")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    INTERNAL_FRAGMENTATION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    INVARIANTS_OK_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    METADATA_MS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    CACHE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    block_size: int
+    used_blocks: int
+    free_blocks: int
+    cached_blocks: int
+    internal_fragmentation_tokens: int
+    kv_utilization: float
+    running: int
+    waiting: int
+    preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_hit_rate: float
+    invariants_ok: bool
+    steps: int
+    generated_tokens: int
+    prompt_tokens: int
+    tokens_per_second: float
+    metadata_ms_per_step: float
+    num_workers: int
+    ready: bool
+    cache_epoch: int
+    live_sequences: int
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., internal_fragmentation_tokens: _Optional[int] = ..., kv_utilization: _Optional[float] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., invariants_ok: _Optional[bool] = ..., steps: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., metadata_ms_per_step: _Optional[float] = ..., num_workers: _Optional[int] = ..., ready: _Optional[bool] = ..., cache_epoch: _Optional[int] = ..., live_sequences: _Optional[int] = ...) -> None: ...
+
+class CreateSequenceRequest(_message.Message):
+    __slots__ = ("sequence_id", "prompt_token_ids", "num_tokens")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: int
+    prompt_token_ids: bytes
+    num_tokens: int
+    def __init__(self, sequence_id: _Optional[int] = ..., prompt_token_ids: _Optional[bytes] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class SequenceReply(_message.Message):
+    __slots__ = ("sequence_id", "sequence_length", "block_table", "slot_mapping", "num_cached_tokens")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
+    SLOT_MAPPING_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: int
+    sequence_length: int
+    block_table: bytes
+    slot_mapping: bytes
+    num_cached_tokens: int
+    def __init__(self, sequence_id: _Optional[int] = ..., sequence_length: _Optional[int] = ..., block_table: _Optional[bytes] = ..., slot_mapping: _Optional[bytes] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class AppendTokensRequest(_message.Message):
+    __slots__ = ("sequence_ids", "num_tokens", "token_ids")
+    SEQUENCE_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    sequence_ids: bytes
+    num_tokens: bytes
+    token_ids: bytes
+    def __init__(self, sequence_ids: _Optional[bytes] = ..., num_tokens: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ...) -> None: ...
+
+class AppendTokensReply(_message.Message):
+    __slots__ = ("slot_mapping",)
+    SLOT_MAPPING_FIELD_NUMBER: _ClassVar[int]
+    slot_mapping: bytes
+    def __init__(self, slot_mapping: _Optional[bytes] = ...) -> None: ...
+
+class ForkSequenceRequest(_message.Message):
+    __slots__ = ("parent_id", "child_id")
+    PARENT_ID_FIELD_NUMBER: _ClassVar[int]
+    CHILD_ID_FIELD_NUMBER: _ClassVar[int]
+    parent_id: int
+    child_id: int
+    def __init__(self, parent_id: _Optional[int] = ..., child_id: _Optional[int] = ...) -> None: ...
+
+class ForkSequenceReply(_message.Message):
+    __slots__ = ("copy_src", "copy_dst")
+    COPY_SRC_FIELD_NUMBER: _ClassVar[int]
+    COPY_DST_FIELD_NUMBER: _ClassVar[int]
+    copy_src: bytes
+    copy_dst: bytes
+    def __init__(self, copy_src: _Optional[bytes] = ..., copy_dst: _Optional[bytes] = ...) -> None: ...
+
+class ReleaseSequenceRequest(_message.Message):
+    __slots__ = ("sequence_id",)
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: int
+    def __init__(self, sequence_id: _Optional[int] = ...) -> None: ...
+
+class ReleaseSequenceReply(_message.Message):
+    __slots__ = ("freed_blocks",)
+    FREED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    freed_blocks: int
+    def __init__(self, freed_blocks: _Optional[int] = ...) -> None: ...
+
+class GetBlockTablesRequest(_message.Message):
+    __slots__ = ("sequence_ids",)
+    SEQUENCE_IDS_FIELD_NUMBER: _ClassVar[int]
+    sequence_ids: bytes
+    def __init__(self, sequence_ids: _Optional[bytes] = ...) -> None: ...
+
+class GetBlockTablesReply(_message.Message):
+    __slots__ = ("block_tables", "max_blocks", "seq_lens")
+    BLOCK_TABLES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SEQ_LENS_FIELD_NUMBER: _ClassVar[int]
+    block_tables: bytes
+    max_blocks: int
+    seq_lens: bytes
+    def __init__(self, block_tables: _Optional[bytes] = ..., max_blocks: _Optional[int] = ..., seq_lens: _Optional[bytes] = ...) -> None: ...
+
+class RegisterWorkerRequest(_message.Message):
+    __slots__ = ("info",)
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    info: _worker_pb2.WorkerInfo
+    def __init__(self, info: _Optional[_Union[_worker_pb2.WorkerInfo, _Mapping]] = ...) -> None: ...
+
+class RegisterWorkerReply(_message.Message):
+    __slots__ = ("worker_id", "heartbeat_interval_ms")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    heartbeat_interval_ms: int
+    def __init__(self, worker_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("worker_id", "cache_epoch")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    cache_epoch: int
+    def __init__(self, worker_id: _Optional[str] = ..., cache_epoch: _Optional[int] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("known",)
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    def __init__(self, known: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,181 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("address", "model_name", "model_fingerprint", "num_layers", "layer_start", "layer_end", "hidden_size", "vocab_size", "num_attention_heads", "num_kv_heads", "head_dim", "dtype", "device", "max_position_embeddings", "eos_token_ids", "kv_cache_bytes", "fixed_num_blocks", "cache_epoch", "num_blocks", "block_size", "backend", "dtype_bytes")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_ATTENTION_HEADS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    MAX_POSITION_EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FIXED_NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    model_name: str
+    model_fingerprint: str
+    num_layers: int
+    layer_start: int
+    layer_end: int
+    hidden_size: int
+    vocab_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    device: str
+    max_position_embeddings: int
+    eos_token_ids: bytes
+    kv_cache_bytes: int
+    fixed_num_blocks: int
+    cache_epoch: int
+    num_blocks: int
+    block_size: int
+    backend: str
+    dtype_bytes: int
+    def __init__(self, address: _Optional[str] = ..., model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_layers: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[bytes] = ..., kv_cache_bytes: _Optional[int] = ..., fixed_num_blocks: _Optional[int] = ..., cache_epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., backend: _Optional[str] = ..., dtype_bytes: _Optional[int] = ...) -> None: ...
+
+class InitCacheRequest(_message.Message):
+    __slots__ = ("num_blocks", "block_size", "next_stage_address", "next_stage_token")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NEXT_STAGE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_STAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    block_size: int
+    next_stage_address: str
+    next_stage_token: str
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., next_stage_address: _Optional[str] = ..., next_stage_token: _Optional[str] = ...) -> None: ...
+
+class InitCacheReply(_message.Message):
+    __slots__ = ("cache_epoch", "num_blocks", "block_size")
+    CACHE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    cache_epoch: int
+    num_blocks: int
+    block_size: int
+    def __init__(self, cache_epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class StepRequest(_message.Message):
+    __slots__ = ("step_id", "cache_epoch", "sequence_ids", "input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables", "max_blocks_per_seq", "do_sample", "temperature", "top_p", "top_k", "seeds", "sample_offsets", "return_logprobs", "hidden_states", "hidden_dtype", "return_logits")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_IDS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_MAPPING_FIELD_NUMBER: _ClassVar[int]
+    QUERY_START_LOC_FIELD_NUMBER: _ClassVar[int]
+    SEQ_LENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TABLES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BLOCKS_PER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    DO_SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEEDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    RETURN_LOGITS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    cache_epoch: int
+    sequence_ids: bytes
+    input_ids: bytes
+    positions: bytes
+    slot_mapping: bytes
+    query_start_loc: bytes
+    seq_lens: bytes
+    block_tables: bytes
+    max_blocks_per_seq: int
+    do_sample: bytes
+    temperature: bytes
+    top_p: bytes
+    top_k: bytes
+    seeds: bytes
+    sample_offsets: bytes
+    return_logprobs: bool
+    hidden_states: bytes
+    hidden_dtype: str
+    return_logits: bool
+    def __init__(self, step_id: _Optional[int] = ..., cache_epoch: _Optional[int] = ..., sequence_ids: _Optional[bytes] = ..., input_ids: _Optional[bytes] = ..., positions: _Optional[bytes] = ..., slot_mapping: _Optional[bytes] = ..., query_start_loc: _Optional[bytes] = ..., seq_lens: _Optional[bytes] = ..., block_tables: _Optional[bytes] = ..., max_blocks_per_seq: _Optional[int] = ..., do_sample: _Optional[bytes] = ..., temperature: _Optional[bytes] = ..., top_p: _Optional[bytes] = ..., top_k: _Optional[bytes] = ..., seeds: _Optional[bytes] = ..., sample_offsets: _Optional[bytes] = ..., return_logprobs: _Optional[bool] = ..., hidden_states: _Optional[bytes] = ..., hidden_dtype: _Optional[str] = ..., return_logits: _Optional[bool] = ...) -> None: ...
+
+class StageTiming(_message.Message):
+    __slots__ = ("layer_start", "layer_end", "compute_ms")
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    layer_start: int
+    layer_end: int
+    compute_ms: float
+    def __init__(self, layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., compute_ms: _Optional[float] = ...) -> None: ...
+
+class StepReply(_message.Message):
+    __slots__ = ("step_id", "cache_epoch", "sampled_token_ids", "logprobs", "timings", "logits")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    LOGITS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    cache_epoch: int
+    sampled_token_ids: bytes
+    logprobs: bytes
+    timings: _containers.RepeatedCompositeFieldContainer[StageTiming]
+    logits: bytes
+    def __init__(self, step_id: _Optional[int] = ..., cache_epoch: _Optional[int] = ..., sampled_token_ids: _Optional[bytes] = ..., logprobs: _Optional[bytes] = ..., timings: _Optional[_Iterable[_Union[StageTiming, _Mapping]]] = ..., logits: _Optional[bytes] = ...) -> None: ...
+
+class CopyBlocksRequest(_message.Message):
+    __slots__ = ("cache_epoch", "src_blocks", "dst_blocks")
+    CACHE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SRC_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    cache_epoch: int
+    src_blocks: bytes
+    dst_blocks: bytes
+    def __init__(self, cache_epoch: _Optional[int] = ..., src_blocks: _Optional[bytes] = ..., dst_blocks: _Optional[bytes] = ...) -> None: ...
+
+class CopyBlocksReply(_message.Message):
+    __slots__ = ("copied",)
+    COPIED_FIELD_NUMBER: _ClassVar[int]
+    copied: int
+    def __init__(self, copied: _Optional[int] = ...) -> None: ...
+
+class WorkerHealthRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerHealthReply(_message.Message):
+    __slots__ = ("ready", "cache_epoch", "steps_served")
+    READY_FIELD_NUMBER: _ClassVar[int]
+    CACHE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEPS_SERVED_FIELD_NUMBER: _ClassVar[int]
+    ready: bool
+    cache_epoch: int
+    steps_served: int
+    def __init__(self, ready: _Optional[bool] = ..., cache_epoch: _Optional[int] = ..., steps_served: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,212 @@
+"""One pipeline stage of Qwen3 over the paged K/V cache.
+
+Numerics follow Hugging Face `modeling_qwen3` op for op (the oracle, DESIGN section 6): RMSNorm
+casts to float32 exactly as HF does, RoPE's inv_freq/cos/sin are computed in float32 like HF and
+then cast to the model dtype, and residual additions happen in the same order. Only attention
+differs in form: it reads K/V from the paged cache through the step's block tables.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minipaged.config import ModelConfig
+from worker.attention import AttentionBackend, get_backend
+from worker.paged_cache import PagedKVCache, as_dtype
+
+
+@dataclass
+class StepBatch:
+    """One engine step, as device tensors. T packed tokens of B sequences."""
+    input_ids: torch.Tensor | None     # int64 [T] (first stage only)
+    positions: torch.Tensor            # int64 [T]
+    slot_mapping: torch.Tensor         # [T], -1 = padding
+    query_start_loc: torch.Tensor      # int32 [B+1]
+    seq_lens: torch.Tensor             # int32 [B], context length after this step
+    block_tables: torch.Tensor         # int32 [B, max_blocks]
+    max_query_len: int
+    is_decode: bool                    # every sequence has exactly one query token
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Exactly HF's Qwen3RMSNorm: statistics in float32 (even for float64 models), cast back.
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        # float32, the HF way (its default-RoPE init): bit-equal inv_freq is what float64 parity needs.
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq.float()[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)                          # [T, D]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D]; cos/sin [T, D] at each token's own position."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return (x * cos) + (rotate_half(x) * sin)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+        super().__init__()
+        H, D, bias = config.hidden_size, config.head_dim, config.attention_bias
+        self.num_heads, self.num_kv_heads, self.head_dim = (config.num_attention_heads,
+                                                            config.num_key_value_heads, D)
+        self.scale = D ** -0.5
+        self.q_proj = nn.Linear(H, self.num_heads * D, bias=bias)
+        self.k_proj = nn.Linear(H, self.num_kv_heads * D, bias=bias)
+        self.v_proj = nn.Linear(H, self.num_kv_heads * D, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * D, H, bias=bias)
+        self.q_norm = RMSNorm(D, config.rms_norm_eps)                   # QK-norm, per head, before RoPE
+        self.k_norm = RMSNorm(D, config.rms_norm_eps)
+        self.backend = backend
+
+    def forward(self, x, cos, sin, batch: StepBatch, key_cache, value_cache):
+        T = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(T, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        self.backend.write_kv(k, v, key_cache, value_cache, batch.slot_mapping)
+        if batch.is_decode:
+            o = self.backend.paged_decode(q, key_cache, value_cache, batch.block_tables,
+                                          batch.seq_lens, self.scale)
+        else:
+            o = self.backend.paged_prefill(q, key_cache, value_cache, batch.block_tables,
+                                           batch.seq_lens, batch.query_start_loc,
+                                           batch.max_query_len, self.scale)
+        return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        H, inter = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(H, inter, bias=False)
+        self.up_proj = nn.Linear(H, inter, bias=False)
+        self.down_proj = nn.Linear(inter, H, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+        super().__init__()
+        self.self_attn = Attention(config, backend)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, h, cos, sin, batch, key_cache, value_cache):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch, key_cache, value_cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Qwen3Stage(nn.Module):
+    """Layers [layer_start, layer_end); embeddings on the first stage, final norm + lm_head on the
+    last (which also holds the embedding matrix when the lm_head is tied to it)."""
+
+    def __init__(self, config: ModelConfig, layer_start: int, layer_end: int,
+                 dtype: torch.dtype | str, device: torch.device | str,
+                 backend: AttentionBackend | str = "torch"):
+        super().__init__()
+        if not 0 <= layer_start < layer_end <= config.num_hidden_layers:
+            raise ValueError(f"layer range [{layer_start}, {layer_end}) is not inside "
+                             f"[0, {config.num_hidden_layers}) or is empty")
+        self.config, self.layer_start, self.layer_end = config, layer_start, layer_end
+        self.is_first, self.is_last = layer_start == 0, layer_end == config.num_hidden_layers
+        self.dtype, self.device = as_dtype(dtype), torch.device(device)
+        self.backend = get_backend(backend, self.device) if isinstance(backend, str) else backend
+        with torch.device("meta"):       # no random init: every parameter is loaded afterwards
+            self.embed_tokens = (nn.Embedding(config.vocab_size, config.hidden_size)
+                                 if self.is_first else None)
+            self.layers = nn.ModuleList(DecoderLayer(config, self.backend)
+                                        for _ in range(layer_end - layer_start))
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last else None
+            self.lm_head = (nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+                            if self.is_last else None)
+        self.to(self.dtype).to_empty(device=self.device)
+        self.requires_grad_(False)       # inference only: lets inference-mode tensors mix freely
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta).to(self.device)
+        if self.is_first and self.is_last and config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def _local_name(self, name: str) -> str | None:
+        """HF checkpoint name -> this module's parameter name (None if not this stage's)."""
+        if name.startswith("model.layers."):
+            i = int(name.split(".")[2])
+            if not self.layer_start <= i < self.layer_end:
+                return None
+            return f"layers.{i - self.layer_start}." + name.split(".", 3)[3]
+        if name == "model.embed_tokens.weight":
+            if self.is_first:
+                return "embed_tokens.weight"     # also the lm_head when one stage holds both, tied
+            return "lm_head.weight" if self.is_last and self.config.tie_word_embeddings else None
+        if name == "model.norm.weight":
+            return "norm.weight" if self.is_last else None
+        if name == "lm_head.weight":
+            return None if self.config.tie_word_embeddings or not self.is_last else "lm_head.weight"
+        return None
+
+    @torch.no_grad()
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        params = dict(self.named_parameters())          # tied parameters are listed once
+        loaded = set()
+        for name, tensor in state_dict.items():
+            local = self._local_name(name)
+            if local is None:
+                continue
+            p = params[local]
+            if p.shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(p.shape)}")
+            p.copy_(tensor)
+            loaded.add(local)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"weights missing for layers [{self.layer_start}, {self.layer_end}): {missing[:8]}")
+
+    def forward(self, batch: StepBatch, kv_cache: PagedKVCache,
+                hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        if self.is_first:
+            h = self.embed_tokens(batch.input_ids)
+        else:
+            if hidden_states is None:
+                raise ValueError(f"stage [{self.layer_start}, {self.layer_end}) needs hidden states")
+            h = hidden_states.to(device=self.device, dtype=self.dtype)
+        cos, sin = self.rotary(batch.positions, self.dtype)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, batch, kv_cache.key_cache[i], kv_cache.value_cache[i])
+        return self.norm(h) if self.is_last else h
+
+    def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
+        """[S, hidden] -> [S, vocab], float32 (float64 for float64 models)."""
+        logits = self.lm_head(hidden_rows.to(self.dtype))
+        return logits.to(torch.float64 if self.dtype == torch.float64 else torch.float32)

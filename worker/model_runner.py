@@ -1,0 +1,111 @@
+"""ModelRunner: one stage's model, weights, K/V cache and sampler behind a small API that the
+worker's Step handler drives. It keeps no per-sequence state (DESIGN section 1)."""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+
+from minipaged.config import ModelConfig, load_model_config
+from worker import sampler
+from worker.model import Qwen3Stage, StepBatch
+from worker.paged_cache import PagedKVCache, as_dtype, bytes_per_block
+from worker.weights import fingerprint, load_state_dict
+
+
+def _tensor(arr, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """numpy (possibly a read-only view of wire bytes) -> device tensor, copying only when the
+    dtype or device requires it."""
+    if isinstance(arr, torch.Tensor):
+        return arr.to(device=device, dtype=dtype)
+    arr = np.ascontiguousarray(arr)
+    with warnings.catch_warnings():      # read-only wire buffers: we never write through them
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.from_numpy(arr)
+    return t.to(device=device, dtype=dtype, non_blocking=True)
+
+
+class ModelRunner:
+    def __init__(self, model: str, layer_start: int = 0, layer_end: int | None = None,
+                 dtype: str = "float32", device: str = "cpu", backend: str = "torch"):
+        self.config: ModelConfig = load_model_config(model)
+        layer_end = self.config.num_hidden_layers if layer_end is None else layer_end
+        self.device = torch.device(device)
+        self.dtype = as_dtype(dtype)
+        if self.device.type == "cpu" and self.dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"dtype {dtype} is not supported on CPU (use float32 or float64)")
+        if self.device.type == "cuda" and self.dtype == torch.float64:
+            raise ValueError("float64 is a CPU parity mode; use bfloat16/float16/float32 on CUDA")
+        self.layer_start, self.layer_end = layer_start, layer_end
+        self.stage = Qwen3Stage(self.config, layer_start, layer_end, self.dtype, self.device, backend)
+        state = load_state_dict(model, self.config, layer_start, layer_end)
+        self.stage.load_weights(state)
+        self.fingerprint = fingerprint(self.config, state)
+        self.stage.eval()
+        self.kv_cache: PagedKVCache | None = None
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage.is_first
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage.is_last
+
+    @property
+    def num_layers(self) -> int:
+        return self.layer_end - self.layer_start
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        return bytes_per_block(self.num_layers, self.config.num_key_value_heads, block_size,
+                               self.config.head_dim, self.dtype)
+
+    def init_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
+        """A fresh cache: whatever the previous one held is gone."""
+        self.kv_cache = None                 # free the old one before allocating the new
+        self.kv_cache = PagedKVCache(self.num_layers, num_blocks, self.config.num_key_value_heads,
+                                     block_size, self.config.head_dim, self.dtype, self.device)
+        return self.kv_cache
+
+    def make_batch(self, input_ids, positions, slot_mapping, query_start_loc, seq_lens,
+                   block_tables) -> StepBatch:
+        qsl = np.asarray(query_start_loc)
+        qlens = np.diff(qsl)
+        dev = self.device
+        return StepBatch(
+            input_ids=None if input_ids is None else _tensor(input_ids, torch.int64, dev),
+            positions=_tensor(positions, torch.int64, dev),
+            slot_mapping=_tensor(slot_mapping, torch.int64, dev),
+            query_start_loc=_tensor(qsl, torch.int32, dev),
+            seq_lens=_tensor(seq_lens, torch.int32, dev),
+            block_tables=_tensor(np.asarray(block_tables).reshape(len(qlens), -1), torch.int32, dev),
+            max_query_len=int(qlens.max()) if qlens.size else 0,
+            is_decode=bool(qlens.size) and bool((qlens == 1).all()),
+        )
+
+    def execute(self, batch: StepBatch, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        if self.kv_cache is None:
+            raise RuntimeError("init_cache must be called before execute")
+        with torch.inference_mode():
+            return self.stage(batch, self.kv_cache, hidden_states)
+
+    def sample(self, hidden: torch.Tensor, query_start_loc, do_sample, temperature, top_p, top_k,
+               seeds, offsets, return_logprobs: bool = False, return_logits: bool = False):
+        """Sample one token for each sequence with do_sample set, from its LAST query row.
+
+        The sampling arrays are either per sequence ([B], the wire form; filtered by do_sample
+        here) or already per sampled row ([S]). Returns (ids int32 [S], logprobs float32 [S] or
+        None, logits float64 numpy [S, vocab] or None)."""
+        qsl = np.asarray(query_start_loc, dtype=np.int64)
+        mask = np.asarray(do_sample).astype(bool).reshape(-1)
+        rows = qsl[1:][mask] - 1
+        pick = lambda a: (np.asarray(a).reshape(-1)[mask]                     # noqa: E731
+                          if np.asarray(a).size == mask.size else np.asarray(a).reshape(-1))
+        with torch.inference_mode():
+            idx = torch.as_tensor(rows, device=hidden.device)
+            logits = self.stage.compute_logits(hidden[idx])
+            ids, logprobs = sampler.sample(logits, pick(temperature), pick(top_p), pick(top_k),
+                                           pick(seeds), pick(offsets), return_logprobs)
+            out_logits = logits.to(torch.float64).cpu().numpy() if return_logits else None
+        return ids, logprobs, out_logits

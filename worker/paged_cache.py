@@ -1,0 +1,101 @@
+"""The paged K/V cache: per layer one key and one value tensor [num_blocks, Hkv, block_size, D].
+
+One block id names the same slots in every layer (DESIGN section 1), so a single block table from
+the metadata service addresses all layers of this stage. The cache holds data only: which block
+belongs to whom is the metadata plane's business.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+           "float16": torch.float16}
+
+
+def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r} (expected one of {sorted(_DTYPES)})")
+    return _DTYPES[dtype]
+
+
+def bytes_per_block(num_layers: int, num_kv_heads: int, block_size: int, head_dim: int,
+                    dtype: torch.dtype | str) -> int:
+    """K and V, every layer of the stage."""
+    itemsize = torch.empty((), dtype=as_dtype(dtype)).element_size()
+    return 2 * num_layers * num_kv_heads * block_size * head_dim * itemsize
+
+
+def blocks_for_budget(budget_bytes: int, num_layers: int, num_kv_heads: int, block_size: int,
+                      head_dim: int, dtype: torch.dtype | str) -> int:
+    return int(budget_bytes) // bytes_per_block(num_layers, num_kv_heads, block_size, head_dim, dtype)
+
+
+def _ids(ids, device) -> torch.Tensor:
+    if isinstance(ids, torch.Tensor):
+        return ids.reshape(-1).to(device=device, dtype=torch.long)
+    return torch.tensor(np.asarray(ids, dtype=np.int64).reshape(-1), device=device)
+
+
+@dataclass
+class PagedKVCache:
+    num_layers: int
+    num_blocks: int
+    num_kv_heads: int
+    block_size: int
+    head_dim: int
+    dtype: torch.dtype | str = torch.float32
+    device: torch.device | str = "cpu"
+    key_cache: list[torch.Tensor] = field(init=False, repr=False)
+    value_cache: list[torch.Tensor] = field(init=False, repr=False)
+
+    blocks_for_budget = staticmethod(blocks_for_budget)
+
+    def __post_init__(self):
+        self.dtype = as_dtype(self.dtype)
+        shape = (self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
+        # Zeroed so that a fresh cache has a well-defined checksum (and no NaN garbage).
+        self.key_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                          for _ in range(self.num_layers)]
+        self.value_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                            for _ in range(self.num_layers)]
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_blocks * bytes_per_block(self.num_layers, self.num_kv_heads,
+                                                 self.block_size, self.head_dim, self.dtype)
+
+    def copy_blocks(self, src, dst) -> None:
+        """Copy whole blocks src[i] -> dst[i] in every layer (copy-on-write of a shared block)."""
+        if not self.num_layers:
+            return
+        device = self.key_cache[0].device
+        src = _ids(src, device)
+        dst = _ids(dst, device)
+        if src.shape != dst.shape:
+            raise ValueError(f"copy_blocks: {src.numel()} sources but {dst.numel()} destinations")
+        if src.numel() == 0:
+            return
+        ids = torch.cat([src, dst])
+        if int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks:
+            raise IndexError(f"copy_blocks: block ids must be in [0, {self.num_blocks})")
+        for cache in (*self.key_cache, *self.value_cache):
+            cache[dst] = cache[src]                           # gather first: overlapping pairs are safe
+
+    def checksum(self) -> float:
+        """Cheap fingerprint of all K/V: per-block sums and norms weighted by block id (so moving
+        data between blocks shows), accumulated in float64 without copying the cache."""
+        total = 0.0
+        if not self.num_layers:
+            return total
+        weights = torch.arange(1, self.num_blocks + 1, dtype=torch.float64,
+                               device=self.key_cache[0].device)
+        for i, cache in enumerate((*self.key_cache, *self.value_cache)):
+            sums = cache.sum(dim=(1, 2, 3), dtype=torch.float64)
+            norms = torch.linalg.vector_norm(cache, dim=(1, 2, 3), dtype=torch.float64)
+            total += float(((sums + 3.0 * norms) * weights).sum()) * (i + 1)
+        return total

@@ -1,0 +1,152 @@
+"""`python -m worker --metadata HOST:PORT --port 50061 --model tiny|PATH [...]`: serve one pipeline stage.
+
+Loads the stage's layers, serves the WorkerService (+ grpc.health.v1 and reflection), registers with
+the metadata service (if --metadata is given) and heartbeats. SIGTERM/SIGINT: health goes
+NOT_SERVING, the server drains with a grace period, exit 0."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+
+from minipaged.config import load_model_config
+
+log = logging.getLogger("worker")
+
+DEFAULT_CPU_KV_BYTES = 256 * 1024 * 1024
+DEFAULT_GPU_MEMORY_FRACTION = 0.9
+SHUTDOWN_GRACE_S = 5.0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m worker", description="MiniPaged-Qwen worker: one pipeline stage.")
+    p.add_argument("--metadata", default="", help="metadata service HOST:PORT to register with (empty: standalone)")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 in containers)")
+    p.add_argument("--port", type=int, default=50061, help="port to serve on (0 = pick a free one)")
+    p.add_argument("--advertise-address", default="", help="HOST:PORT others reach this worker at "
+                   "(default: --host:bound port, or hostname:port when bound to 0.0.0.0)")
+    p.add_argument("--model", default="tiny", help="'tiny' (embedded) or a local Qwen3 checkpoint directory")
+    p.add_argument("--layers", default="", help="A:B, the layer range [A, B) this stage serves (default: all)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", choices=["float32", "float64", "bfloat16", "float16"], default=None,
+                   help="default: float32 on cpu, bfloat16 on cuda")
+    cap = p.add_mutually_exclusive_group()
+    cap.add_argument("--num-blocks", type=int, default=0, help="fixed K/V capacity in blocks")
+    cap.add_argument("--kv-memory-fraction", type=float, default=None,
+                     help="fraction of device memory this process may use in all (weights + K/V); "
+                          f"default {DEFAULT_GPU_MEMORY_FRACTION} on cuda")
+    p.add_argument("--kv-cache-bytes", type=int, default=None,
+                   help=f"K/V byte budget (default {DEFAULT_CPU_KV_BYTES} on cpu)")
+    p.add_argument("--backend", choices=["torch", "pycuda"], default=None,
+                   help="attention backend (default: torch on cpu, pycuda on cuda)")
+    p.add_argument("--worker-token", default=os.environ.get("MINIPAGED_WORKER_TOKEN", ""),
+                   help="require 'authorization: Bearer TOKEN' on WorkerService calls "
+                        "(default: $MINIPAGED_WORKER_TOKEN)")
+    p.add_argument("--heartbeat-ms", type=int, default=1000,
+                   help="heartbeat interval until the metadata service names its own")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def parse_layers(spec: str, num_layers: int) -> tuple[int, int]:
+    """'A:B' -> (A, B) with 0 <= A < B <= num_layers; '' = all layers."""
+    if not spec:
+        return 0, num_layers
+    try:
+        a, b = spec.split(":")
+        start, end = int(a) if a else 0, int(b) if b else num_layers
+    except ValueError:
+        raise ValueError(f"--layers {spec!r}: expected A:B, e.g. 0:{num_layers // 2}") from None
+    if not 0 <= start < end <= num_layers:
+        raise ValueError(f"--layers {spec!r}: need 0 <= A < B <= {num_layers} (the model has {num_layers} "
+                         f"layers; the range must not be empty)")
+    return start, end
+
+
+def resolve_args(argv=None) -> argparse.Namespace:
+    """Parse and check the flags against the model config (cheap: config.json only, no weights)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.config = load_model_config(args.model)
+        args.layer_start, args.layer_end = parse_layers(args.layers, args.config.num_hidden_layers)
+    except (ValueError, FileNotFoundError) as e:
+        parser.error(str(e))
+    cuda = args.device.startswith("cuda")
+    args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    args.backend = args.backend or ("pycuda" if cuda else "torch")
+    if args.num_blocks < 0:
+        parser.error("--num-blocks must be > 0")
+    if args.kv_memory_fraction is not None and not 0 < args.kv_memory_fraction <= 1:
+        parser.error("--kv-memory-fraction must be in (0, 1]")
+    if args.kv_cache_bytes is not None and args.kv_cache_bytes <= 0:
+        parser.error("--kv-cache-bytes must be > 0")
+    if not 0 <= args.port < 65536:
+        parser.error(f"--port {args.port} out of range")
+    return args
+
+
+def kv_budget_bytes(args) -> int:
+    """K/V byte budget once the weights are loaded (0 when --num-blocks fixes the capacity)."""
+    if args.num_blocks:
+        return 0
+    if args.kv_cache_bytes is not None and args.kv_memory_fraction is None:
+        return args.kv_cache_bytes
+    if args.device.startswith("cuda"):
+        import torch
+        free, total = torch.cuda.mem_get_info(torch.device(args.device))
+        frac = args.kv_memory_fraction or DEFAULT_GPU_MEMORY_FRACTION
+        return max(0, int(total * frac) - (total - free))  # vLLM-style: a share of the whole device
+    if args.kv_memory_fraction is not None:
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * args.kv_memory_fraction)
+    return DEFAULT_CPU_KV_BYTES
+
+
+def main(argv=None) -> int:
+    args = resolve_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    stop = threading.Event()  # handlers first: a SIGTERM at any point below means a clean exit 0
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop.set())
+    from worker.model_runner import ModelRunner
+    from worker.registration import Registration
+    from worker.server import WorkerServicer, build_server
+
+    runner = ModelRunner(args.model, args.layer_start, args.layer_end, args.dtype, args.device, args.backend)
+    budget = kv_budget_bytes(args)
+    if not args.num_blocks and budget <= 0:
+        log.error("no memory left for the K/V cache on %s (use --kv-cache-bytes or --num-blocks)", args.device)
+        return 2
+    servicer = WorkerServicer(runner, model_name=args.model, device=args.device, dtype=args.dtype,
+                              backend=args.backend, kv_cache_bytes=budget, fixed_num_blocks=args.num_blocks)
+    server, port, health_servicer = build_server(servicer, args.host, args.port, args.worker_token)
+    host = args.host if args.host not in ("0.0.0.0", "::", "[::]") else socket.gethostname()
+    servicer.address = args.advertise_address or f"{host}:{port}"
+    log.info("worker serving layers [%d, %d) of %s on %s:%d (advertised %s), %s %s/%s, capacity %s",
+             args.layer_start, args.layer_end, args.model, args.host, port, servicer.address, args.device,
+             args.dtype, args.backend, f"{args.num_blocks} blocks" if args.num_blocks else f"{budget} K/V bytes")
+    print(f"worker listening on {args.host}:{port}", file=sys.stderr, flush=True)
+
+    registration = None
+    if args.metadata:
+        registration = Registration(args.metadata, servicer.info, lambda: servicer.epoch,
+                                    default_interval_ms=args.heartbeat_ms).start()
+
+    while not stop.wait(1.0):  # a timed wait keeps the main thread responsive to signals
+        pass
+    log.info("shutting down (grace %.0fs)", SHUTDOWN_GRACE_S)
+    health_servicer.enter_graceful_shutdown()  # every service NOT_SERVING from here on
+    if registration is not None:
+        registration.stop()
+    server.stop(SHUTDOWN_GRACE_S).wait()
+    servicer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""Keeps this worker registered with the metadata service, whatever order things start in.
+
+A background thread: RegisterWorker (retried with capped exponential backoff until the service
+answers), then Heartbeat at the interval the reply names. If the service says it does not know this
+worker (it restarted, or dropped us) or heartbeats fail several times in a row, go back to
+registering: a restarted metadata service gets its workers back without anyone touching them."""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable
+
+import grpc
+
+from minipaged.v1 import metadata_pb2 as mpb
+from minipaged.v1 import metadata_pb2_grpc as mpb_grpc
+from minipaged.v1 import worker_pb2 as pb
+
+log = logging.getLogger("worker.registration")
+
+MAX_HEARTBEAT_FAILURES = 3  # then assume the service lost us and register again
+
+
+class Registration:
+    def __init__(self, metadata_address: str, info_fn: Callable[[], pb.WorkerInfo],
+                 epoch_fn: Callable[[], int], *, default_interval_ms: int = 1000, rpc_timeout_s: float = 5.0,
+                 backoff_s: float = 0.2, max_backoff_s: float = 5.0):
+        self.address, self.info_fn, self.epoch_fn = metadata_address, info_fn, epoch_fn
+        self.default_interval_ms = default_interval_ms  # when the reply names no interval
+        self.rpc_timeout_s, self.backoff_s, self.max_backoff_s = rpc_timeout_s, backoff_s, max_backoff_s
+        self.worker_id = ""
+        self.registered = threading.Event()  # tests and logs: set while the service knows us
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="worker-registration", daemon=True)
+
+    def start(self) -> "Registration":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        with grpc.insecure_channel(self.address) as channel:
+            stub = mpb_grpc.MetadataServiceStub(channel)
+            while not self._stop.is_set():
+                interval_s = self._register(stub)
+                if interval_s is None:
+                    return  # stopped while retrying
+                self._heartbeat_until_lost(stub, interval_s)
+                self.registered.clear()
+
+    def _register(self, stub) -> float | None:
+        """Retry RegisterWorker until it answers; returns the heartbeat interval in seconds."""
+        delay = self.backoff_s
+        while not self._stop.is_set():
+            try:
+                reply = stub.RegisterWorker(mpb.RegisterWorkerRequest(info=self.info_fn()),
+                                            timeout=self.rpc_timeout_s)
+                self.worker_id = reply.worker_id
+                self.registered.set()
+                log.info("registered with %s as %s", self.address, reply.worker_id)
+                return max(reply.heartbeat_interval_ms or self.default_interval_ms, 50) / 1000.0
+            except grpc.RpcError as e:
+                log.warning("RegisterWorker to %s failed (%s: %s); retrying in %.1fs",
+                            self.address, e.code().name, e.details(), delay)
+            self._stop.wait(delay)
+            delay = min(delay * 2, self.max_backoff_s)
+        return None
+
+    def _heartbeat_until_lost(self, stub, interval_s: float) -> None:
+        failures = 0
+        while not self._stop.wait(interval_s):
+            try:
+                reply = stub.Heartbeat(mpb.HeartbeatRequest(worker_id=self.worker_id, cache_epoch=self.epoch_fn()),
+                                       timeout=self.rpc_timeout_s)
+            except grpc.RpcError as e:
+                failures += 1
+                log.warning("Heartbeat to %s failed (%d/%d): %s", self.address, failures,
+                            MAX_HEARTBEAT_FAILURES, e.code().name)
+                if failures >= MAX_HEARTBEAT_FAILURES:
+                    return
+                continue
+            if not reply.known:
+                log.warning("metadata service %s no longer knows worker %s; registering again",
+                            self.address, self.worker_id)
+                return
+            failures = 0

@@ -1,0 +1,219 @@
+"""LocalCluster: the metadata service and a chain of workers as subprocesses on loopback.
+
+For tests, the demo and notebooks. The services are started as processes (`python -m ...`), never
+imported: the client stays on its side of the wire (DESIGN section 1)."""
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from minipaged.config import load_model_config
+
+from .errors import MiniPagedError
+from .sdk import Client
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_LIVE: set[subprocess.Popen] = set()  # every process we started and have not reaped yet
+
+
+class ClusterError(RuntimeError):
+    """The cluster did not come up (the message carries the tail of every process's log)."""
+
+
+def split_layers(num_layers: int, workers: int) -> list[tuple[int, int]]:
+    """Contiguous, even [start, end) ranges; the first stages take the remainder."""
+    if workers < 1 or workers > num_layers:
+        raise ValueError(f"cannot split {num_layers} layers over {workers} workers "
+                         f"(need 1 <= workers <= num_layers)")
+    base, extra = divmod(num_layers, workers)
+    out, start = [], 0
+    for i in range(workers):
+        end = start + base + (1 if i < extra else 0)
+        out.append((start, end))
+        start = end
+    return out
+
+
+def free_port() -> int:
+    """A port the kernel just gave us; released before the child binds it (tiny race, fine on loopback)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# `python -m MOD ARGS` plus PR_SET_PDEATHSIG, so a child dies with us even if we are SIGKILLed and
+# atexit never runs. Done in the child's own Python rather than a preexec_fn: forking a process that
+# runs gRPC threads can crash the child (gRPC's fork handlers), posix_spawn does not fork.
+_BOOT = ("import ctypes, runpy, signal, sys; ctypes.CDLL(None).prctl(1, int(signal.SIGTERM)); "
+         "sys.argv = sys.argv[1:]; runpy._run_module_as_main(sys.argv[0])")
+
+
+def _stop_all(procs, grace: float) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    end = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        _LIVE.discard(p)
+
+
+atexit.register(lambda: _stop_all(list(_LIVE), grace=3.0))
+
+
+@dataclass
+class _Proc:
+    name: str
+    cmd: list[str]
+    log_path: str
+    popen: subprocess.Popen | None = None
+
+
+class LocalCluster:
+    """`with LocalCluster(model="tiny", workers=2) as c: c.client.generate(...)`.
+
+    Starts on construction (like dask's LocalCluster) and waits until the service reports ready.
+    `token` starts the service with --token and gives it to `.client`; `root` is the directory the
+    packages are run from (the repo root; tests point it at fakes). Logs: `log_dir`, `logs()`."""
+
+    def __init__(self, model: str = "tiny", workers: int = 1, dtype: str = "float32",
+                 num_blocks: int | None = None, block_size: int = 16, device: str = "cpu",
+                 extra_service_args=(), extra_worker_args=(), db: str | None = None,
+                 env: dict | None = None, startup_timeout: float = 120.0, grace: float = 5.0,
+                 token: str | None = None, root: str | None = None):
+        self.model, self.root, self.grace = model, root or ROOT, grace
+        self.startup_timeout = startup_timeout
+        self.layers = split_layers(load_model_config(model).num_hidden_layers, workers)  # may raise
+        self.log_dir = tempfile.mkdtemp(prefix="minipaged-cluster-")
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.env["PYTHONPATH"] = os.pathsep.join(p for p in (self.root, self.env.get("PYTHONPATH")) if p)
+        py, log = sys.executable, lambda name: os.path.join(self.log_dir, f"{name}.log")
+        service_cmd = [py, "-m", "metadata_service", "--host", "127.0.0.1", "--port", str(self.port),
+                       "--block-size", str(block_size), "--db", db or os.path.join(self.log_dir, "jobs.db")]
+        service_cmd += (["--token", token] if token else []) + [str(x) for x in extra_service_args]
+        self._procs = [_Proc("metadata_service", service_cmd, log("metadata_service"))]
+        for i, (a, b) in enumerate(self.layers):
+            cmd = [py, "-m", "worker", "--metadata", self.address, "--host", "127.0.0.1",
+                   "--port", str(free_port()), "--model", model, "--layers", f"{a}:{b}",
+                   "--dtype", dtype, "--device", device]
+            if num_blocks is not None:
+                cmd += ["--num-blocks", str(num_blocks)]
+            cmd += [str(x) for x in extra_worker_args]
+            self._procs.append(_Proc(f"worker{i}", cmd, log(f"worker{i}")))
+        self.client = Client(self.address, token=token)
+        try:
+            for p in self._procs:
+                self._spawn(p)
+            self.wait_ready()
+        except BaseException:
+            self.stop(keep_logs=True)
+            raise
+
+    # ------------------------------------------------------------ processes
+
+    @property
+    def processes(self) -> list[subprocess.Popen]:
+        """[metadata service, worker0, worker1, ...] (current ones, after any restart)."""
+        return [p.popen for p in self._procs]
+
+    def _spawn(self, p: _Proc) -> None:
+        cmd = p.cmd
+        # PDEATHSIG follows the thread that spawned the child: only safe from the main thread.
+        if sys.platform.startswith("linux") and threading.current_thread() is threading.main_thread():
+            cmd = [cmd[0], "-c", _BOOT, *cmd[2:]]  # same as cmd = [python, "-m", MOD, ...]
+        with open(p.log_path, "ab") as log:  # the child keeps its own copy of the fd
+            p.popen = subprocess.Popen(cmd, cwd=self.root, env=self.env, stdout=log,
+                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        _LIVE.add(p.popen)
+
+    def logs(self, lines: int = 30) -> str:
+        """The tail of every process's log, for error messages and debugging."""
+        out = []
+        for p in self._procs:
+            try:
+                with open(p.log_path, "rb") as f:
+                    tail = f.read().decode("utf-8", "replace").splitlines()[-lines:]
+            except OSError:
+                tail = ["<no log>"]
+            rc = p.popen.poll() if p.popen else None
+            out.append(f"--- {p.name} (exit code {rc}) {' '.join(p.cmd[1:])}\n" + "\n".join(tail))
+        return "\n".join(out)
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Until Stats says ready (a full chain registered, cache initialised) or a process exits."""
+        end = time.monotonic() + (self.startup_timeout if timeout is None else timeout)
+        while True:
+            dead = [p.name for p in self._procs if p.popen.poll() is not None]
+            if dead:
+                raise ClusterError(f"{', '.join(dead)} exited before the cluster was ready; "
+                                   f"logs in {self.log_dir}\n" + self.logs())
+            try:
+                if self.client.stats(timeout=2.0).ready:
+                    return
+            except MiniPagedError:
+                pass  # not listening yet
+            if time.monotonic() > end:
+                raise ClusterError(f"cluster at {self.address} not ready after {self.startup_timeout:.0f}s; "
+                                   f"logs in {self.log_dir}\n" + self.logs())
+            time.sleep(0.2)
+
+    def kill_worker(self, i: int, sig: int = signal.SIGKILL) -> None:
+        """Simulate a crash of worker i (reliability tests)."""
+        p = self._procs[1 + i].popen
+        p.send_signal(sig)
+        p.wait()
+        _LIVE.discard(p)
+
+    def restart_worker(self, i: int, wait: bool = True) -> None:
+        """(Re)start worker i with the same command and port: it comes back with a fresh cache."""
+        self._restart(self._procs[1 + i], wait)
+
+    def restart_service(self, wait: bool = True) -> None:
+        """Stop and restart the metadata service on the same port and job database."""
+        self._restart(self._procs[0], wait)
+
+    def _restart(self, p: _Proc, wait: bool) -> None:
+        _stop_all([p.popen], self.grace)
+        self._spawn(p)
+        if wait:
+            # The service may still report the old chain as ready: first wait for the new process
+            # to open its port (a worker does so once its weights are loaded), then for ready.
+            port = p.cmd[p.cmd.index("--port") + 1]
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+                future, end = grpc.channel_ready_future(ch), time.monotonic() + self.startup_timeout
+                while not future.done():
+                    if p.popen.poll() is not None or time.monotonic() > end:
+                        future.cancel()
+                        raise ClusterError(f"{p.name} did not come back; logs in {self.log_dir}\n" + self.logs())
+                    time.sleep(0.1)
+            self.wait_ready()
+
+    def stop(self, keep_logs: bool = False) -> None:
+        """SIGTERM everything (workers first), wait `grace`, then SIGKILL. Idempotent."""
+        self.client.close()
+        _stop_all([p.popen for p in reversed(self._procs) if p.popen is not None], self.grace)
+        if not keep_logs:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+
+    def __enter__(self) -> "LocalCluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,105 @@
+"""EmulatedBackend: the CUDA kernels of worker/kernels/*.cu compiled with g++ against the SIMT
+emulation header (simt_cpu.h: threads as fibers, __syncthreads and warp shuffles as switch points)
+and run on CPU tensors through ctypes. Same source, same launch plan (source.KernelBackendBase) as
+the PyCUDA backend: this is how CI checks the kernels without a GPU. Slow (fibers), for tests.
+
+The shared library is built once per source hash under build/kernels/emul-<hash>/ (git-ignored);
+concurrent builders write to a temporary name and rename atomically.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import tempfile
+import threading
+
+import torch
+
+from worker.kernels import source
+from worker.kernels.source import KernelBackendBase, Launch
+
+REPO_ROOT = os.path.dirname(os.path.dirname(source.KERNEL_DIR))
+BUILD_DIR = os.environ.get("MINIPAGED_KERNEL_BUILD_DIR", os.path.join(REPO_ROOT, "build", "kernels"))
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+
+
+def library_path() -> str:
+    return os.path.join(BUILD_DIR, f"emul-{source.sources_hash(' '.join(source.emulation_flags()))}",
+                        "libminipaged_kernels_emul.so")
+
+
+def build_library() -> str:
+    """Compile the emulation library if this source hash has not been built yet; return its path."""
+    path = library_path()
+    if os.path.exists(path):
+        return path
+    out_dir = os.path.dirname(path)
+    os.makedirs(out_dir, exist_ok=True)
+    unit = os.path.join(out_dir, "all_kernels.cpp")
+    tmp_unit = f"{unit}.{os.getpid()}.tmp"
+    with open(tmp_unit, "w", encoding="utf-8") as f:
+        for name in source.KERNEL_SOURCES:
+            f.write(f'#include "{source.source_path(name)}"\n')
+    os.replace(tmp_unit, unit)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    cmd = [source.GXX, *source.emulation_flags(), unit, "-o", tmp]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        raise RuntimeError(f"emulation build failed: {' '.join(cmd)}\n{proc.stderr}")
+    with open(os.path.join(out_dir, "build.log"), "w", encoding="utf-8") as f:
+        f.write(" ".join(cmd) + "\n" + proc.stderr)
+    os.replace(tmp, path)
+    return path
+
+
+def load_library() -> ctypes.CDLL:
+    global _lib
+    with _lock:
+        if _lib is None:
+            lib = ctypes.CDLL(build_library())
+            dims = [ctypes.c_uint] * 6
+            letters = {"P": ctypes.c_void_p, "i": ctypes.c_int, "f": ctypes.c_float}
+            for name, sig in source.kernel_signatures().items():
+                fn = getattr(lib, f"emu_{name}")
+                fn.argtypes = dims + [letters[c] for c in sig]
+                fn.restype = ctypes.c_int
+            _lib = lib
+        return _lib
+
+
+class EmulatedBackend(KernelBackendBase):
+    name = "emulated"
+
+    def __init__(self, device: str | torch.device = "cpu", num_sms: int = source.DEFAULT_NUM_SMS):
+        self.device = torch.device(device)
+        if self.device.type != "cpu":
+            raise ValueError(f"the emulated kernel backend runs on the CPU, not {self.device}")
+        self.num_sms = num_sms          # the planner's view of the GPU; H100/H200 by default
+        self.last_num_splits = None
+        self._lib = load_library()
+        self._sigs = source.kernel_signatures()
+
+    def _launch(self, launch: Launch) -> None:
+        sig = self._sigs[launch.kernel]
+        if len(sig) != len(launch.args):
+            raise TypeError(f"{launch.kernel}: {len(launch.args)} arguments for signature {sig}")
+        args = []
+        for letter, a in zip(sig, launch.args):
+            if letter == "P":
+                if not isinstance(a, torch.Tensor):
+                    raise TypeError(f"{launch.kernel}: expected a tensor, got {type(a)}")
+                args.append(ctypes.c_void_p(a.data_ptr()))
+            elif letter == "i":
+                args.append(ctypes.c_int(int(a)))
+            else:
+                args.append(ctypes.c_float(float(a)))
+        rc = getattr(self._lib, f"emu_{launch.kernel}")(*launch.grid, *launch.block, *args)
+        if rc != 0:
+            raise RuntimeError(f"emulated launch of {launch.kernel} grid={launch.grid} "
+                               f"block={launch.block} failed (rc={rc}: "
+                               f"{'deadlock at a barrier' if rc == -1 else 'bad block size'})")

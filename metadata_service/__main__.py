@@ -1,0 +1,118 @@
+"""`python -m metadata_service --port 50051 [--host 127.0.0.1] [--block-size 16] [--db PATH] ...`"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from minipaged.tls import add_port, make_channel
+from minipaged.v1 import metadata_pb2, metadata_pb2_grpc
+
+from .api import MetadataServicer
+from .auth import TokenInterceptor
+from .engine import Engine
+from .job_store import JobStore
+from .workers import GRPC_OPTIONS, WorkerRegistry
+
+SERVICE_NAME = metadata_pb2.DESCRIPTOR.services_by_name["MetadataService"].full_name
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m metadata_service", description=__doc__)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051, help="0 picks a free port")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=0,
+                   help="cap on the pool (default: the smallest capacity of the worker chain; 1024 before "
+                        "any worker registers, for the block API alone)")
+    p.add_argument("--db", default=os.path.join("data", "jobs.db"), help="SQLite job store (WAL)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="running sequences at most")
+    p.add_argument("--max-model-len", type=int, default=0, help="default: the model's max_position_embeddings")
+    p.add_argument("--max-waiting", type=int, default=4096, help="pending requests before RESOURCE_EXHAUSTED")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--no-block-api", action="store_true", help="switch the block API off (public ports)")
+    p.add_argument("--token", default=os.environ.get("MINIPAGED_TOKEN"), help="client token (Bearer)")
+    p.add_argument("--worker-token", default=os.environ.get("MINIPAGED_WORKER_TOKEN"),
+                   help="token workers present to register and this service presents to workers")
+    p.add_argument("--tls-cert", default="", help="serve TLS with this certificate (PEM)")
+    p.add_argument("--tls-key", default="", help="private key of --tls-cert")
+    p.add_argument("--tls-client-ca", default="", help="require client certificates signed by this CA (mTLS)")
+    p.add_argument("--worker-tls-ca", default="", help="CA of the workers' certificates: talk TLS to workers")
+    p.add_argument("--worker-tls-cert", default="", help="client certificate for the worker links (mTLS)")
+    p.add_argument("--worker-tls-key", default="", help="key of --worker-tls-cert")
+    p.add_argument("--heartbeat-timeout", type=float, default=10.0, help="seconds without a heartbeat")
+    p.add_argument("--worker-wait", type=float, default=60.0,
+                   help="seconds streams wait for a lost worker chain before failing with UNAVAILABLE")
+    p.add_argument("--step-timeout", type=float, default=120.0)
+    p.add_argument("--grace", type=float, default=10.0, help="shutdown grace period (SIGTERM)")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    log = logging.getLogger("metadata_service")
+    if os.path.dirname(args.db):
+        os.makedirs(os.path.dirname(args.db), exist_ok=True)
+
+    registry = WorkerRegistry(args.heartbeat_timeout, channel_factory=lambda address, options: make_channel(
+        address, options, args.worker_tls_ca, args.worker_tls_cert, args.worker_tls_key))
+    engine = Engine(block_size=args.block_size, num_blocks=args.num_blocks,
+                    max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                    max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
+                    worker_token=args.worker_token, step_timeout_s=args.step_timeout,
+                    worker_wait_s=args.worker_wait, registry=registry)
+    jobs_store = JobStore(args.db)
+    from .jobs import JobManager
+    jobs = JobManager(engine, jobs_store)
+    servicer = MetadataServicer(engine, jobs, max_waiting=args.max_waiting,
+                                block_api_enabled=not args.no_block_api)
+
+    interceptors = [TokenInterceptor(args.token, args.worker_token)] if (args.token or args.worker_token) else []
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=128), interceptors=interceptors,
+                         options=GRPC_OPTIONS)
+    metadata_pb2_grpc.add_MetadataServiceServicer_to_server(servicer, server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    port = add_port(server, f"{args.host}:{args.port}", args.tls_cert, args.tls_key, args.tls_client_ca)
+    if port == 0:
+        log.error("cannot bind %s:%d", args.host, args.port)
+        return 1
+    engine.start()
+    jobs.resume()
+    server.start()
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("metadata service listening on %s:%d (block size %d, db %s)", args.host, port, args.block_size, args.db)
+    print(f"LISTENING {args.host}:{port}", flush=True)
+
+    stopping = threading.Event()
+
+    def on_signal(signum, frame):
+        stopping.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    stopping.wait()
+    log.info("shutting down: health NOT_SERVING, %.0fs grace", args.grace)
+    health_servicer.enter_graceful_shutdown()
+    server.stop(args.grace).wait()
+    engine.stop()
+    jobs_store.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""BlockPool: the mechanism under KVBlockManager (vLLM v1 split: manager = policy, pool = mechanism).
+
+Owns the physical blocks: ref counts, the free stack, the LRU of unreferenced cached blocks and
+the prefix cache. It knows nothing about sequences. Every block is in exactly one of three states:
+  referenced      ref > 0 (may be cached: a live full block others can share)
+  cached-free     ref == 0, holds a registered prefix; reusable by a hit until evicted (LRU)
+  free            ref == 0, no content worth keeping
+Allocation takes plain free blocks first and only then evicts cached ones, oldest first.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+from metadata_service.prefix_cache import HashFn, PrefixCache
+
+
+class BlockManagerError(Exception):
+    """Base of every block-manager error."""
+
+
+class OutOfBlocksError(BlockManagerError):
+    def __init__(self, needed: int, free: int, what: str = ""):
+        self.needed, self.free = needed, free
+        super().__init__(f"out of KV blocks{' for ' + what if what else ''}: "
+                         f"needed {needed}, free {free}")
+
+
+class UnknownSequenceError(BlockManagerError, KeyError):
+    def __str__(self):  # KeyError quotes its message; keep it readable
+        return str(self.args[0]) if self.args else ""
+
+
+class DoubleReleaseError(UnknownSequenceError):
+    """Release (or use) of an id that was already released."""
+
+
+class DuplicateSequenceError(BlockManagerError):
+    pass
+
+
+class InvalidArgumentError(BlockManagerError, ValueError):
+    pass
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int, hash_fn: HashFn | None = None):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.ref_count = np.zeros(num_blocks, dtype=np.int32)
+        # Free stack: the top is the end; reversed so block 0 is handed out first.
+        self._free = np.arange(num_blocks - 1, -1, -1, dtype=np.int32)
+        self._n_free = num_blocks
+        self._lru: OrderedDict[int, None] = OrderedDict()   # cached-free, oldest first
+        self.cache = PrefixCache(block_size, hash_fn)
+
+    # ------------------------------------------------------------------ counts
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be handed out now: free + cached-free."""
+        return self._n_free + len(self._lru)
+
+    @property
+    def num_cached_free(self) -> int:
+        return len(self._lru)
+
+    def free_blocks(self) -> list[int]:
+        return self._free[:self._n_free].tolist() + list(self._lru)
+
+    def is_cached_free(self, block: int) -> bool:
+        return block in self._lru
+
+    # ------------------------------------------------------------------ alloc / ref
+    def allocate(self, k: int) -> np.ndarray:
+        """k fresh blocks with ref 1 (caller checked k <= num_free)."""
+        take = min(k, self._n_free)
+        top = self._n_free
+        out = self._free[top - take:top][::-1].copy()
+        self._n_free = top - take
+        if take < k:                                   # evict cached prefixes, LRU first
+            extra = []
+            for _ in range(k - take):
+                b, _ = self._lru.popitem(last=False)
+                self.cache.remove(b)                   # stale hash must not point at new content
+                extra.append(b)
+            out = np.concatenate([out, np.asarray(extra, dtype=np.int32)])
+        self.ref_count[out] = 1
+        return out
+
+    def allocate_one(self) -> int:
+        """allocate(1) without temporary arrays (the scalar append path)."""
+        if self._n_free:
+            self._n_free -= 1
+            b = self._free.item(self._n_free)
+        else:
+            b, _ = self._lru.popitem(last=False)
+            self.cache.remove(b)
+        self.ref_count[b] = 1
+        return b
+
+    def touch(self, blocks) -> None:
+        """A prefix hit takes a reference on each block (reviving cached-free ones)."""
+        for b in blocks:
+            if self.ref_count[b] == 0:
+                del self._lru[b]
+            self.ref_count[b] += 1
+
+    def incref(self, blocks) -> None:
+        self.ref_count[np.asarray(blocks, dtype=np.int64)] += 1
+
+    def release(self, blocks) -> int:
+        """Drop one reference on each block; returns how many became unreferenced.
+
+        Pass blocks tail-first: the tail of a prefix then becomes the older LRU entry and is
+        evicted before its head (the head is what other prompts share)."""
+        freed = 0
+        for b in blocks:
+            b = int(b)
+            r = self.ref_count[b] - 1
+            self.ref_count[b] = r
+            if r == 0:
+                freed += 1
+                if b in self.cache:
+                    self._lru[b] = None
+                else:
+                    self._free[self._n_free] = b
+                    self._n_free += 1
+        return freed
+
+    def reset_prefix_cache(self) -> None:
+        """The data plane lost its KV content: every hash goes, cached-free blocks become free."""
+        for b in self._lru:
+            self._free[self._n_free] = b
+            self._n_free += 1
+        self._lru.clear()
+        self.cache.clear()
+
+    # ------------------------------------------------------------------ checks
+    def check(self) -> list[str]:
+        """Pool-local invariant violations (empty list = fine)."""
+        errs = []
+        free = self._free[:self._n_free].tolist()
+        lru = list(self._lru)
+        allfree = free + lru
+        if len(set(allfree)) != len(allfree):
+            errs.append("a block is free twice")
+        if any(self.ref_count[b] != 0 for b in allfree):
+            errs.append("a free block has a reference")
+        if int((self.ref_count > 0).sum()) + len(allfree) != self.num_blocks:
+            errs.append("referenced + free != all blocks (a block was lost)")
+        if (self.ref_count < 0).any():
+            errs.append("negative ref count")
+        if any(b not in self.cache for b in lru) or any(b in self.cache for b in free):
+            errs.append("cached-free / free split disagrees with the prefix cache")
+        c = self.cache
+        if any(c.block_of.get(h) != b for b, h in c.hash_of.items()) or len(c.block_of) != len(c.hash_of):
+            errs.append("prefix cache maps are inconsistent")
+        return errs

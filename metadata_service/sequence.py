@@ -1,0 +1,81 @@
+"""One generation request as the scheduler sees it: tokens, progress, sampling and stop rules.
+
+The engine thread alone mutates a Sequence; RPC threads only read the events it publishes."""
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+# Scheduler sequence ids live above the block API's range (0 .. 2**62-1), so both can share one
+# KVBlockManager without colliding.
+_SEQ_IDS = itertools.count(2**62)
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    return_logprobs: bool = False
+
+
+@dataclass
+class SeqEvent:
+    """What a request's owner (a Generate stream or a job) hears after each step."""
+    new_token_ids: list[int]
+    new_logprobs: list[float]
+    finished: bool = False
+    finish_reason: str = ""
+    error: str = ""
+
+
+@dataclass(eq=False)  # identity semantics: sequences live in lists and sets
+class Sequence:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sink: Optional[Callable[["Sequence", SeqEvent], None]] = None
+    tag: object = None                       # owner's handle (job id + index), opaque here
+    seq_id: int = field(default_factory=lambda: next(_SEQ_IDS))
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    num_computed_tokens: int = 0             # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0               # prompt tokens the prefix cache served (first admission)
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str = ""
+    preemptions: int = 0
+    aborted: bool = False
+    stop_checker: object = None              # StopChecker when the request has stop strings
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """Tokens [start, stop) of prompt + output without building the whole list."""
+        p = len(self.prompt_token_ids)
+        if stop <= p:
+            return self.prompt_token_ids[start:stop]
+        if start >= p:
+            return self.output_token_ids[start - p:stop - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:stop - p]
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids

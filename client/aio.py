@@ -10,6 +10,7 @@ from typing import AsyncIterator, Sequence
 import grpc
 import grpc.aio
 
+from minipaged.tls import channel_credentials
 from minipaged.v1 import metadata_pb2 as pb
 from minipaged.v1 import metadata_pb2_grpc as pb_grpc
 
@@ -23,10 +24,13 @@ class AsyncClient:
     """Non-blocking client. Create it inside a running event loop (grpc.aio binds to it)."""
 
     def __init__(self, address: str = "127.0.0.1:50051", token: str | None = None,
-                 timeout: float | None = None):
+                 timeout: float | None = None, *, tls_ca: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None):
         self.address, self.timeout = address, timeout
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        creds = channel_credentials(tls_ca, tls_cert, tls_key)
+        self._channel = (grpc.aio.secure_channel(address, creds, options=CHANNEL_OPTIONS) if creds else
+                         grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS))
         self._stub = pb_grpc.MetadataServiceStub(self._channel)
 
     def _kw(self, timeout: float | None) -> dict:

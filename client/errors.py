@@ -46,6 +46,14 @@ class Unauthenticated(MiniPagedError):
     code = grpc.StatusCode.UNAUTHENTICATED
 
 
+class PermissionDenied(MiniPagedError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class AlreadyExists(MiniPagedError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
 class DeadlineExceeded(MiniPagedError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
@@ -57,7 +65,7 @@ class Cancelled(MiniPagedError):
 _BY_CODE: dict[grpc.StatusCode, type[MiniPagedError]] = {
     cls.code: cls
     for cls in (InvalidArgument, ResourceExhausted, NotFound, Unavailable, FailedPrecondition,
-                Unauthenticated, DeadlineExceeded, Cancelled)
+                Unauthenticated, PermissionDenied, AlreadyExists, DeadlineExceeded, Cancelled)
 }
 
 
@@ -77,5 +85,5 @@ def from_rpc_error(e: grpc.RpcError) -> MiniPagedError:
 
 
 __all__ = ["MiniPagedError", "InvalidArgument", "ResourceExhausted", "NotFound", "Unavailable",
-           "FailedPrecondition", "Unauthenticated", "DeadlineExceeded", "Cancelled", "error_for",
+           "FailedPrecondition", "Unauthenticated", "PermissionDenied", "AlreadyExists", "DeadlineExceeded", "Cancelled", "error_for",
            "from_rpc_error"]

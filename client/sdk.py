@@ -10,10 +10,11 @@ import grpc
 import numpy as np
 
 from minipaged import wire
+from minipaged.tls import make_channel
 from minipaged.v1 import metadata_pb2 as pb
 from minipaged.v1 import metadata_pb2_grpc as pb_grpc
 
-from .errors import from_rpc_error
+from .errors import Unavailable, from_rpc_error
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -280,10 +281,12 @@ class Client:
     """Blocking client of the metadata service. `timeout` is the default per-call deadline (s)."""
 
     def __init__(self, address: str = "127.0.0.1:50051", token: str | None = None,
-                 timeout: float | None = None):
+                 timeout: float | None = None, *, tls_ca: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None):
         self.address, self.timeout = address, timeout
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        # TLS when given the CA that signed the service's certificate (+ a client cert for mTLS)
+        self._channel = make_channel(address, CHANNEL_OPTIONS, tls_ca, tls_cert, tls_key)
         self._stub = pb_grpc.MetadataServiceStub(self._channel)
 
     def _kw(self, timeout: float | None) -> dict:
@@ -343,9 +346,16 @@ class Client:
                 try:
                     for msg in call:
                         acc.update(job_from_proto(msg))
-                except grpc.RpcError as e:
-                    raise from_rpc_error(e) from None
-                acc.update(self.get_job(job_id, timeout=deadline.left()))  # the stream may end early
+                    acc.update(self.get_job(job_id, timeout=deadline.left()))  # the stream may end early
+                except (grpc.RpcError, Unavailable) as e:
+                    err = from_rpc_error(e) if isinstance(e, grpc.RpcError) else e
+                    if not isinstance(err, Unavailable):
+                        raise err from None
+                    # the service restarted (jobs are durable): reconnect until the deadline
+                    if deadline.left() is not None and deadline.left() <= 0.5:
+                        raise err from None
+                    time.sleep(0.5)
+                    continue
                 if acc.state in TERMINAL_STATES:
                     return acc.ordered()
                 time.sleep(0.1)  # the watch ended before the job did: watch again, politely

@@ -43,6 +43,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"K/V byte budget (default {DEFAULT_CPU_KV_BYTES} on cpu)")
     p.add_argument("--backend", choices=["torch", "pycuda"], default=None,
                    help="attention backend (default: torch on cpu, pycuda on cuda)")
+    p.add_argument("--tls-cert", default="", help="serve TLS with this certificate (PEM)")
+    p.add_argument("--tls-key", default="", help="private key of --tls-cert (PEM)")
+    p.add_argument("--tls-client-ca", default="",
+                   help="require client certificates signed by this CA (mutual TLS on the worker links)")
+    p.add_argument("--tls-ca", default="",
+                   help="CA that signed the metadata service's and the next stage's certificates; "
+                        "this worker then presents --tls-cert/--tls-key as its client certificate")
     p.add_argument("--worker-token", default=os.environ.get("MINIPAGED_WORKER_TOKEN", ""),
                    help="require 'authorization: Bearer TOKEN' on WorkerService calls "
                         "(default: $MINIPAGED_WORKER_TOKEN)")
@@ -115,6 +122,7 @@ def main(argv=None) -> int:
         signal.signal(sig, lambda signum, frame: stop.set())
     from worker.model_runner import ModelRunner
     from worker.registration import Registration
+    from minipaged.tls import make_channel
     from worker.server import WorkerServicer, build_server
 
     runner = ModelRunner(args.model, args.layer_start, args.layer_end, args.dtype, args.device, args.backend)
@@ -124,7 +132,10 @@ def main(argv=None) -> int:
         return 2
     servicer = WorkerServicer(runner, model_name=args.model, device=args.device, dtype=args.dtype,
                               backend=args.backend, kv_cache_bytes=budget, fixed_num_blocks=args.num_blocks)
-    server, port, health_servicer = build_server(servicer, args.host, args.port, args.worker_token)
+    servicer.channel_factory = lambda address, options: make_channel(address, options, args.tls_ca,
+                                                                     args.tls_cert, args.tls_key)
+    server, port, health_servicer = build_server(servicer, args.host, args.port, args.worker_token,
+                                                 tls=(args.tls_cert, args.tls_key, args.tls_client_ca))
     host = args.host if args.host not in ("0.0.0.0", "::", "[::]") else socket.gethostname()
     servicer.address = args.advertise_address or f"{host}:{port}"
     log.info("worker serving layers [%d, %d) of %s on %s:%d (advertised %s), %s %s/%s, capacity %s",
@@ -135,7 +146,8 @@ def main(argv=None) -> int:
     registration = None
     if args.metadata:
         registration = Registration(args.metadata, servicer.info, lambda: servicer.epoch,
-                                    default_interval_ms=args.heartbeat_ms).start()
+                                    default_interval_ms=args.heartbeat_ms, token=args.worker_token,
+                                    channel_factory=servicer.channel_factory).start()
 
     while not stop.wait(1.0):  # a timed wait keeps the main thread responsive to signals
         pass

@@ -24,8 +24,11 @@ MAX_HEARTBEAT_FAILURES = 3  # then assume the service lost us and register again
 class Registration:
     def __init__(self, metadata_address: str, info_fn: Callable[[], pb.WorkerInfo],
                  epoch_fn: Callable[[], int], *, default_interval_ms: int = 1000, rpc_timeout_s: float = 5.0,
-                 backoff_s: float = 0.2, max_backoff_s: float = 5.0):
+                 backoff_s: float = 0.2, max_backoff_s: float = 5.0, token: str = "",
+                 channel_factory=None):
         self.address, self.info_fn, self.epoch_fn = metadata_address, info_fn, epoch_fn
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else None  # --worker-token
+        self.channel_factory = channel_factory  # (address, options) -> channel; None = plain text
         self.default_interval_ms = default_interval_ms  # when the reply names no interval
         self.rpc_timeout_s, self.backoff_s, self.max_backoff_s = rpc_timeout_s, backoff_s, max_backoff_s
         self.worker_id = ""
@@ -42,7 +45,8 @@ class Registration:
         self._thread.join(timeout)
 
     def _run(self) -> None:
-        with grpc.insecure_channel(self.address) as channel:
+        factory = self.channel_factory or (lambda a, o: grpc.insecure_channel(a, options=o))
+        with factory(self.address, ()) as channel:
             stub = mpb_grpc.MetadataServiceStub(channel)
             while not self._stop.is_set():
                 interval_s = self._register(stub)
@@ -57,7 +61,7 @@ class Registration:
         while not self._stop.is_set():
             try:
                 reply = stub.RegisterWorker(mpb.RegisterWorkerRequest(info=self.info_fn()),
-                                            timeout=self.rpc_timeout_s)
+                                            timeout=self.rpc_timeout_s, metadata=self.metadata)
                 self.worker_id = reply.worker_id
                 self.registered.set()
                 log.info("registered with %s as %s", self.address, reply.worker_id)
@@ -74,7 +78,7 @@ class Registration:
         while not self._stop.wait(interval_s):
             try:
                 reply = stub.Heartbeat(mpb.HeartbeatRequest(worker_id=self.worker_id, cache_epoch=self.epoch_fn()),
-                                       timeout=self.rpc_timeout_s)
+                                       timeout=self.rpc_timeout_s, metadata=self.metadata)
             except grpc.RpcError as e:
                 failures += 1
                 log.warning("Heartbeat to %s failed (%d/%d): %s", self.address, failures,

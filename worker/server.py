@@ -30,6 +30,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from minipaged import wire
+from minipaged.tls import add_port
 from minipaged.v1 import worker_pb2 as pb
 from minipaged.v1 import worker_pb2_grpc as pb_grpc
 from worker.validation import StepLimits, StepValidationError, validate_step
@@ -64,6 +65,8 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         self.epoch, self.num_blocks, self.block_size, self.steps_served = 0, 0, 0, 0
         self.limits: StepLimits | None = None
         self.next_address, self.next_meta, self.next_stub, self.next_channel = "", (), None, None
+        # how to reach the next stage: plain by default, TLS when the worker was given a CA
+        self.channel_factory = lambda address, options: grpc.insecure_channel(address, options=options)
         self.next_epoch: int | None = None
 
     # ---- capacity / info -------------------------------------------------------------------------
@@ -123,7 +126,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         # without one, the next stage's own epoch is pinned at the first forward.
         self.next_address, self.next_epoch = address, (chain_epoch or None)
         self.next_meta = (("authorization", f"Bearer {token}"),) if token else ()
-        self.next_channel = grpc.insecure_channel(address, options=GRPC_OPTIONS) if address else None
+        self.next_channel = self.channel_factory(address, GRPC_OPTIONS) if address else None
         self.next_stub = pb_grpc.WorkerServiceStub(self.next_channel) if address else None
 
     def _check_epoch(self, epoch: int, context) -> None:
@@ -266,7 +269,7 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
 
 
 def build_server(servicer: WorkerServicer, host: str = "127.0.0.1", port: int = 0, token: str = "",
-                 max_workers: int = 8):
+                 max_workers: int = 8, tls=("", "", "")):
     """A started grpc.Server with the WorkerService, grpc.health.v1 (SERVING) and reflection.
 
     Returns (server, bound_port, health_servicer)."""
@@ -278,7 +281,8 @@ def build_server(servicer: WorkerServicer, host: str = "127.0.0.1", port: int = 
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    cert, key, client_ca = tls
+    bound = add_port(server, f"{host}:{port}", cert, key, client_ca)
     if bound == 0:
         raise OSError(f"could not bind {host}:{port}")
     server.start()

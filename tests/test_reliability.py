@@ -1,0 +1,142 @@
+"""Worst days: crashes of the metadata service and of workers, client disconnects, cancels and
+deadlines. Real processes on loopback; tokens checked against transformers in float64."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import signal
+import sqlite3
+import time
+
+import pytest
+import torch
+
+from client import Client, LocalCluster
+from client.errors import DeadlineExceeded, Unavailable
+from tests.checkpoints import load_oracle, make_checkpoint
+from tests.test_e2e import prompts, settle
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_checkpoint(num_layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, tie=True, vocab=96,
+                           seed=11, directory=str(tmp_path_factory.mktemp("ckpt")))
+
+
+@pytest.fixture(scope="module")
+def greedy(ckpt):
+    model = load_oracle(ckpt, torch.float64)
+
+    def run(prompt, n):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            for _ in range(n):
+                ids = torch.cat([ids, model(ids).logits[0, -1].argmax().view(1, 1)], dim=1)
+        return ids[0, len(prompt):].tolist()
+    return run
+
+
+def wait_until(pred, timeout=60.0, what="condition"):
+    end = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def job_requests(batch, n):
+    return [{"prompt_token_ids": p, "max_new_tokens": n, "ignore_eos": True} for p in batch]
+
+
+def test_metadata_service_kill9_mid_job_resumes_exactly_once(ckpt, greedy, tmp_path):
+    db = str(tmp_path / "jobs.db")
+    batch = prompts(40, 4, 40, seed=21)
+    with LocalCluster(model=ckpt, workers=2, dtype="float64", db=db,
+                      extra_service_args=["--max-num-seqs", "4"]) as c:
+        job = c.client.submit(job_requests(batch, 24))
+        with cf.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(Client(c.address).wait, job, timeout=180)  # follows the job across the crash
+            wait_until(lambda: 3 <= c.client.get_job(job).completed, what="a few results")
+            done_before = c.client.get_job(job).completed
+            assert done_before < 40, "the job finished before the crash; make it longer"
+            c.processes[0].send_signal(signal.SIGKILL)
+            c.processes[0].wait()
+            c.restart_service()                  # same port, same --db; workers re-register by themselves
+            results = waiting.result()
+        assert [r.index for r in results] == list(range(40))
+        for p, r in zip(batch, results):
+            assert r.token_ids == greedy(p, 24)
+        settle(c.client)
+    with sqlite3.connect(db) as con:             # each result stored exactly once, none missing
+        rows = con.execute("SELECT COUNT(*), COUNT(result) FROM requests WHERE job_id = ?", (job,)).fetchone()
+        assert rows == (40, 40)
+
+
+def test_worker_kill9_mid_job_recovers_with_identical_tokens(ckpt, greedy):
+    batch = prompts(12, 4, 40, seed=22)
+    with LocalCluster(model=ckpt, workers=2, dtype="float64") as c:
+        job = c.client.submit(job_requests(batch, 20))
+        wait_until(lambda: c.client.stats().steps > 5, what="some steps")
+        c.kill_worker(1)
+        c.restart_worker(1, wait=False)
+        results = c.client.wait(job, timeout=180)
+        for p, r in zip(batch, results):
+            assert r.token_ids == greedy(p, 20)
+        st = settle(c.client)
+        assert st.ready and st.num_workers == 2
+
+
+def test_streams_end_with_unavailable_when_no_worker_comes_back(ckpt):
+    with LocalCluster(model=ckpt, workers=1, dtype="float64",
+                      extra_service_args=["--worker-wait", "2", "--heartbeat-timeout", "2"]) as c:
+        stream = c.client.stream(prompt_token_ids=[5, 6, 7], max_new_tokens=400, ignore_eos=True, timeout=60)
+        next(stream)
+        c.kill_worker(0)
+        t0 = time.monotonic()
+        with pytest.raises(Unavailable) as err:
+            for _ in stream:
+                pass
+        assert time.monotonic() - t0 < 30
+        assert "worker" in str(err.value)
+        settle(c.client)
+
+
+def test_disconnect_cancel_and_deadline_free_every_block(ckpt):
+    with LocalCluster(model=ckpt, workers=1, dtype="float64", block_size=4) as c:
+        base = c.client.stats()
+        assert base.free_blocks == base.num_blocks
+
+        # 1. a stream whose client goes away after two chunks
+        stream = c.client.stream(prompt_token_ids=list(range(2, 40)), max_new_tokens=400, ignore_eos=True)
+        next(stream), next(stream)
+        stream.close()
+        settle(c.client)
+
+        # 2. an expired deadline
+        with pytest.raises(DeadlineExceeded):
+            c.client.generate(prompt_token_ids=list(range(2, 30)), max_new_tokens=450, ignore_eos=True,
+                              timeout=0.5)
+        settle(c.client)
+
+        # 3. a cancelled job: partial results say "cancelled", nothing keeps running
+        job = c.client.submit(job_requests(prompts(6, 4, 20, seed=23), 400))
+        wait_until(lambda: c.client.stats().running > 0, what="the job to start")
+        status = c.client.cancel(job)
+        assert status.state == "cancelled"
+        st = settle(c.client)
+        steps = st.steps
+        time.sleep(0.3)
+        assert c.client.stats().steps == steps, "work continued after the cancel"
+        final = c.client.get_job(job)
+        assert final.state == "cancelled"
+
+
+def test_sigterm_exits_cleanly(ckpt):
+    c = LocalCluster(model=ckpt, workers=2, dtype="float64")
+    procs = c.processes
+    c.stop()
+    assert [p.returncode for p in procs] == [0, 0, 0]
+    for p in procs:
+        with pytest.raises(ProcessLookupError):
+            os.kill(p.pid, 0)

@@ -1,0 +1,131 @@
+"""Authentication and exposure: client token, worker token, TLS and mutual TLS, block API switch."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from client import Client
+from client.cluster import free_port
+from client.errors import MiniPagedError, PermissionDenied, Unauthenticated, Unavailable
+from minipaged.tls import make_channel
+from minipaged.v1 import metadata_pb2, metadata_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+pytestmark = pytest.mark.slow
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    if shutil.which("openssl") is None:
+        pytest.fail("openssl is needed to make test certificates")
+    d = tmp_path_factory.mktemp("certs")
+
+    def run(*args):
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+        "-subj", "/CN=minipaged-test-ca")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "node.key", "-out", "node.csr", "-subj", "/CN=localhost")
+    (d / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n"
+                               "extendedKeyUsage=serverAuth,clientAuth\n")
+    run("x509", "-req", "-in", "node.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+        "-out", "node.pem", "-days", "2", "-extfile", "ext.cnf")
+    return {k: str(d / v) for k, v in dict(ca="ca.pem", cert="node.pem", key="node.key").items()}
+
+
+@pytest.fixture(scope="module")
+def secure_cluster(certs, tmp_path_factory):
+    """Service (TLS, client token, worker token, block API off) + one worker (mTLS, worker token)."""
+    logs = tmp_path_factory.mktemp("logs")
+    sport, wport = free_port(), free_port()
+    tls = ["--tls-cert", certs["cert"], "--tls-key", certs["key"]]
+    service = [sys.executable, "-m", "metadata_service", "--port", str(sport), "--db", str(logs / "jobs.db"),
+               "--token", "client-secret", "--worker-token", "worker-secret", "--no-block-api", *tls,
+               "--worker-tls-ca", certs["ca"], "--worker-tls-cert", certs["cert"], "--worker-tls-key", certs["key"]]
+    worker = [sys.executable, "-m", "worker", "--metadata", f"127.0.0.1:{sport}", "--port", str(wport),
+              "--model", "tiny", *tls, "--tls-client-ca", certs["ca"], "--tls-ca", certs["ca"],
+              "--worker-token", "worker-secret"]
+    procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=open(logs / f"{i}.log", "wb"), stderr=subprocess.STDOUT)
+             for i, cmd in enumerate((service, worker))]
+    client = Client(f"127.0.0.1:{sport}", token="client-secret", tls_ca=certs["ca"])
+    try:
+        end = time.monotonic() + 90
+        while True:
+            try:
+                if client.stats(timeout=2).ready:
+                    break
+            except MiniPagedError:
+                pass
+            assert time.monotonic() < end and all(p.poll() is None for p in procs), \
+                "\n".join((logs / f"{i}.log").read_text()[-2000:] for i in range(2))
+            time.sleep(0.2)
+        yield dict(client=client, sport=sport, wport=wport, certs=certs)
+    finally:
+        client.close()
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=15)
+
+
+def test_tls_client_with_token_generates(secure_cluster):
+    r = secure_cluster["client"].generate(prompt="hello", max_new_tokens=4)
+    assert len(r.token_ids) == 4
+
+
+def test_wrong_or_missing_client_token_is_unauthenticated(secure_cluster):
+    for token in (None, "guess"):
+        with Client(f"127.0.0.1:{secure_cluster['sport']}", token=token, tls_ca=secure_cluster["certs"]["ca"]) as c:
+            with pytest.raises(Unauthenticated):
+                c.generate(prompt="hello", max_new_tokens=2)
+
+
+def test_plain_text_client_cannot_talk_to_a_tls_service(secure_cluster):
+    with Client(f"127.0.0.1:{secure_cluster['sport']}", token="client-secret") as c:
+        with pytest.raises(Unavailable):
+            c.stats(timeout=3)
+
+
+def test_block_api_switched_off(secure_cluster):
+    ch = make_channel(f"127.0.0.1:{secure_cluster['sport']}", ca=secure_cluster["certs"]["ca"])
+    stub = metadata_pb2_grpc.MetadataServiceStub(ch)
+    with pytest.raises(grpc.RpcError) as e:
+        stub.CreateSequence(metadata_pb2.CreateSequenceRequest(sequence_id=1),
+                            metadata=(("authorization", "Bearer client-secret"),), timeout=5)
+    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    ch.close()
+
+
+def test_only_the_worker_token_may_register(secure_cluster):
+    ch = make_channel(f"127.0.0.1:{secure_cluster['sport']}", ca=secure_cluster["certs"]["ca"])
+    stub = metadata_pb2_grpc.MetadataServiceStub(ch)
+    for token in ("client-secret", "guess"):  # the client token is not enough to join as a worker
+        with pytest.raises(grpc.RpcError) as e:
+            stub.RegisterWorker(metadata_pb2.RegisterWorkerRequest(), metadata=(("authorization", f"Bearer {token}"),),
+                                timeout=5)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    ch.close()
+
+
+def test_nothing_but_the_service_can_drive_a_worker(secure_cluster):
+    c = secure_cluster["certs"]
+    addr = f"127.0.0.1:{secure_cluster['wport']}"
+    # no client certificate: the mutual-TLS handshake fails
+    with make_channel(addr, ca=c["ca"]) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            worker_pb2_grpc.WorkerServiceStub(ch).Info(worker_pb2.InfoRequest(), timeout=5)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    # a certificate but no worker token: refused
+    with make_channel(addr, ca=c["ca"], cert=c["cert"], key=c["key"]) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            worker_pb2_grpc.WorkerServiceStub(ch).Step(worker_pb2.StepRequest(), timeout=5)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_permission_denied_maps_to_a_typed_error():
+    assert issubclass(PermissionDenied, MiniPagedError)

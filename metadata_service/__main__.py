@@ -13,6 +13,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from minipaged.rpc import DecodeGuardInterceptor
 from minipaged.tls import add_port, make_channel
 from minipaged.v1 import metadata_pb2, metadata_pb2_grpc
 
@@ -79,7 +80,9 @@ def main(argv=None) -> int:
     servicer = MetadataServicer(engine, jobs, max_waiting=args.max_waiting,
                                 block_api_enabled=not args.no_block_api)
 
-    interceptors = [TokenInterceptor(args.token, args.worker_token)] if (args.token or args.worker_token) else []
+    interceptors = [DecodeGuardInterceptor()]
+    if args.token or args.worker_token:
+        interceptors.insert(0, TokenInterceptor(args.token, args.worker_token))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=128), interceptors=interceptors,
                          options=GRPC_OPTIONS)
     metadata_pb2_grpc.add_MetadataServiceServicer_to_server(servicer, server)

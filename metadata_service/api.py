@@ -16,7 +16,7 @@ from minipaged.wire import FLOAT32, INT32, pack
 from .block_api import BlockApi
 from .jobs import JobManager
 from .requests import RequestError, final_text, normalize, to_sequence, usage
-from .workers import WorkerRejected
+from .workers import WorkerRejected, clip
 
 
 class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
@@ -103,7 +103,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
     def _job(self, job_id, context):
         job = self.jobs.get(job_id)
         if job is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown job id {job_id!r}")
+            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown job id {clip(job_id)}")
         return job
 
     def GetJob(self, request, context):
@@ -114,7 +114,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
     def CancelJob(self, request, context):
         job = self.jobs.cancel(request.job_id)
         if job is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown job id {request.job_id!r}")
+            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown job id {clip(request.job_id)}")
         with job.cond:
             return job.proto(with_results=True)
 

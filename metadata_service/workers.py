@@ -22,6 +22,11 @@ GRPC_OPTIONS = [("grpc.max_send_message_length", 256 << 20),
                 ("grpc.max_receive_message_length", 256 << 20)]
 
 
+def clip(text: str, limit: int = 64) -> str:
+    """Caller-supplied text inside an error message, cut short: gRPC caps the metadata that carries it."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} chars)"
+
+
 class WorkerRejected(Exception):
     """A worker that cannot join (different model, bad layer range)."""
 
@@ -69,16 +74,16 @@ class WorkerRegistry:
     def register(self, info: worker_pb2.WorkerInfo) -> WorkerHandle:
         if not info.address or info.layer_end <= info.layer_start or info.layer_start < 0 \
                 or info.layer_end > info.num_layers:
-            raise WorkerRejected(f"bad registration: address={info.address!r} layers "
+            raise WorkerRejected(f"bad registration: address={clip(info.address)} layers "
                                  f"[{info.layer_start}, {info.layer_end}) of {info.num_layers}")
         with self.lock:
             others = [w for w in self.workers.values() if w.address != info.address]
             for w in others:
                 if w.info.model_fingerprint != info.model_fingerprint:
                     raise WorkerRejected(
-                        f"model mismatch: worker {info.address} serves {info.model_name!r} "
+                        f"model mismatch: worker {clip(info.address)} serves {clip(info.model_name)} "
                         f"(fingerprint {info.model_fingerprint[:12]}) but {w.address} serves "
-                        f"{w.info.model_name!r} (fingerprint {w.info.model_fingerprint[:12]})")
+                        f"{clip(w.info.model_name)} (fingerprint {w.info.model_fingerprint[:12]})")
             for w in [w for w in self.workers.values() if w.address == info.address]:
                 w.close()
                 del self.workers[w.worker_id]  # a restarted worker replaces its old entry

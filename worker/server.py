@@ -30,6 +30,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from minipaged import wire
+from minipaged.rpc import DecodeGuardInterceptor
 from minipaged.tls import add_port
 from minipaged.v1 import worker_pb2 as pb
 from minipaged.v1 import worker_pb2_grpc as pb_grpc
@@ -48,6 +49,11 @@ DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 def new_epoch() -> int:
     """Random 63-bit, never 0 (0 means 'no cache'): a restarted worker never repeats an epoch."""
     return secrets.randbits(63) or 1
+
+
+# A block is a unit of allocation, not of context: larger ones only waste memory (and a huge one
+# would be a memory bomb sized by the caller).
+MAX_BLOCK_SIZE = 1024
 
 
 class WorkerServicer(pb_grpc.WorkerServiceServicer):
@@ -96,9 +102,9 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
     # ---- cache -----------------------------------------------------------------------------------
     def InitCache(self, request, context):
         nb, bs = request.num_blocks, request.block_size
-        if bs <= 0 or nb <= 0:
+        if bs <= 0 or nb <= 0 or bs > MAX_BLOCK_SIZE:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"num_blocks ({nb}) and block_size ({bs}) must both be > 0")
+                          f"num_blocks ({nb}) must be > 0 and block_size ({bs}) in [1, {MAX_BLOCK_SIZE}]")
         limit = self.max_blocks(bs)
         if nb > limit:
             src = (f"--num-blocks {self.fixed_num_blocks}" if self.fixed_num_blocks else
@@ -110,7 +116,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             self.epoch, self.num_blocks, self.block_size = 0, 0, 0
             try:
                 self.runner.init_cache(nb, bs)  # frees the old cache before allocating the new one
-            except torch.OutOfMemoryError as e:
+            except (torch.OutOfMemoryError, RuntimeError, MemoryError) as e:  # CPU OOM is a RuntimeError
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"allocating {nb} blocks of {bs}: {e}")
             self._connect_next(request.next_stage_address, request.next_stage_token, request.cache_epoch)
             self.num_blocks, self.block_size = nb, bs
@@ -273,7 +279,7 @@ def build_server(servicer: WorkerServicer, host: str = "127.0.0.1", port: int = 
     """A started grpc.Server with the WorkerService, grpc.health.v1 (SERVING) and reflection.
 
     Returns (server, bound_port, health_servicer)."""
-    interceptors = [TokenAuthInterceptor(token)] if token else []
+    interceptors = ([TokenAuthInterceptor(token)] if token else []) + [DecodeGuardInterceptor()]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), interceptors=interceptors,
                          options=GRPC_OPTIONS)
     pb_grpc.add_WorkerServiceServicer_to_server(servicer, server)

@@ -83,7 +83,7 @@ def _validate(req, lim: StepLimits) -> StepArrays:
     if qsl[0] != 0 or qsl[-1] != T:
         _fail(f"query_start_loc must start at 0 and end at T={T} (len(positions)), "
               f"got [{qsl[0]} ... {qsl[-1]}]")
-    qlen = np.diff(qsl)
+    qlen = np.diff(qsl.astype(np.int64))  # int64: hostile offsets must not wrap into valid-looking lengths
     if (qlen < 1).any():
         b = int(np.argmax(qlen < 1))
         _fail(f"query_start_loc: sequence {b} has query length {qlen[b]} (must be >= 1, non-decreasing offsets)")

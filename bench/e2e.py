@@ -117,7 +117,7 @@ def metadata_path_per_step(num_seqs=256, context=2048, steps=50):
     from minipaged.v1 import worker_pb2
     from minipaged.wire import pack
 
-    eng = Engine(block_size=16, num_blocks=num_seqs * (context // 16 + 8), max_num_batched_tokens=8192,
+    eng = Engine(block_size=16, num_blocks=num_seqs * (context // 16 + 64), max_num_batched_tokens=8192,
                  max_num_seqs=num_seqs)
     eng.vocab_size = 512
     rng = np.random.default_rng(0)

@@ -20,8 +20,7 @@ from minipaged.wire import FLOAT32, INT32, INT64, pack, unpack
 
 from .block_manager import KVBlockManager
 from .scheduler import ScheduledBatch, Scheduler
-from .sequence import SeqEvent, Sequence, SeqStatus
-from .stop import StopChecker
+from .sequence import SAMPLING_ROW, SeqEvent, Sequence, SeqStatus
 from .workers import WorkerRegistry
 
 log = logging.getLogger("metadata_service.engine")
@@ -144,8 +143,7 @@ class Engine:
 
     def _step_request(self, b: ScheduledBatch) -> worker_pb2.StepRequest:
         seqs = b.seqs
-        sampled = [s for s, d in zip(seqs, b.do_sample) if d]
-        params = [s.params for s in seqs]
+        rows = np.frombuffer(b"".join([s.sampling_row for s in seqs]), dtype=SAMPLING_ROW)
         return worker_pb2.StepRequest(
             step_id=self.steps, cache_epoch=self.cache_epoch,
             sequence_ids=pack([s.seq_id for s in seqs], INT64),
@@ -153,37 +151,35 @@ class Engine:
             query_start_loc=pack(b.query_start_loc), seq_lens=pack(b.seq_lens),
             block_tables=pack(b.block_tables), max_blocks_per_seq=b.block_tables.shape[1],
             do_sample=b.do_sample.tobytes(),
-            temperature=pack([p.temperature for p in params], FLOAT32),
-            top_p=pack([p.top_p for p in params], FLOAT32),
-            top_k=pack([p.top_k for p in params], INT32),
-            seeds=pack([p.seed for p in params], INT64),
+            temperature=rows["temperature"].tobytes(), top_p=rows["top_p"].tobytes(),
+            top_k=rows["top_k"].tobytes(), seeds=rows["seed"].tobytes(),
             sample_offsets=pack([len(s.output_token_ids) for s in seqs], INT32),
-            return_logprobs=any(s.params.return_logprobs for s in sampled))
+            return_logprobs=any(s.params.return_logprobs for s in seqs))
 
     def _apply(self, b: ScheduledBatch, reply: worker_pb2.StepReply) -> None:
+        """Append each sampled token and apply the stop rules (hot: one pass, locals only)."""
         tokens = unpack(reply.sampled_token_ids, INT32).tolist()
         logprobs = unpack(reply.logprobs, FLOAT32).tolist() if reply.logprobs else None
+        sampled = b.seqs if b.do_sample.all() else [s for s, d in zip(b.seqs, b.do_sample.tolist()) if d]
+        eos, finished_status = self.eos_ids, SeqStatus.FINISHED
         finished = []
-        for j, seq in enumerate(s for s, d in zip(b.seqs, b.do_sample) if d):
-            if seq.aborted or seq.status is SeqStatus.FINISHED:
+        for j, (seq, tok) in enumerate(zip(sampled, tokens)):
+            if seq.status is finished_status:  # aborted while the step ran
                 continue
-            tok = tokens[j]
             seq.output_token_ids.append(tok)
+            seq.num_tokens += 1
             if logprobs is not None:
                 seq.output_logprobs.append(logprobs[j])
-            self.generated_tokens += 1
             p = seq.params
-            reason = ""
-            if (not p.ignore_eos and tok in self.eos_ids) or tok in p.stop_token_ids:
-                reason = "stop"
+            if (tok in eos and not p.ignore_eos) or tok in p.stop_token_ids:
+                finished.append((seq, "stop"))
             elif seq.stop_checker is not None and seq.stop_checker.push(tok):
-                reason = "stop"
+                finished.append((seq, "stop"))
             elif len(seq.output_token_ids) >= p.max_new_tokens:
-                reason = "length"
-            if reason:
-                finished.append((seq, reason))
+                finished.append((seq, "length"))
             elif seq.sink is not None and seq.tag is None:  # streams hear every token
                 seq.sink(seq, SeqEvent([tok], [logprobs[j]] if logprobs else []))
+        self.generated_tokens += len(tokens)
         if finished:
             with self.lock:
                 for seq, _ in finished:

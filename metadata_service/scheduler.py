@@ -90,34 +90,34 @@ class Scheduler:
         slots: list[np.ndarray] = []
 
         # 1. Decodes: one token each, one all-or-nothing block-manager call; preempt on shortage.
-        decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1][:budget]
+        decodes, prefilling = [], []
+        for s in self.running:
+            (decodes if s.num_tokens - s.num_computed_tokens == 1 else prefilling).append(s)
+        del decodes[budget:]
         while decodes:
-            ids = [s.seq_id for s in decodes]
-            toks = [s.output_token_ids[-1] if s.output_token_ids else s.prompt_token_ids[-1]
-                    for s in decodes]
             try:
-                slots.append(self.manager.slot_mapping_for_append(ids, toks))
+                slots.append(self.manager.slot_mapping_for_append([s.seq_id for s in decodes],
+                                                                  [s.last_token for s in decodes]))
                 break
             except OutOfBlocksError:
                 victim = self.running.pop()
                 self._preempt(victim)
-                if victim in decodes:
-                    decodes.remove(victim)
-        for s in decodes:
-            chosen.append((s, 1))
-        budget -= len(decodes)
+                for group in (decodes, prefilling):
+                    if victim in group:
+                        group.remove(victim)
+        chosen.extend((s, 1) for s in decodes)
+        num_decodes = len(decodes)
+        budget -= num_decodes
 
         # 2. Running prefills still in flight (chunked prefill), then 3. admissions.
-        for s in self.running:
+        for s in prefilling:
             if budget <= 0:
                 break
-            remaining = s.num_tokens - s.num_computed_tokens
-            if remaining > 1:  # remaining == 1 is a decode, handled above
-                n = min(remaining, budget, self._room(s))
-                if n > 0:
-                    slots.append(self._append(s, n))
-                    chosen.append((s, n))
-                    budget -= n
+            n = min(s.num_tokens - s.num_computed_tokens, budget, self._room(s))
+            if n > 0:
+                slots.append(self._append(s, n))
+                chosen.append((s, n))
+                budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             s = self.waiting[0]
             created = s.seq_id not in self.manager.sequences
@@ -143,38 +143,48 @@ class Scheduler:
             if self.running:  # everything stuck on blocks (only prefills): free the newest
                 self._preempt(self.running.pop())
             return None
-        return self._build(chosen, slots)
+        return self._build(chosen, slots, num_decodes)
 
     def _append(self, s: Sequence, n: int) -> np.ndarray:
         start = s.num_computed_tokens
         return self.manager.append_tokens(s.seq_id, n, s.token_slice(start, start + n))
 
-    def _build(self, chosen: list[tuple[Sequence, int]], slots: list[np.ndarray]) -> ScheduledBatch:
+    def _build(self, chosen: list[tuple[Sequence, int]], slots: list[np.ndarray],
+               num_decodes: int) -> ScheduledBatch:
+        """Pack the step's arrays. `chosen` lists the decodes first; they need no per-token work."""
         seqs = [s for s, _ in chosen]
-        num_new = np.fromiter((n for _, n in chosen), dtype=np.int32, count=len(chosen))
-        starts = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int32, count=len(seqs))
-        ends = starts + num_new
-        totals = np.fromiter((s.num_tokens for s in seqs), dtype=np.int32, count=len(seqs))
-        qsl = np.zeros(len(seqs) + 1, dtype=np.int32)
-        np.cumsum(num_new, out=qsl[1:])
-        # positions: start of each sequence repeated, plus the offset inside its chunk
-        offsets = np.arange(int(qsl[-1]), dtype=np.int32) - np.repeat(qsl[:-1], num_new)
-        positions = np.repeat(starts, num_new) + offsets
-        input_ids = np.concatenate([
-            np.asarray(s.token_slice(int(a), int(a) + int(n)), dtype=np.int32)
-            for s, a, n in zip(seqs, starts, num_new)]) if (num_new > 1).any() else np.fromiter(
-            (s.token_slice(int(a), int(a) + 1)[0] for s, a in zip(seqs, starts)),
-            dtype=np.int32, count=len(seqs))
         ids = [s.seq_id for s in seqs]
-        for s, n in chosen:
-            s.num_computed_tokens += n
+        seq_lens = np.asarray(self.manager.get_seq_lens_tensor(ids), dtype=np.int32)  # after the appends
+        B = len(seqs)
+        do_sample = np.ones(B, dtype=np.uint8)
+        if num_decodes == B:  # the steady state: one token per sequence, no per-token work
+            num_new = np.ones(B, dtype=np.int32)
+            input_ids = np.fromiter((s.last_token for s in seqs), dtype=np.int32, count=B)
+            positions = seq_lens - 1
+            for s in seqs:
+                s.num_computed_tokens += 1
+        else:
+            num_new = np.fromiter((n for _, n in chosen), dtype=np.int32, count=B)
+            starts = seq_lens - num_new
+            input_ids = np.concatenate([np.asarray(s.token_slice(int(a), int(a) + int(n)), dtype=np.int32)
+                                        for s, a, n in zip(seqs, starts, num_new)])
+            # positions: each chunk's start repeated, plus the offset inside the chunk
+            ends = np.cumsum(num_new)
+            offsets = np.arange(int(ends[-1]), dtype=np.int32) - np.repeat(ends - num_new, num_new)
+            positions = np.repeat(starts, num_new) + offsets
+            for s, n in chosen:
+                s.num_computed_tokens += n
+            # a prefill chunk samples only once it reaches the last known token
+            do_sample[num_decodes:] = [s.num_computed_tokens == s.num_tokens for s in seqs[num_decodes:]]
+        qsl = np.zeros(B + 1, dtype=np.int32)
+        np.cumsum(num_new, out=qsl[1:])
         return ScheduledBatch(
             seqs=seqs,
             input_ids=input_ids,
             positions=positions.astype(np.int32, copy=False),
-            slot_mapping=np.concatenate(slots).astype(np.int32, copy=False),
+            slot_mapping=(slots[0] if len(slots) == 1 else np.concatenate(slots)).astype(np.int32, copy=False),
             query_start_loc=qsl,
-            seq_lens=np.asarray(self.manager.get_seq_lens_tensor(ids), dtype=np.int32),
+            seq_lens=seq_lens,
             block_tables=np.asarray(self.manager.get_block_table_tensor(ids), dtype=np.int32),
-            do_sample=(ends == totals).astype(np.uint8),
+            do_sample=do_sample,
         )

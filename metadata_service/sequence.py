@@ -5,8 +5,15 @@ from __future__ import annotations
 
 import enum
 import itertools
+import struct
 from dataclasses import dataclass, field
 from typing import Callable, Optional
+
+import numpy as np
+
+# One packed row of sampling parameters per sequence; a step joins them and splits the columns.
+SAMPLING_ROW = np.dtype([("temperature", "<f4"), ("top_p", "<f4"), ("top_k", "<i4"), ("seed", "<i8")])
+SAMPLING_ROW_STRUCT = struct.Struct("<ffiq")
 
 # Scheduler sequence ids live above the block API's range (0 .. 2**62-1), so both can share one
 # KVBlockManager without colliding.
@@ -56,12 +63,24 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str = ""
     preemptions: int = 0
-    aborted: bool = False
     stop_checker: object = None              # StopChecker when the request has stop strings
 
+    num_tokens: int = 0                      # prompt + output, kept as a field: read every step
+
+    sampling_row: bytes = b""                # the params packed once, for the per-step Step arrays
+
+    def __post_init__(self):
+        self.num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
+        p = self.params
+        self.sampling_row = SAMPLING_ROW_STRUCT.pack(p.temperature, p.top_p, p.top_k, p.seed)
+
     @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+    def last_token(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.num_tokens += 1
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -101,8 +101,7 @@ def run_hf_generate_batch(model, prompts, new_tokens):
     cfg = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                            eos_token_id=None, pad_token_id=0)
     t0 = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate_batch(inputs=prompts, generation_config=cfg)
+    out = model.generate_batch(inputs=prompts, generation_config=cfg)  # it manages no_grad itself
     wall = time.perf_counter() - t0
     tokens = sum(len(o.generated_tokens) for o in out.values())
     return dict(wall=wall, tokens=tokens, util=float("nan"), meta_ms=None, steps=None)

@@ -70,7 +70,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
                 lp = pack(ev.new_logprobs, FLOAT32) if seq.params.return_logprobs else b""
                 if ev.finished:
                     if ev.error:
-                        context.abort(grpc.StatusCode.UNAVAILABLE, ev.error)
+                        context.abort(grpc.StatusCode[ev.error_code or "UNAVAILABLE"], ev.error)
                     text = final_text(seq, self.engine)
                     yield metadata_pb2.GenerateChunk(token_ids=pack(ev.new_token_ids, INT32), text=text[sent:],
                                                      finish_reason=ev.finish_reason, usage=usage(seq), logprobs=lp)

@@ -132,7 +132,12 @@ class Engine:
         try:
             reply = self.chain[0].stub.Step(req, timeout=self.step_timeout_s, metadata=self._auth())
         except grpc.RpcError as e:
-            self._on_chain_failure(f"Step failed: {e.code().name}: {e.details()}")
+            if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL,
+                            grpc.StatusCode.UNKNOWN, grpc.StatusCode.RESOURCE_EXHAUSTED):
+                # the worker refused or broke on this batch: recomputing would only repeat it
+                self._fail_batch(batch, f"worker rejected the step: {e.code().name}: {e.details()}")
+            else:  # UNAVAILABLE, FAILED_PRECONDITION (epoch), DEADLINE_EXCEEDED: the chain's state
+                self._on_chain_failure(f"Step failed: {e.code().name}: {e.details()}")
             return
         t2 = time.perf_counter()
         self._apply(batch, reply)
@@ -187,13 +192,22 @@ class Engine:
             for seq, reason in finished:
                 self._finish(seq, reason)
 
-    def _finish(self, seq: Sequence, reason: str, error: str = "") -> None:
+    def _fail_batch(self, batch: ScheduledBatch, error: str) -> None:
+        log.error("%s; failing %d sequences", error, len(batch.seqs))
+        with self.lock:
+            for seq in batch.seqs:
+                self.scheduler.remove(seq)
+        for seq in batch.seqs:
+            self._finish(seq, "error", error=error, code="INTERNAL")
+
+    def _finish(self, seq: Sequence, reason: str, error: str = "", code: str = "UNAVAILABLE") -> None:
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         if seq.sink is not None:
             new = seq.output_token_ids[-1:] if reason in ("stop", "length") and seq.tag is None else []
             lp = seq.output_logprobs[-1:] if new and seq.output_logprobs else []
-            seq.sink(seq, SeqEvent(new, lp, finished=True, finish_reason=reason, error=error))
+            seq.sink(seq, SeqEvent(new, lp, finished=True, finish_reason=reason, error=error,
+                                   error_code=code if error else ""))
 
     # ------------------------------------------------------------------ chain
     def _auth(self):

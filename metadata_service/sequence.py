@@ -47,6 +47,7 @@ class SeqEvent:
     finished: bool = False
     finish_reason: str = ""
     error: str = ""
+    error_code: str = ""                     # a grpc.StatusCode name when error is set
 
 
 @dataclass(eq=False)  # identity semantics: sequences live in lists and sets

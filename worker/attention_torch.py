@@ -1,34 +1,29 @@
-"""Vectorized paged attention in plain torch: the reference backend (CPU and GPU).
+"""Paged attention in plain torch: the reference backend (CPU and GPU).
 
-It gathers each sequence's context out of the paged cache through its block table into a padded
-dense tensor and runs masked softmax attention on it. Simple and exact rather than fast: scores
-are computed in float64 for float64 models (exact parity with the oracle) and in float32 otherwise.
-"""
+Decode works on the blocks themselves, without padding: every (sequence, block) pair of the batch
+is one row, K/V blocks are gathered once with `index_select` in the cache's own [block, head, slot,
+dim] layout (no permute copy), and the softmax is a segment softmax over each sequence's blocks.
+So a step reads only the blocks its sequences use, not B x the longest context.
+
+Prefill runs each sequence's chunk through `scaled_dot_product_attention` against its gathered
+context with a bottom-right causal mask (a cached prefix precedes the chunk). Decode rows of a
+mixed step take the decode path. Scores are float64 for float64 models (exact parity with the
+oracle) and float32 otherwise."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def gather_context(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """[num_blocks, Hkv, bs, D] x [B, max_blocks] -> [B, Hkv, max_blocks * bs, D] (context order)."""
-    blocks = cache[block_tables.long().clamp_min(0)]          # [B, M, Hkv, bs, D]; -1 entries masked later
-    B, M, H, bs, D = blocks.shape
-    return blocks.permute(0, 2, 1, 3, 4).reshape(B, H, M * bs, D)
-
-
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-            scale: float) -> torch.Tensor:
-    """q [B, Hkv, G, L, D], k/v [B, Hkv, N, D], mask [B, L, N] (True = may attend)."""
-    cdt = _compute_dtype(q.dtype)
-    scores = torch.einsum("bhgld,bhnd->bhgln", q.to(cdt), k.to(cdt)) * scale
-    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    probs = torch.nan_to_num(probs)                           # padding query rows see no keys
-    return torch.einsum("bhgln,bhnd->bhgld", probs, v.to(cdt))
+def gather_context(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
+    """One sequence's context: [num_blocks, Hkv, bs, D] x block ids -> [Hkv, length, D]."""
+    ctx = cache.index_select(0, blocks)                        # [n, Hkv, bs, D]
+    n, H, bs, D = ctx.shape
+    return ctx.permute(1, 0, 2, 3).reshape(H, n * bs, D)[:, :length]
 
 
 class TorchBackend:
@@ -46,37 +41,60 @@ class TorchBackend:
 
     def paged_decode(self, query, key_cache, value_cache, block_tables, seq_lens, scale):
         B, H, D = query.shape
-        Hkv = key_cache.shape[1]
-        k = gather_context(key_cache, block_tables)
-        v = gather_context(value_cache, block_tables)
-        n = torch.arange(k.shape[2], device=query.device)
-        mask = (n[None, :] < seq_lens.long()[:, None])[:, None, :]           # [B, 1, N]
-        q = query.view(B, Hkv, H // Hkv, 1, D)
-        out = _attend(q, k, v, mask, scale)                                  # [B, Hkv, G, 1, D]
-        return out.reshape(B, H, D).to(query.dtype)
+        _, Hkv, bs, _ = key_cache.shape
+        G = H // Hkv
+        dev, cdt = query.device, _compute_dtype(query.dtype)
+        lens = seq_lens.long()
+        nblk = (lens + bs - 1) // bs                                            # blocks per sequence
+        used = torch.arange(block_tables.shape[1], device=dev)[None, :] < nblk[:, None]
+        blocks = block_tables.long()[used]                                      # [R] in sequence order
+        seq_of = torch.repeat_interleave(torch.arange(B, device=dev), nblk, output_size=blocks.numel())
+        k = key_cache.index_select(0, blocks).to(cdt)                           # [R, Hkv, bs, D]
+        v = value_cache.index_select(0, blocks).to(cdt)
+        q = query.to(cdt).view(B, Hkv, G, D).index_select(0, seq_of)            # [R, Hkv, G, D]
+        s = torch.matmul(q, k.transpose(-1, -2)) * scale                        # [R, Hkv, G, bs]
+        # mask the slots past the end of each sequence (the tail of its last block)
+        first = torch.cumsum(nblk, 0) - nblk
+        pos = (torch.arange(blocks.numel(), device=dev) - first[seq_of])[:, None] * bs \
+            + torch.arange(bs, device=dev)[None, :]
+        s = s.masked_fill(~(pos < lens[seq_of][:, None])[:, None, None, :], float("-inf"))
+        # segment softmax over each sequence's blocks
+        idx = seq_of[:, None, None].expand(-1, Hkv, G)
+        mx = torch.full((B, Hkv, G), float("-inf"), dtype=cdt, device=dev)
+        mx.scatter_reduce_(0, idx, s.amax(-1), reduce="amax")
+        p = torch.exp(s - mx.index_select(0, seq_of)[..., None])
+        den = torch.zeros(B, Hkv, G, dtype=cdt, device=dev).index_add_(0, seq_of, p.sum(-1))
+        out = torch.zeros(B, Hkv, G, D, dtype=cdt, device=dev).index_add_(0, seq_of, torch.matmul(p, v))
+        out = out / den.clamp_min(torch.finfo(cdt).tiny)[..., None]             # empty context -> 0
+        return out.view(B, H, D).to(query.dtype)
 
     def paged_prefill(self, query, key_cache, value_cache, block_tables, seq_lens,
                       query_start_loc, max_query_len, scale):
-        T, H, D = query.shape
-        B = seq_lens.shape[0]
-        Hkv = key_cache.shape[1]
-        dev = query.device
         qsl = query_start_loc.long()
         qlens = qsl[1:] - qsl[:-1]
-        # Scatter the packed queries into a padded [B, L] grid: token t -> (seq b, row i).
-        seq_of = torch.repeat_interleave(torch.arange(B, device=dev), qlens, output_size=T)
-        row_of = torch.arange(T, device=dev) - qsl[seq_of]
-        L = max(int(max_query_len), 1)
-        q = query.new_zeros(B, L, H, D)
-        q[seq_of, row_of] = query
-        q = q.view(B, L, Hkv, H // Hkv, D).permute(0, 2, 3, 1, 4)          # [B, Hkv, G, L, D]
-
-        k = gather_context(key_cache, block_tables)
-        v = gather_context(value_cache, block_tables)
-        # Row i of sequence b sits at context position seq_len - qlen + i: causal over the context.
-        q_pos = (seq_lens.long() - qlens)[:, None] + torch.arange(L, device=dev)[None, :]
-        n = torch.arange(k.shape[2], device=dev)
-        mask = (n[None, None, :] <= q_pos[:, :, None]) & (n[None, None, :] < seq_lens.long()[:, None, None])
-        out = _attend(q, k, v, mask, scale)                                  # [B, Hkv, G, L, D]
-        out = out.permute(0, 3, 1, 2, 4).reshape(B, L, H, D)
-        return out[seq_of, row_of].to(query.dtype)
+        is_dec = qlens == 1
+        n_dec = int(is_dec.sum())
+        if n_dec == qlens.numel():
+            return self.paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
+        out = torch.empty_like(query)
+        if n_dec:  # decode rows of a mixed step: a decode's single token sits at its offset
+            dec = is_dec.nonzero().squeeze(1)
+            rows = qsl[dec]
+            out[rows] = self.paged_decode(query[rows], key_cache, value_cache, block_tables[dec],
+                                          seq_lens[dec], scale)
+        bs, cdt = key_cache.shape[2], _compute_dtype(query.dtype)
+        G = query.shape[1] // key_cache.shape[1]
+        tables, lens = block_tables.long(), seq_lens.long()
+        # one SDPA per prefill chunk: a handful per step (the token budget bounds them), never per token
+        for b in (~is_dec).nonzero().squeeze(1).tolist():
+            lo, hi, L = int(qsl[b]), int(qsl[b + 1]), int(lens[b])
+            blocks = tables[b, :(L + bs - 1) // bs]
+            k = gather_context(key_cache, blocks, L).to(cdt).repeat_interleave(G, dim=0)   # [H, L, D]
+            v = gather_context(value_cache, blocks, L).to(cdt).repeat_interleave(G, dim=0)
+            q = query[lo:hi].to(cdt).transpose(0, 1)                                      # [H, qlen, D]
+            qlen = hi - lo
+            # bottom-right causal: query i sits at position L - qlen + i and sees keys <= it
+            mask = torch.ones(qlen, L, dtype=torch.bool, device=query.device).tril(L - qlen)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+            out[lo:hi] = o.transpose(0, 1).to(query.dtype)
+        return out

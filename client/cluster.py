@@ -104,6 +104,8 @@ class LocalCluster:
         self.address = f"127.0.0.1:{self.port}"
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.env["PYTHONPATH"] = os.pathsep.join(p for p in (self.root, self.env.get("PYTHONPATH")) if p)
+        if workers > 1:  # stages on one machine take turns: idle OpenMP threads must not spin on its cores
+            self.env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         py, log = sys.executable, lambda name: os.path.join(self.log_dir, f"{name}.log")
         service_cmd = [py, "-m", "metadata_service", "--host", "127.0.0.1", "--port", str(self.port),
                        "--block-size", str(block_size), "--db", db or os.path.join(self.log_dir, "jobs.db")]

@@ -29,6 +29,24 @@ def gather_context(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> to
 class TorchBackend:
     name = "torch"
 
+    def __init__(self):
+        # Reused gather buffers: a fresh 20 MB tensor per layer per step costs more in page faults
+        # (the allocator returns big blocks to the OS) than the copy itself.
+        self._scratch: dict = {}
+
+    def _buffer(self, name: str, shape, like: torch.Tensor) -> torch.Tensor:
+        n = 1
+        for d in shape:
+            n *= d
+        buf = self._scratch.get(name)
+        if buf is None or buf.numel() < n or buf.dtype != like.dtype or buf.device != like.device:
+            buf = self._scratch[name] = torch.empty(max(n, 1), dtype=like.dtype, device=like.device)
+        return buf[:n].view(shape)
+
+    def _gather_blocks(self, name: str, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        out = self._buffer(name, (blocks.numel(), *cache.shape[1:]), cache)
+        return torch.index_select(cache, 0, blocks, out=out)
+
     def write_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
         slots = slot_mapping.long()
         valid = slots >= 0
@@ -49,8 +67,8 @@ class TorchBackend:
         used = torch.arange(block_tables.shape[1], device=dev)[None, :] < nblk[:, None]
         blocks = block_tables.long()[used]                                      # [R] in sequence order
         seq_of = torch.repeat_interleave(torch.arange(B, device=dev), nblk, output_size=blocks.numel())
-        k = key_cache.index_select(0, blocks).to(cdt)                           # [R, Hkv, bs, D]
-        v = value_cache.index_select(0, blocks).to(cdt)
+        k = self._gather_blocks("k", key_cache, blocks).to(cdt)                 # [R, Hkv, bs, D]
+        v = self._gather_blocks("v", value_cache, blocks).to(cdt)
         q = query.to(cdt).view(B, Hkv, G, D).index_select(0, seq_of)            # [R, Hkv, G, D]
         s = torch.matmul(q, k.transpose(-1, -2)) * scale                        # [R, Hkv, G, bs]
         # mask the slots past the end of each sequence (the tail of its last block)

@@ -14,7 +14,7 @@ from minipaged.tls import channel_credentials
 from minipaged.v1 import metadata_pb2 as pb
 from minipaged.v1 import metadata_pb2_grpc as pb_grpc
 
-from .errors import from_rpc_error
+from .errors import Unavailable, from_rpc_error
 from .sdk import (CHANNEL_OPTIONS, TERMINAL_STATES, Deadline, GenerateResult, JobCollector, JobStatus,
                   ResultAssembler, Stats, StreamChunk, build_generate_request, build_submit_request,
                   chunk_from_proto, job_from_proto)
@@ -86,9 +86,14 @@ class AsyncClient:
                 try:
                     async for msg in call:
                         acc.update(job_from_proto(msg))
-                except grpc.RpcError as e:
-                    raise from_rpc_error(e) from None
-                acc.update(await self.get_job(job_id, timeout=deadline.left()))
+                    acc.update(await self.get_job(job_id, timeout=deadline.left()))
+                except (grpc.RpcError, Unavailable) as e:
+                    err = from_rpc_error(e) if isinstance(e, grpc.RpcError) else e
+                    left = deadline.left()
+                    if not isinstance(err, Unavailable) or (left is not None and left <= 0.5):
+                        raise err from None
+                    await asyncio.sleep(0.5)  # the service restarted (jobs are durable): reconnect
+                    continue
                 if acc.state in TERMINAL_STATES:
                     return acc.ordered()
                 await asyncio.sleep(0.1)  # the watch ended before the job did: watch again

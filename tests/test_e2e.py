@@ -148,6 +148,10 @@ def test_e2e_preemption_under_a_tiny_pool(ckpt, oracle):
         assert [r.token_ids for r in results] == hf
         st = settle(c.client)
         assert st.preemptions > 0, "the pool was meant to force preemption"
+        from client.errors import ResourceExhausted
+        with pytest.raises(ResourceExhausted, match="24"):   # 90 + 20 tokens > 24 blocks x 4: never fits
+            c.client.generate(prompt_token_ids=[5] * 90, max_new_tokens=20)
+        assert settle(c.client).free_blocks == 24
 
 
 def load_oracle_ignore_eos(ckpt, prompt, n, _cache={}):
@@ -160,3 +164,45 @@ def load_oracle_ignore_eos(ckpt, prompt, n, _cache={}):
             nxt = _cache[ckpt](ids).logits[0, -1].argmax()
             ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
     return ids[0, len(prompt):].tolist()
+
+
+def test_e2e_stop_strings_stop_tokens_and_logprobs(one_worker):
+    c = one_worker.client
+    prompt = [40, 41, 42, 43, 44]
+    full = c.generate(prompt_token_ids=prompt, max_new_tokens=24, ignore_eos=True, return_logprobs=True)
+    assert len(full.token_ids) == 24 and len(full.logprobs) == 24
+    assert all(lp <= 0.0 for lp in full.logprobs)
+    # a stop token id: generation ends at its first occurrence, and keeps it
+    stop_tok = full.token_ids[5]
+    r = c.generate(prompt_token_ids=prompt, max_new_tokens=24, ignore_eos=True, stop_token_ids=[stop_tok])
+    assert r.token_ids == full.token_ids[:full.token_ids.index(stop_tok) + 1] and r.finish_reason == "stop"
+    # a stop string: the text is cut before it, streamed text never shows it
+    stop = full.text[8:11]
+    r = c.generate(prompt_token_ids=prompt, max_new_tokens=24, ignore_eos=True, stop=[stop])
+    assert r.finish_reason == "stop" and r.text == full.text[:full.text.index(stop)]
+    assert full.token_ids[:len(r.token_ids)] == r.token_ids
+    streamed = "".join(ch.text for ch in c.stream(prompt_token_ids=prompt, max_new_tokens=24, ignore_eos=True,
+                                                  stop=[stop]))
+    assert streamed == r.text
+    # a stop string that never matches: runs to the length limit
+    r = c.generate(prompt_token_ids=prompt, max_new_tokens=6, stop=["\x00never\x00"], ignore_eos=True)
+    assert r.finish_reason == "length" and len(r.token_ids) == 6
+    settle(c)
+
+
+def test_e2e_admission_errors_leave_nothing_behind(one_worker):
+    from client.errors import InvalidArgument
+    c = one_worker.client
+    before = c.stats()
+    with pytest.raises(InvalidArgument, match="max_model_len"):
+        c.generate(prompt_token_ids=[5] * 500, max_new_tokens=100)     # 600 > 512 positions
+    with pytest.raises(InvalidArgument, match="max_new_tokens"):
+        c.generate(prompt_token_ids=[5], max_new_tokens=0)
+    with pytest.raises(InvalidArgument, match=r"\[0, 96\)"):
+        c.generate(prompt_token_ids=[500], max_new_tokens=2)
+    with pytest.raises(InvalidArgument, match="empty"):
+        c.generate(prompt_token_ids=[], max_new_tokens=2)
+    with pytest.raises(InvalidArgument):
+        c.submit([{"prompt_token_ids": [5], "max_new_tokens": 2}, {"prompt_token_ids": [5], "top_p": 2.0}])
+    after = c.stats()
+    assert (after.free_blocks, after.running, after.waiting) == (before.free_blocks, 0, 0)

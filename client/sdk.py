@@ -14,7 +14,7 @@ from minipaged.tls import make_channel
 from minipaged.v1 import metadata_pb2 as pb
 from minipaged.v1 import metadata_pb2_grpc as pb_grpc
 
-from .errors import Unavailable, from_rpc_error
+from .errors import InvalidArgument, Unavailable, from_rpc_error
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -146,6 +146,8 @@ def _int_array(name: str, values) -> bytes:
     arr = np.asarray(values)
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise TypeError(f"{name} must be a flat sequence of ints, got {values!r:.80}")
+    if arr.size and (int(arr.min()) < -2**31 or int(arr.max()) >= 2**31):  # would wrap silently
+        raise InvalidArgument(f"{name}: values must fit int32, got min {arr.min()} max {arr.max()}")
     return wire.pack(arr, wire.INT32)
 
 
@@ -163,16 +165,19 @@ def build_generate_request(prompt: str | None = None, prompt_token_ids: Sequence
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if not all(isinstance(s, str) for s in stops):
         raise TypeError(f"stop must be a str or a list of str, got {stop!r}")
-    req = pb.GenerateRequest(prompt=prompt or "", max_new_tokens=int(max_new_tokens),
-                             temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
-                             stop=stops, ignore_eos=bool(ignore_eos),
-                             return_logprobs=bool(return_logprobs))
-    if prompt_token_ids is not None:
-        req.prompt_token_ids = _int_array("prompt_token_ids", prompt_token_ids)
-    if stop_token_ids is not None:
-        req.stop_token_ids = _int_array("stop_token_ids", stop_token_ids)
-    if seed is not None:  # proto3 optional: unset means "the service picks one"
-        req.seed = int(seed)
+    try:  # values the wire cannot carry (an int past int32/int64) are the caller's error too
+        req = pb.GenerateRequest(prompt=prompt or "", max_new_tokens=int(max_new_tokens),
+                                 temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
+                                 stop=stops, ignore_eos=bool(ignore_eos),
+                                 return_logprobs=bool(return_logprobs))
+        if prompt_token_ids is not None:
+            req.prompt_token_ids = _int_array("prompt_token_ids", prompt_token_ids)
+        if stop_token_ids is not None:
+            req.stop_token_ids = _int_array("stop_token_ids", stop_token_ids)
+        if seed is not None:  # proto3 optional: unset means "the service picks one"
+            req.seed = int(seed)
+    except (ValueError, OverflowError) as e:
+        raise InvalidArgument(f"{e} (max_new_tokens and top_k are int32, seed int64, token ids int32)") from None
     return req
 
 

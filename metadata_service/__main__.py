@@ -75,6 +75,11 @@ def main(argv=None) -> int:
                     worker_token=args.worker_token, step_timeout_s=args.step_timeout,
                     worker_wait_s=args.worker_wait, registry=registry)
     jobs_store = JobStore(args.db)
+    # the model the stored jobs were admitted for: after a restart, only its workers may take them
+    engine.model_fingerprint = jobs_store.get_meta("model_fingerprint") or ""
+    engine.model_label = jobs_store.get_meta("model_name") or ""
+    engine.on_model_changed.append(lambda fp, name: (jobs_store.set_meta("model_fingerprint", fp),
+                                                     jobs_store.set_meta("model_name", name)))
     from .jobs import JobManager
     jobs = JobManager(engine, jobs_store)
     servicer = MetadataServicer(engine, jobs, max_waiting=args.max_waiting,

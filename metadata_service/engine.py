@@ -56,6 +56,10 @@ class Engine:
         self.unready_since = time.monotonic()
         self.tokenizer = ByteTokenizer()
         self.model_name = ""
+        self.model_fingerprint = ""                # of the last chain; kept while it is down
+        self.model_label = ""                      # its name, for messages (also known after a restart)
+        self.on_model_changed = []                 # callbacks(fingerprint, name): the job store records it
+        self.registry.pinned = self._pinned_model
         self.eos_ids: set[int] = set()
         self.vocab_size = 0
         # counters for Stats
@@ -81,6 +85,12 @@ class Engine:
     def abort(self, seq: Sequence) -> None:
         self._inbox.put(("abort", seq))
         self._wakeup.set()
+
+    def _pinned_model(self):
+        """While admitted requests are pending, only workers of their model may join."""
+        pending = self.scheduler.has_work() or not self._inbox.empty()
+        return (self.model_fingerprint, self.model_label or "the previous model") \
+            if pending and self.model_fingerprint else None
 
     def notify_workers_changed(self) -> None:
         self._wakeup.set()
@@ -262,9 +272,13 @@ class Engine:
             else:
                 self.manager.reset_prefix_cache()
         info = chain[0].info
-        if info.model_name != self.model_name:
+        if info.model_fingerprint != self.model_fingerprint or info.model_name != self.model_name:
             self.tokenizer = load_tokenizer(info.model_name)
-            self.model_name = info.model_name
+            self.model_name = self.model_label = info.model_name
+            if info.model_fingerprint != self.model_fingerprint:
+                self.model_fingerprint = info.model_fingerprint
+                for cb in self.on_model_changed:
+                    cb(info.model_fingerprint, info.model_name)
         self.eos_ids = set(unpack(chain[-1].info.eos_token_ids, INT32).tolist())
         self.vocab_size = info.vocab_size
         self.max_model_len = self.max_model_len_flag or info.max_position_embeddings

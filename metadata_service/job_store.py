@@ -13,6 +13,7 @@ from minipaged.v1 import metadata_pb2
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
   job_id TEXT PRIMARY KEY, created REAL NOT NULL, state TEXT NOT NULL, total INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS requests (
   job_id TEXT NOT NULL, idx INTEGER NOT NULL, request BLOB NOT NULL, result BLOB,
   PRIMARY KEY (job_id, idx));
@@ -70,6 +71,15 @@ class JobStore:
                                         "ORDER BY idx", (job_id,)).fetchall()
                 out.append((job_id, [(i, metadata_pb2.GenerateRequest.FromString(b)) for i, b in rows]))
         return out
+
+    def get_meta(self, key: str) -> str | None:
+        with self._lock:
+            row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return row[0] if row else None
+
+    def set_meta(self, key: str, value: str) -> None:
+        with self._lock:
+            self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
 
     def close(self) -> None:
         with self._lock:

@@ -67,6 +67,9 @@ class WorkerRegistry:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         # (address, options) -> channel: plain text unless the service was given a worker CA
         self.channel_factory = channel_factory or (lambda a, o: grpc.insecure_channel(a, options=o))
+        # () -> (fingerprint, model name) that every worker must serve, or None: the engine pins
+        # the model while requests admitted for it are still pending (their token ids are its)
+        self.pinned = lambda: None
         self.lock = threading.Lock()
         self.workers: dict[str, WorkerHandle] = {}   # by worker_id
         self.version = 0                              # bumped on every change: the engine re-forms
@@ -76,6 +79,12 @@ class WorkerRegistry:
                 or info.layer_end > info.num_layers:
             raise WorkerRejected(f"bad registration: address={clip(info.address)} layers "
                                  f"[{info.layer_start}, {info.layer_end}) of {info.num_layers}")
+        pin = self.pinned()
+        if pin is not None and pin[0] != info.model_fingerprint:
+            raise WorkerRejected(
+                f"model mismatch: worker {clip(info.address)} serves {clip(info.model_name)} (fingerprint "
+                f"{info.model_fingerprint[:12]}) but requests admitted for {clip(pin[1])} (fingerprint "
+                f"{pin[0][:12]}) are still pending; they must finish (or be cancelled) first")
         with self.lock:
             others = [w for w in self.workers.values() if w.address != info.address]
             for w in others:

@@ -83,13 +83,31 @@ def test_a_worker_with_another_model_is_refused(ckpt_with_tokenizer, tmp_path):
                                   str(free_port()), "--model", other, "--dtype", "float64"],
                                  cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
         try:
-            end = time.monotonic() + 60
-            while b"model mismatch" not in log.read_bytes():
-                assert time.monotonic() < end and p.poll() is None, log.read_text()
-                time.sleep(0.2)
+            assert p.wait(timeout=60) == 3, log.read_text()   # refused: it exits non-zero, saying why
+            assert b"model mismatch" in log.read_bytes()
             st = c.client.stats()
             assert st.num_workers == 1 and st.ready
             assert c.client.generate(prompt_token_ids=[5, 6], max_new_tokens=2).token_ids
         finally:
-            p.terminate()
-            p.wait(timeout=15)
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_pending_requests_pin_the_model_while_the_chain_is_down(ckpt_with_tokenizer, tmp_path):
+    """Requests admitted for one model are never run by another, even after every worker is gone."""
+    other = make_checkpoint(num_layers=2, hidden=64, heads=2, kv_heads=1, head_dim=32, vocab=320, seed=4,
+                            directory=str(tmp_path / "other"))
+    with LocalCluster(model=ckpt_with_tokenizer, workers=1, dtype="float64") as c:
+        job = c.client.submit([{"prompt_token_ids": [5, 6, 7], "max_new_tokens": 40, "ignore_eos": True}])
+        c.kill_worker(0)                                  # the job is now pending, with no chain
+        log = tmp_path / "intruder.log"
+        with open(log, "wb") as out:
+            p = subprocess.Popen([sys.executable, "-m", "worker", "--metadata", c.address, "--port",
+                                  str(free_port()), "--model", other, "--dtype", "float64"],
+                                 cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        assert p.wait(timeout=60) == 3, log.read_text()
+        assert b"still pending" in log.read_bytes()
+        c.restart_worker(0)                               # the right model comes back and finishes it
+        [r] = c.client.wait(job, timeout=120)
+        assert len(r.token_ids) == 40 and r.finish_reason == "length"

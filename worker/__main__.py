@@ -159,11 +159,12 @@ def main(argv=None) -> int:
              args.dtype, args.backend, f"{args.num_blocks} blocks" if args.num_blocks else f"{budget} K/V bytes")
     print(f"worker listening on {args.host}:{port}", file=sys.stderr, flush=True)
 
-    registration = None
+    registration, rejected = None, []
     if args.metadata:
         registration = Registration(args.metadata, servicer.info, lambda: servicer.epoch,
                                     default_interval_ms=args.heartbeat_ms, token=args.worker_token,
-                                    channel_factory=servicer.channel_factory).start()
+                                    channel_factory=servicer.channel_factory,
+                                    on_rejected=lambda why: (rejected.append(why), stop.set())).start()
 
     while not stop.wait(1.0):  # a timed wait keeps the main thread responsive to signals
         pass
@@ -173,7 +174,7 @@ def main(argv=None) -> int:
         registration.stop()
     server.stop(SHUTDOWN_GRACE_S).wait()
     servicer.close()
-    return 0
+    return 3 if rejected else 0  # refused by the service (another model): fail fast, visibly
 
 
 if __name__ == "__main__":

@@ -25,10 +25,11 @@ class Registration:
     def __init__(self, metadata_address: str, info_fn: Callable[[], pb.WorkerInfo],
                  epoch_fn: Callable[[], int], *, default_interval_ms: int = 1000, rpc_timeout_s: float = 5.0,
                  backoff_s: float = 0.2, max_backoff_s: float = 5.0, token: str = "",
-                 channel_factory=None):
+                 channel_factory=None, on_rejected: Callable[[str], None] | None = None):
         self.address, self.info_fn, self.epoch_fn = metadata_address, info_fn, epoch_fn
         self.metadata = (("authorization", f"Bearer {token}"),) if token else None  # --worker-token
         self.channel_factory = channel_factory  # (address, options) -> channel; None = plain text
+        self.on_rejected = on_rejected          # the service refused us for good (another model)
         self.default_interval_ms = default_interval_ms  # when the reply names no interval
         self.rpc_timeout_s, self.backoff_s, self.max_backoff_s = rpc_timeout_s, backoff_s, max_backoff_s
         self.worker_id = ""
@@ -67,6 +68,10 @@ class Registration:
                 log.info("registered with %s as %s", self.address, reply.worker_id)
                 return max(reply.heartbeat_interval_ms or self.default_interval_ms, 50) / 1000.0
             except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION and self.on_rejected is not None:
+                    log.error("the metadata service %s refused this worker: %s", self.address, e.details())
+                    self.on_rejected(e.details() or "")
+                    return None
                 log.warning("RegisterWorker to %s failed (%s: %s); retrying in %.1fs",
                             self.address, e.code().name, e.details(), delay)
             self._stop.wait(delay)

@@ -6,11 +6,13 @@
 """
 from .aio import AsyncClient
 from .cluster import ClusterError, LocalCluster, split_layers
-from .errors import (Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument, MiniPagedError,
-                     NotFound, ResourceExhausted, Unauthenticated, Unavailable, from_rpc_error)
-from .sdk import Client, GenerateResult, JobStatus, Stats, StreamChunk, Usage
+from .errors import (AlreadyExists, Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument,
+                     MiniPagedError, NotFound, PermissionDenied, ResourceExhausted, Unauthenticated, Unavailable,
+                     from_rpc_error)
+from .messages import GenerateResult, JobStatus, Stats, StreamChunk, Usage
+from .sdk import Client
 
 __all__ = ["Client", "AsyncClient", "LocalCluster", "ClusterError", "split_layers", "GenerateResult",
            "StreamChunk", "Usage", "Stats", "JobStatus", "MiniPagedError", "InvalidArgument",
            "ResourceExhausted", "NotFound", "Unavailable", "FailedPrecondition", "Unauthenticated",
-           "DeadlineExceeded", "Cancelled", "from_rpc_error"]
+           "PermissionDenied", "AlreadyExists", "DeadlineExceeded", "Cancelled", "from_rpc_error"]

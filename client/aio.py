@@ -1,6 +1,6 @@
 """The asyncio SDK: `AsyncClient`, the same surface as `Client` on grpc.aio.
 
-Types, request building and job-result assembly are shared with the sync client (client.sdk), so
+Types, request building and job-result assembly are shared with the sync client (client.messages), so
 the two cannot drift apart."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from minipaged.v1 import metadata_pb2 as pb
 from minipaged.v1 import metadata_pb2_grpc as pb_grpc
 
 from .errors import Unavailable, from_rpc_error
-from .sdk import (CHANNEL_OPTIONS, TERMINAL_STATES, Deadline, GenerateResult, JobCollector, JobStatus,
+from .messages import (CHANNEL_OPTIONS, TERMINAL_STATES, Deadline, GenerateResult, JobCollector, JobStatus,
                   ResultAssembler, Stats, StreamChunk, build_generate_request, build_submit_request,
                   chunk_from_proto, job_from_proto)
 

@@ -99,7 +99,7 @@ def test_pending_requests_pin_the_model_while_the_chain_is_down(ckpt_with_tokeni
     other = make_checkpoint(num_layers=2, hidden=64, heads=2, kv_heads=1, head_dim=32, vocab=320, seed=4,
                             directory=str(tmp_path / "other"))
     with LocalCluster(model=ckpt_with_tokenizer, workers=1, dtype="float64") as c:
-        job = c.client.submit([{"prompt_token_ids": [5, 6, 7], "max_new_tokens": 40, "ignore_eos": True}])
+        job = c.client.submit([{"prompt_token_ids": [5, 6, 7], "max_new_tokens": 200, "ignore_eos": True}])
         c.kill_worker(0)                                  # the job is now pending, with no chain
         log = tmp_path / "intruder.log"
         with open(log, "wb") as out:
@@ -110,4 +110,4 @@ def test_pending_requests_pin_the_model_while_the_chain_is_down(ckpt_with_tokeni
         assert b"still pending" in log.read_bytes()
         c.restart_worker(0)                               # the right model comes back and finishes it
         [r] = c.client.wait(job, timeout=120)
-        assert len(r.token_ids) == 40 and r.finish_reason == "length"
+        assert len(r.token_ids) == 200 and r.finish_reason == "length"

@@ -72,6 +72,36 @@ __device__ __forceinline__ float safe_exp(float s, float m) {
     return (s == -INFINITY) ? 0.0f : __expf(s - m);
 }
 
+// One online-softmax step for one row of a score tile, shared by decode and prefill. `width` lanes
+// (a warp, or a half warp) hold the row's scores, one each at *p. The score is replaced by
+// exp(s - m_new); the row's running max *m and sum *l absorb the tile; *alpha is what the row's
+// accumulator must be scaled by before this tile's P V is added. `leader` is the row's first lane.
+__device__ __forceinline__ void online_softmax_row(float* p, float* m, float* l, float* alpha,
+                                                   bool leader, int width = 32) {
+    const float s = *p;
+    const float m_old = *m;
+    const float m_new = fmaxf(m_old, warp_max(s, width));
+    const float e = safe_exp(s, m_new);
+    const float l_tile = warp_sum(e, width);
+    *p = e;
+    __syncwarp();   // every lane has read m_old before it is overwritten
+    if (leader) {
+        const float a = safe_exp(m_old, m_new);
+        *alpha = a;
+        *l = *l * a + l_tile;
+        *m = m_new;
+    }
+}
+
+// acc * alpha + sum_j p[j] * V[j][d]: one output element's share of a tile, V staged in shared
+// memory with row stride ks.
+__device__ __forceinline__ float rescale_accumulate(float acc, float alpha, const float* p,
+                                                    const float* v, int n, int ks, int d) {
+    float a = acc * alpha;
+    for (int j = 0; j < n; ++j) a += p[j] * v[j * ks + d];
+    return a;
+}
+
 }  // namespace mp
 
 #endif  // MINIPAGED_KERNELS_COMMON_CU

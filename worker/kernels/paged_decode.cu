@@ -125,21 +125,8 @@ __device__ __forceinline__ void paged_decode_impl(
         }
         __syncthreads();
         // 3. online softmax, one warp per query head.
-        for (int g = warp; g < G; g += NW) {
-            const float s = sP[g * DEC_TILE + lane];
-            const float m_old = sM[g];
-            const float m_new = fmaxf(m_old, warp_max(s));
-            const float p = safe_exp(s, m_new);
-            const float l_tile = warp_sum(p);
-            sP[g * DEC_TILE + lane] = p;
-            __syncwarp();   // every lane has read m_old before it is overwritten
-            if (lane == 0) {
-                const float alpha = safe_exp(m_old, m_new);
-                sAlpha[g] = alpha;
-                sL[g] = sL[g] * alpha + l_tile;
-                sM[g] = m_new;
-            }
-        }
+        for (int g = warp; g < G; g += NW)
+            online_softmax_row(&sP[g * DEC_TILE + lane], &sM[g], &sL[g], &sAlpha[g], lane == 0);
         __syncthreads();
         // 4. rescale and accumulate P V.
 #pragma unroll
@@ -147,10 +134,7 @@ __device__ __forceinline__ void paged_decode_impl(
             const int idx = tid + r * DEC_THREADS;
             if (idx < G * D) {
                 const int g = idx / D, d = idx % D;
-                float a = acc[r] * sAlpha[g];
-                const float* p = &sP[g * DEC_TILE];
-                for (int j = 0; j < n; ++j) a += p[j] * sV[j * KS + d];
-                acc[r] = a;
+                acc[r] = rescale_accumulate(acc[r], sAlpha[g], &sP[g * DEC_TILE], sV, n, KS, d);
             }
         }
         __syncthreads();

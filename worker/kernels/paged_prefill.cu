@@ -100,31 +100,15 @@ __device__ __forceinline__ void paged_prefill_impl(
         // Online softmax: warp w takes row pairs w, w + NW, ...; a half warp per row.
         for (int rp = warp; rp < PF_ROWS / 2; rp += NW) {
             const int r = rp * 2 + (lane >> 4), j = lane & 15;
-            const float s = sP[r * PF_TILE + j];
-            const float m_old = sM[r];
-            const float m_new = fmaxf(m_old, warp_max(s, 16));
-            const float p = safe_exp(s, m_new);
-            const float l_tile = warp_sum(p, 16);
-            sP[r * PF_TILE + j] = p;
-            __syncwarp();   // every lane has read m_old before it is overwritten
-            if (j == 0) {
-                const float alpha = safe_exp(m_old, m_new);
-                sAlpha[r] = alpha;
-                sL[r] = sL[r] * alpha + l_tile;
-                sM[r] = m_new;
-            }
+            online_softmax_row(&sP[r * PF_TILE + j], &sM[r], &sL[r], &sAlpha[r], j == 0, 16);
         }
         __syncthreads();
 #pragma unroll
         for (int k = 0; k < ACC; ++k) {
             const int idx = tid + k * PF_THREADS;
             const int r = idx / D, d = idx % D;
-            if (r < R) {
-                float a = acc[k] * sAlpha[r];
-                const float* p = &sP[r * PF_TILE];
-                for (int j = 0; j < n; ++j) a += p[j] * sV[j * KS + d];
-                acc[k] = a;
-            }
+            if (r < R)
+                acc[k] = rescale_accumulate(acc[k], sAlpha[r], &sP[r * PF_TILE], sV, n, KS, d);
         }
         __syncthreads();
     }

@@ -7,6 +7,7 @@ emulation tests exercise the exact launch configuration the GPU runs, split-KV i
 """
 from __future__ import annotations
 
+import abc
 import hashlib
 import math
 import os
@@ -136,7 +137,7 @@ def prefill_q_tile(num_heads: int, num_kv_heads: int) -> int:
     return PF_ROWS // (num_heads // num_kv_heads)
 
 
-class KernelBackendBase:
+class KernelBackendBase(abc.ABC):
     """The AttentionBackend interface on top of the .cu kernels; subclasses supply `_launch`,
     `device` and `num_sms`."""
 
@@ -157,8 +158,9 @@ class KernelBackendBase:
             t.fill_(float("nan"))
         return t
 
-    def _launch(self, launch: Launch) -> None:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _launch(self, launch: Launch) -> None:
+        """Run one planned kernel launch (PyCUDA on a GPU, fibers on the CPU)."""
 
     # -- checks -----------------------------------------------------------------------------
     def _check(self, what: str, t: torch.Tensor, dtype=None, ndim=None) -> None:

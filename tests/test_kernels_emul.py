@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from worker.attention_torch import TorchBackend
-from worker.kernels import source
+from worker.kernels import emulated, source
 from worker.kernels.emulated import EmulatedBackend
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
@@ -311,6 +311,11 @@ SIMT_EMU_ENTRY(probe, int* out COMMA int mode, out COMMA mode)
 
 
 def test_emul_simt_primitives(tmp_path):
+    with emulated.schedule("forward"):   # "last block wins" below is the forward block order
+        _simt_primitives(tmp_path)
+
+
+def _simt_primitives(tmp_path):
     import ctypes
     import subprocess
     so = tmp_path / "probe.so"
@@ -318,6 +323,8 @@ def test_emul_simt_primitives(tmp_path):
     src.write_text("#define COMMA ,\n" + SIMT_PROBE)
     subprocess.run([source.GXX, *source.emulation_flags(), str(src), "-o", str(so)], check=True)
     lib = ctypes.CDLL(str(so))
+    lib.simt_set_schedule.argtypes = [ctypes.c_int, ctypes.c_uint64]
+    assert lib.simt_set_schedule(0, 0) == 0     # process-wide state, set through either library
     fn = lib.emu_probe
     fn.argtypes = [ctypes.c_uint] * 6 + [ctypes.c_void_p, ctypes.c_int]
     n = 96

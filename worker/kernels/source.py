@@ -18,7 +18,8 @@ import torch
 KERNEL_DIR = os.path.dirname(os.path.abspath(__file__))
 COMMON_SOURCE = "common.cu"
 KERNEL_SOURCES = ("reshape_and_cache.cu", "paged_decode.cu", "paged_prefill.cu")
-EMULATION_HEADER = "simt_cpu.h"
+EMULATION_HEADER = "simt_cpu.h"           # force-included; it includes the schedule header
+EMULATION_HEADERS = (EMULATION_HEADER, "simt_schedule.h")
 
 # Kept in step with the constants of the .cu files (mp::DEC_THREADS etc.).
 CACHE_THREADS = 128
@@ -80,7 +81,7 @@ def module_source() -> str:
 
 def sources_hash(extra: str = "") -> str:
     h = hashlib.sha256(extra.encode())
-    for name in (EMULATION_HEADER, COMMON_SOURCE) + KERNEL_SOURCES:
+    for name in EMULATION_HEADERS + (COMMON_SOURCE,) + KERNEL_SOURCES:
         h.update(name.encode())
         h.update(read_source(name).encode())
     return h.hexdigest()[:16]

@@ -8,10 +8,13 @@ emulation tests exercise the exact launch configuration the GPU runs, split-KV i
 from __future__ import annotations
 
 import abc
+import functools
 import hashlib
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
@@ -46,8 +49,9 @@ _REDUCE_SIG = "PPPPii"
 _PREFILL_SIG = "PPPPPPPfiiiii"
 
 
-def kernel_signatures() -> dict[str, str]:
-    """Every extern "C" entry point and its argument signature."""
+@functools.cache
+def kernel_signatures() -> Mapping[str, str]:
+    """Every extern "C" entry point and its argument signature (built once: read-only)."""
     sigs = {}
     for sfx in DTYPE_SUFFIX.values():
         sigs[f"reshape_and_cache_{sfx}"] = _CACHE_SIG
@@ -55,7 +59,7 @@ def kernel_signatures() -> dict[str, str]:
             sigs[f"paged_decode_{sfx}_d{d}"] = _DECODE_SIG
             sigs[f"paged_decode_reduce_{sfx}_d{d}"] = _REDUCE_SIG
             sigs[f"paged_prefill_{sfx}_d{d}"] = _PREFILL_SIG
-    return sigs
+    return MappingProxyType(sigs)
 
 
 def source_path(name: str) -> str:
@@ -115,12 +119,28 @@ def emulation_flags() -> list[str]:
 
 
 # ---------------------------------------------------------------- launch planning
+# CUDA's launch limits (every architecture since sm_30).
+MAX_GRID = (2**31 - 1, 65535, 65535)
+MAX_BLOCK_THREADS = 1024
+
+
 @dataclass(frozen=True)
 class Launch:
     kernel: str
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
     args: tuple            # tensors (passed as pointers), ints (int32), floats (float32)
+
+    def __post_init__(self):
+        # Checked on the host: past a limit the launch would fail on the GPU with a bare
+        # "invalid argument", and the emulation would run it anyway.
+        for axis, n, limit in zip("xyz", self.grid, MAX_GRID):
+            if not 0 <= n <= limit:
+                raise ValueError(f"{self.kernel}: grid {axis} = {n} is outside CUDA's limit "
+                                 f"[0, {limit}] (grid {self.grid})")
+        if math.prod(self.block) > MAX_BLOCK_THREADS:
+            raise ValueError(f"{self.kernel}: block {self.block} has more than "
+                             f"{MAX_BLOCK_THREADS} threads")
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int,
@@ -283,8 +303,13 @@ class KernelBackendBase(abc.ABC):
         if B == 0 or query.shape[0] == 0 or max_query_len <= 0:
             return out
         q_tile = prefill_q_tile(H, KVH)
-        self._launch(Launch(f"paged_prefill_{sfx}_d{D}",
-                            (B, math.ceil(int(max_query_len) / q_tile), KVH), (PF_THREADS, 1, 1),
+        q_tiles = math.ceil(int(max_query_len) / q_tile)
+        if q_tiles > MAX_GRID[1]:
+            raise ValueError(f"{self.name}: a prefill of {max_query_len} query tokens needs "
+                             f"{q_tiles} tiles of {q_tile} (grid y), over CUDA's limit "
+                             f"{MAX_GRID[1]}: chunk prefills to at most "
+                             f"{MAX_GRID[1] * q_tile} tokens per sequence per step")
+        self._launch(Launch(f"paged_prefill_{sfx}_d{D}", (B, q_tiles, KVH), (PF_THREADS, 1, 1),
                             (out, query, key_cache, value_cache, block_tables, seq_lens,
                              query_start_loc, float(scale), H, KVH, bs, block_tables.shape[1],
                              q_tile)))

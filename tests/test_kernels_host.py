@@ -1,4 +1,4 @@
-"""Host-side launch logic shared by the kernel backends (worker/kernels/source.py): the signature
+"""Host-side launch logic shared by the kernel backends (worker/kernels/launch.py, source.py): the signature
 table is built once, and launches past CUDA's grid and block limits are refused on the host with
 a message that says what to change, before any kernel runs (a GPU would answer 'invalid argument')."""
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.kernels import source
+from worker.kernels import launch, source
 from worker.kernels.emulated import EmulatedBackend
-from worker.kernels.source import Launch
+from worker.kernels.launch import Launch
 
 
 def test_signatures_built_once_and_read_only():
@@ -33,7 +33,7 @@ def test_prefill_grid_y_refused_on_the_host():
     131,070 tokens per sequence per step would need more than 65,535 CTAs along y."""
     be = EmulatedBackend()
     H, KVH, D, bs = 16, 1, 64, 16
-    assert source.prefill_q_tile(H, KVH) == 2
+    assert launch.prefill_q_tile(H, KVH) == 2
     kc = torch.zeros(4, KVH, bs, D)
     tables = torch.zeros(1, 4, dtype=torch.int32)
     q = torch.zeros(3, H, D)

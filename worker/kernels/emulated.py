@@ -1,6 +1,6 @@
 """EmulatedBackend: the CUDA kernels of worker/kernels/*.cu compiled with g++ against the SIMT
 emulation header (simt_cpu.h: threads as fibers, __syncthreads and warp shuffles as switch points)
-and run on CPU tensors through ctypes. Same source, same launch plan (source.KernelBackendBase) as
+and run on CPU tensors through ctypes. Same source, same launch plan (launch.KernelBackendBase) as
 the PyCUDA backend: this is how CI checks the kernels without a GPU. Slow (fibers), for tests.
 
 The shared library is built once per source hash under build/kernels/emul-<hash>/ (git-ignored);
@@ -24,7 +24,7 @@ import threading
 import torch
 
 from worker.kernels import source
-from worker.kernels.source import KernelBackendBase, Launch
+from worker.kernels.launch import DEFAULT_NUM_SMS, KernelBackendBase, Launch
 
 REPO_ROOT = os.path.dirname(os.path.dirname(source.KERNEL_DIR))
 BUILD_DIR = os.environ.get("MINIPAGED_KERNEL_BUILD_DIR", os.path.join(REPO_ROOT, "build", "kernels"))
@@ -135,7 +135,7 @@ def schedule(spec: str, lib: ctypes.CDLL | None = None):
 class EmulatedBackend(KernelBackendBase):
     name = "emulated"
 
-    def __init__(self, device: str | torch.device = "cpu", num_sms: int = source.DEFAULT_NUM_SMS,
+    def __init__(self, device: str | torch.device = "cpu", num_sms: int = DEFAULT_NUM_SMS,
                  library: ctypes.CDLL | None = None):
         self.device = torch.device(device)
         if self.device.type != "cpu":

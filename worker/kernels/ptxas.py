@@ -14,7 +14,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
-from worker.kernels import source
+from worker.kernels import launch, source
 
 BUILD_DIR = os.path.join(os.path.dirname(os.path.dirname(source.KERNEL_DIR)), "build", "kernels")
 
@@ -33,10 +33,10 @@ def block_threads(kernel: str) -> int:
     if kernel.startswith("paged_decode_reduce_"):
         return int(kernel.rsplit("_d", 1)[1])          # one thread per head dimension
     if kernel.startswith("paged_decode_"):
-        return source.DEC_THREADS
+        return launch.DEC_THREADS
     if kernel.startswith("paged_prefill_"):
-        return source.PF_THREADS
-    return source.CACHE_THREADS
+        return launch.PF_THREADS
+    return launch.CACHE_THREADS
 
 
 @dataclass(frozen=True)

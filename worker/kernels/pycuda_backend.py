@@ -14,7 +14,7 @@ SourceModule and launched on PyTorch CUDA tensors (pointers from tensor.data_ptr
   with events: it waits for an event recorded on torch's current stream, and torch's current stream
   then waits for it (torch.cuda.ExternalStream wraps the PyCUDA stream's handle). So the result is
   ordered on torch's current stream either way, and the caching allocator's stream reuse is safe.
-* The host-side launch logic (checks, grid/block, split-KV, workspaces) is source.KernelBackendBase,
+* The host-side launch logic (checks, grid/block, split-KV, workspaces) is launch.KernelBackendBase,
   shared with the CPU emulation that CI tests.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ import threading
 import torch
 
 from worker.kernels import source
-from worker.kernels.source import KernelBackendBase, Launch
+from worker.kernels.launch import KernelBackendBase, Launch
 
 
 class PyCudaBackend(KernelBackendBase):

@@ -91,7 +91,9 @@ run_stage() {
     fi
     cat "$WORK/$name.txt" >> "$LOG"
     SECS[$name]=$(( $(date +%s) - t ))
-    NOTE[$name]=$(grep -E "$pattern" "$WORK/$name.txt" | tail -1 | sed -E 's/^(SUMMARY: |## )//; s/\|/\//g' | cut -c1-160)
+    NOTE[$name]=$(grep -E "$pattern" "$WORK/$name.txt" | tail -1)
+    [[ -n ${NOTE[$name]} ]] || NOTE[$name]=$(grep -v '^[[:space:]]*$' "$WORK/$name.txt" | tail -1)
+    NOTE[$name]=$(sed -E 's/^(SUMMARY: |## )//; s/\|/\//g' <<< "${NOTE[$name]}" | cut -c1-160)
     if (( rc == 0 )); then STATUS[$name]=ok
     elif (( rc == 124 || rc == 137 )); then STATUS[$name]=TIMEOUT; NOTE[$name]="killed after ${limit}s ${NOTE[$name]}"
     else STATUS[$name]="FAIL (rc $rc)"; fi
@@ -206,7 +208,8 @@ else
                 .whl/pycuda-2026.1.tar.gz && cp $WORK/wheel/*.whl $OUT/ &&
             $PY -m pip install -q --no-index --no-deps --no-compile --upgrade --target $SITE \
                 $WORK/wheel/*.whl && PYTHONPATH=$SITE $PY -c 'import pycuda.driver' &&
-            echo \"SUMMARY: built, installed and imports (the wheel is in OUT for next time)\""
+            echo \"SUMMARY: built, installed and imports (the wheel is in OUT for next time)\"" &&
+            STATUS[wheels]=ok NOTE[wheels]="the carried pycuda wheel did not import: rebuilt (pycuda-build)"
     fi
     DEV_PATH=$SITE:$ROOT E2E_PATH=$SITE_E2E:$SITE:$ROOT
 fi
@@ -217,6 +220,7 @@ mkdir -p "$PYCUDA_CACHE_DIR"
 if [[ $MODE == real ]]; then
     nvidia-smi -L 2>&1 | tee -a "$LOG"
     GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+    GPU=${GPU:-"GPU unknown (nvidia-smi failed)"}
 else
     GPU="no GPU (dry run on $(nproc) CPU cores)"
 fi
@@ -228,7 +232,7 @@ DIRTY=$(git status --porcelain --untracked-files=no 2>/dev/null | grep -q . && e
 # ------------------------------------------------------------------ 3. compile once
 export PYTHONPATH=$DEV_PATH
 run_stage compile 180 SUMMARY "$PY" "$WORK/compile.py" "$MODE" && COMPILED=1 || COMPILED=0
-NO_MODULE="skipped: the compile stage failed"
+NO_MODULE="skipped: no compiled module (compile: ${STATUS[compile]})"
 
 # ------------------------------------------------------------------ 4. GPU tests
 HAS_TIMEOUT=$("$PY" -c "import pytest_timeout" 2>/dev/null && echo 1 || echo 0)

@@ -56,6 +56,6 @@ def test_failed_compile_stops_the_stages_that_need_it(tmp_path):
     assert rows["compile"] == "FAIL (rc 1)"
     for stage in ("tests", "racecheck", "memcheck", "e2e"):
         assert rows[stage] == "skipped", table
-    assert "skipped: the compile stage failed" in table
+    assert "skipped: no compiled module (compile: FAIL (rc 1))" in table
     assert rows["bench"] == "ok" and "| emulated us" not in table   # torch and SDPA only
     assert "overall: FAIL" in table

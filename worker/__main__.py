@@ -166,6 +166,9 @@ def main(argv=None) -> int:
         device, backend = f"sim:{args.profile.name}", "simulated"
     else:
         from worker.model_runner import ModelRunner
+        if args.device.startswith("cuda"):  # what this process grows outside torch counts as its own
+            from worker import memory
+            args.memory_baseline = memory.take_baseline(args.device)
         runner = ModelRunner(args.model, args.layer_start, args.layer_end, args.dtype, args.device, args.backend)
         budget = kv_budget_bytes(args)
         device, backend = args.device, args.backend

@@ -98,7 +98,8 @@ class LocalCluster:
                  token: str | None = None, root: str | None = None, replicas: int = 1, standby: int = 0,
                  simulate: str | None = None, threads: int | None = None):
         """`workers` stages per chain, `replicas` chains (workers x replicas processes), plus
-        `standby` spare workers serving all layers. `simulate` ('h200' or a profile JSON) starts
+        `standby` spare workers for the last stage's layers: they wait, outside any chain, to replace
+        a lost stage (with one stage per chain a spare is simply one more replica). `simulate` ('h200' or a profile JSON) starts
         simulated workers (no weights; dtype None = their default, bfloat16). `threads`: torch
         threads per worker (default: the machine's cores shared out among the CPU workers)."""
         self.model, self.root, self.grace = model, root or ROOT, grace
@@ -106,8 +107,7 @@ class LocalCluster:
         if replicas < 1 or standby < 0:
             raise ValueError("replicas must be >= 1 and standby >= 0")
         stages = split_layers(load_model_config(model).num_hidden_layers, workers)  # may raise
-        full = (0, stages[-1][1])
-        self.layers = stages * replicas + [full] * standby
+        self.layers = stages * replicas + [stages[-1]] * standby
         self.replicas = replicas
         self.log_dir = tempfile.mkdtemp(prefix="minipaged-cluster-")
         self.port = free_port()
@@ -118,7 +118,7 @@ class LocalCluster:
         if n_procs > 1:  # processes on one machine take turns: idle OpenMP threads must not spin on its cores
             self.env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         if threads is None and not simulate and device == "cpu":
-            threads = max(1, (os.cpu_count() or 1) // max(1, n_procs - standby))
+            threads = max(1, (os.cpu_count() or 1) // max(1, n_procs - (standby if workers > 1 else 0)))
         py, log = sys.executable, lambda name: os.path.join(self.log_dir, f"{name}.log")
         service_cmd = [py, "-m", "metadata_service", "--host", "127.0.0.1", "--port", str(self.port),
                        "--block-size", str(block_size), "--db", db or os.path.join(self.log_dir, "jobs.db")]

@@ -182,6 +182,7 @@ class ChainRunner:
 
     def _step_request(self, b: ScheduledBatch, release: list[int]) -> worker_pb2.StepRequest:
         seqs = b.seqs
+        pending = set(b.deferred)
         rows = np.frombuffer(b"".join([s.sampling_row for s in seqs]), dtype=SAMPLING_ROW)
         step_id, self.next_step_id = self.next_step_id, self.next_step_id + 1
         req = worker_pb2.StepRequest(
@@ -192,7 +193,8 @@ class ChainRunner:
             do_sample=b.do_sample.tobytes(),
             temperature=rows["temperature"].tobytes(), top_p=rows["top_p"].tobytes(),
             top_k=rows["top_k"].tobytes(), seeds=rows["seed"].tobytes(),
-            sample_offsets=pack([len(s.output_token_ids) for s in seqs], INT32),
+            # the index of the token each row samples: one more when its input is still in flight
+            sample_offsets=pack([len(s.output_token_ids) + (s in pending) for s in seqs], INT32),
             return_logprobs=any(s.params.return_logprobs for s in seqs))
         if b.block_tables is not None:
             req.block_tables, req.max_blocks_per_seq = pack(b.block_tables), b.block_tables.shape[1]

@@ -115,6 +115,9 @@ class Gateway:
                                     f"`{self.model_name}` (GET /v1/models).", "invalid_request_error",
                                "model", "model_not_found")
 
+    def token_text_for(self, req):
+        return _token_id_text if req.return_tokens_as_token_ids else self.token_text
+
     def _token_text(self, token_id: int) -> str:
         """A token as text for logprobs (vLLM writes "token_id:N" where it has no tokenizer)."""
         if self.tokenizer is None:
@@ -165,6 +168,10 @@ class Gateway:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _token_id_text(token_id: int) -> str:
+    return f"token_id:{token_id}"
 
 
 class _Observed:
@@ -261,8 +268,9 @@ def _parse(model, body: dict):
         errors = getattr(e, "errors", lambda: [])()
         if errors:
             first = errors[0]
-            where = ".".join(str(x) for x in first.get("loc", ()))
-            raise bad_request(f"{where}: {first.get('msg')}", where or None) from None
+            loc = first.get("loc", ())
+            where = ".".join(str(x) for x in loc)
+            raise bad_request(f"{where}: {first.get('msg')}", str(loc[0]) if loc else None) from None
         raise bad_request(str(e)) from None
 
 
@@ -342,7 +350,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         choices = await _unless_disconnected(request, _collect(stream))
         per_prompt = [[c for c in choices.values() if c.index // req.n == p] for p in range(len(prompts))]
         return oa.completion_response(rid, gw.model_name, [choices[i] for i in sorted(choices)], per_prompt,
-                                      gw.token_text, echo, req.n)
+                                      gw.token_text_for(req), echo, req.n)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -362,7 +370,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return await _start_sse(request, stream, _chat_events(gw, rid, req, stream, include_usage))
         choices = await _unless_disconnected(request, _collect(stream))
-        return oa.chat_response(rid, gw.model_name, [choices[i] for i in sorted(choices)], gw.token_text)
+        return oa.chat_response(rid, gw.model_name, [choices[i] for i in sorted(choices)], gw.token_text_for(req))
 
     # ------------------------------------------------------------ operations
 
@@ -456,7 +464,7 @@ async def _completion_events(gw: Gateway, rid: str, req: oa.CompletionRequest, s
                 yield _sse(oa.completion_chunk(rid, created, model, idx, echo[idx // n], None, None))
             part = oa.Choice(idx, token_ids=chunk.token_ids, logprobs=chunk.logprobs or [],
                              top=chunk.top_logprobs or [])
-            lp = oa.completion_logprobs(part, gw.token_text, offsets.get(idx, 0))
+            lp = oa.completion_logprobs(part, gw.token_text_for(req), offsets.get(idx, 0))
             offsets[idx] = offsets.get(idx, 0) + len(chunk.text)
             finish = ch.finish_reason if chunk.finish_reason else None
             if chunk.text or finish or lp or not started:
@@ -487,7 +495,7 @@ async def _chat_events(gw: Gateway, rid: str, req: oa.ChatCompletionRequest, str
             ch.add(chunk)
             part = oa.Choice(idx, token_ids=chunk.token_ids, logprobs=chunk.logprobs or [],
                              top=chunk.top_logprobs or [])
-            lp = oa.chat_logprobs(part, gw.token_text)
+            lp = oa.chat_logprobs(part, gw.token_text_for(req))
             finish = ch.finish_reason if chunk.finish_reason else None
             if chunk.text or finish or lp:
                 yield _sse(oa.chat_chunk(rid, created, model, idx, {"content": chunk.text} if chunk.text else {},

@@ -51,6 +51,7 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    return_tokens_as_token_ids: bool = False    # vLLM extension: logprob tokens as "token_id:N"
 
 
 class CompletionRequest(_Sampling):

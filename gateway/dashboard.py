@@ -72,6 +72,8 @@ def dashboard_routes(app: FastAPI, gw) -> None:
                 raise r
             else:
                 out[key] = asdict(r)
+        if out["stats"] is not None:  # int64 past 2^53 would lose digits in JavaScript
+            out["stats"]["cache_epoch"] = str(out["stats"]["cache_epoch"])
         if not isinstance(snap_r, BaseException):
             out["counts"], out["counts_source"] = counts_from_snapshot(snap_r), "snapshot"
         elif not isinstance(stats_r, BaseException):

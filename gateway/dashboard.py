@@ -30,14 +30,11 @@ def counts_from_stats(s: Stats) -> dict:
 
 
 def counts_from_snapshot(snap: PoolSnapshot) -> dict:
-    """Exact counts over every chain's whole pool (not the sampled grid). The four counts are
-    disjoint; should a service count cached blocks inside free_blocks too, they are taken out."""
+    """Exact counts over every chain's whole pool (not the sampled grid), made disjoint: the
+    snapshot's free_blocks include the cached ones, as Stats' do."""
     out = dict.fromkeys(STATES, 0)
     for c in snap.chains:
-        free = c.free_blocks
-        if c.free_blocks + c.owned_blocks + c.shared_blocks + c.cached_blocks > c.num_blocks:
-            free -= c.cached_blocks
-        out["free"] += free
+        out["free"] += c.free_blocks - c.cached_blocks
         out["owned"] += c.owned_blocks
         out["shared"] += c.shared_blocks
         out["cached"] += c.cached_blocks
@@ -72,8 +69,12 @@ def dashboard_routes(app: FastAPI, gw) -> None:
                 raise r
             else:
                 out[key] = asdict(r)
-        if out["stats"] is not None:  # int64 past 2^53 would lose digits in JavaScript
+        # int64 past 2^53 would lose digits in JavaScript: epochs and sequence ids travel as strings
+        if out["stats"] is not None:
             out["stats"]["cache_epoch"] = str(out["stats"]["cache_epoch"])
+        for chain in (out["snapshot"] or {}).get("chains", []):
+            for seq in chain["sequences"]:
+                seq["sequence_id"] = str(seq["sequence_id"])
         if not isinstance(snap_r, BaseException):
             out["counts"], out["counts_source"] = counts_from_snapshot(snap_r), "snapshot"
         elif not isinstance(stats_r, BaseException):

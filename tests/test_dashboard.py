@@ -2,12 +2,12 @@
 the gateway, runs its JavaScript (which polls /dashboard/state), and we read what it drew.
 
 Two set-ups:
-- a real cluster (tiny model) during a shared-prefix job, then with a pool held still by the block
-  API (a sequence and two forks of it): the page's counts equal Stats at that moment;
+- a real cluster (tiny model) during a shared-prefix job, its workers held still (SIGSTOP) so the
+  pool stands for a moment: the page's counts and grid equal Stats and the PoolSnapshot then;
 - a stand-in metadata service whose PoolSnapshot and Stats come from a real KVBlockManager (owned,
-  shared, cached and free blocks all present): the grid's cells per state equal the snapshot's
-  counts, and the sequences table shows every block table. The same check against the live
-  service is marked xfail until its PoolSnapshot lands.
+  shared, cached and free blocks all present, forks included): the grid's cells per state equal
+  the snapshot's counts and the sequences table shows every block table; and, without
+  PoolSnapshot (an older service), the page falls back to the Stats counts.
 
 Screenshots go to the test's tmp dir, and also to $MINIPAGED_SCREENSHOT_DIR when set (the README's
 picture is made that way)."""
@@ -31,6 +31,7 @@ from client.cluster import free_port
 from minipaged import wire
 from minipaged.v1 import metadata_pb2 as pb
 from minipaged.v1 import metadata_pb2_grpc as pb_grpc
+from tests.freeze import FREEZE_SERVICE_ARGS, frozen
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -83,62 +84,38 @@ def expected_from_stats(st) -> dict:
 
 @pytest.fixture(scope="module")
 def cluster():
-    with LocalCluster(model="tiny", workers=1, http=True, num_blocks=192) as c:
+    with LocalCluster(model="tiny", workers=1, http=True, num_blocks=192, extra_service_args=FREEZE_SERVICE_ARGS) as c:
         yield c
-
-
-def _hold_pool(client):
-    """A sequence of 3 full blocks + 1 token and two forks of it: the full blocks are shared
-    (ref count 3), each fork has its own copy of the partial block. Nothing moves until release."""
-    stub = pb_grpc.MetadataServiceStub(client._channel)
-    prompt = list(range(20, 20 + 48)) + [7]
-    stub.CreateSequence(pb.CreateSequenceRequest(sequence_id=1, prompt_token_ids=wire.pack(prompt),
-                                                 num_tokens=len(prompt)))
-    for child in (2, 3):
-        stub.ForkSequence(pb.ForkSequenceRequest(parent_id=1, child_id=child))
-    return lambda: [stub.ReleaseSequence(pb.ReleaseSequenceRequest(sequence_id=s)) for s in (1, 2, 3)]
 
 
 @needs_chromium
 def test_dashboard_during_a_shared_prefix_job(cluster, tmp_path):
+    """24 requests behind one system prompt: while the workers are held still mid-job, the page's
+    counts and grid equal Stats and the PoolSnapshot at that moment."""
     c = cluster.client
     system = "You are a careful assistant for a paged KV cache. Cite the block table. " * 3
-    job = c.submit([{"prompt": system + f"Question {i}?", "max_new_tokens": 48, "ignore_eos": True}
+    job = c.submit([{"prompt": system + f"Question {i}?", "max_new_tokens": 160, "ignore_eos": True}
                     for i in range(24)])
-    shot = screenshot(cluster.http_url + "/", tmp_path, "dashboard-live.png")  # the job runs meanwhile
-    c.wait(job)
-
-    release = _hold_pool(c)
     try:
-        dom = chromium(cluster.http_url + "/", "--dump-dom")
-        st = c.stats()
+        with frozen(cluster, until=lambda st: st.running >= 8 and st.shared_blocks > 0) as st:
+            dom = chromium(cluster.http_url + "/", "--dump-dom")
+            shot = screenshot(cluster.http_url + "/", tmp_path, "dashboard-live.png")
+            snap = c.pool_snapshot().chains[0]
         page = page_state(dom)
         assert int(page["attrs"]["polls"]) >= 2  # it polled and redrew
-        assert page["shown"] == {k: int(page["attrs"][k]) for k in ("free", "owned", "shared", "cached")}
-        assert page["shown"]["cached"] == st.cached_blocks > 0  # the job's prefix stays cached
+        assert page["attrs"]["source"] == "snapshot"
+        assert page["shown"] == expected_from_stats(st)  # free, owned, shared (ref > 1), cached
+        assert page["shown"]["shared"] == st.shared_blocks > 0 and page["shown"]["owned"] > 0
         assert page["shown"]["free"] + page["shown"]["cached"] == st.free_blocks
-        assert page["shown"]["shared"] == st.shared_blocks
-        assert sum(page["shown"].values()) == st.num_blocks
-        assert page["attrs"]["source"] in ("stats", "snapshot")
+        assert snap.stride == 1 and page["grids"] == [page["shown"]]  # 192 blocks: one cell each
+        assert page["rows"] == len(snap.sequences) == st.running + st.waiting
     finally:
-        release()
+        c.wait(job)
     assert os.path.exists(shot)
 
-
-@needs_chromium
-@pytest.mark.xfail(reason="needs the server side of issue 9 on main (PoolSnapshot and Stats.shared_blocks)",
-                   strict=False)
-def test_live_grid_matches_stats(cluster):
-    c = cluster.client
-    release = _hold_pool(c)
-    try:
-        page, st = page_state(chromium(cluster.http_url + "/", "--dump-dom")), c.stats()
-        assert page["attrs"]["source"] == "snapshot" and st.shared_blocks == 3
-        assert page["shown"] == expected_from_stats(st)
-        assert page["grids"] and page["grids"][0] == page["shown"]  # 192 blocks: one cell each
-        assert page["rows"] >= 3
-    finally:
-        release()
+    # after the job: the shared prefix stays cached (evictable), nothing is owned
+    page, st = page_state(chromium(cluster.http_url + "/", "--dump-dom")), c.stats()
+    assert page["shown"] == expected_from_stats(st) and st.cached_blocks > 0 and st.used_blocks == 0
 
 
 # ---------------------------------------------------------------- the grid, from a real KVBlockManager
@@ -146,8 +123,9 @@ def test_live_grid_matches_stats(cluster):
 class PoolService(pb_grpc.MetadataServiceServicer):
     """Stats and PoolSnapshot of a real KVBlockManager holding every kind of block."""
 
-    def __init__(self):
+    def __init__(self, snapshots: bool = True):
         from metadata_service.block_manager import KVBlockManager
+        self.snapshots = snapshots
         self.m = m = KVBlockManager(num_physical_blocks=256, block_size=16)
         system = list(range(30, 30 + 64))  # 4 full blocks every request shares
         for sid in range(6):
@@ -179,6 +157,8 @@ class PoolService(pb_grpc.MetadataServiceServicer):
                              running=len(self.labels))
 
     def PoolSnapshot(self, request, context):
+        if not self.snapshots:  # an older service
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
         ref, state = self._states()
         tables = self.m.debug_state()["tables"]
         seqs = [pb.SequenceSnapshot(sequence_id=sid, state="running", length=int(self.m.debug_state()["lens"][sid]),
@@ -187,15 +167,16 @@ class PoolService(pb_grpc.MetadataServiceServicer):
         chain = pb.ChainSnapshot(chain_id=0, num_blocks=len(state), block_size=16, stride=1,
                                  block_state=wire.pack(state, wire.UINT8),
                                  ref_counts=wire.pack(ref.clip(0, 255), wire.UINT8),
-                                 free_blocks=int((state == 0).sum()), owned_blocks=int((state == 1).sum()),
+                                 free_blocks=int((state == 0).sum() + (state == 3).sum()),  # cached included
+                                 owned_blocks=int((state == 1).sum()),
                                  shared_blocks=int((state == 2).sum()), cached_blocks=int((state == 3).sum()),
                                  sequences=seqs, running=len(seqs))
         return pb.PoolSnapshotReply(chains=[chain], time=time.time())
 
 
-@pytest.fixture
-def pool_gateway():
-    service = PoolService()
+@pytest.fixture(params=[True, False], ids=["snapshot", "stats-only"])
+def pool_gateway(request):
+    service = PoolService(snapshots=request.param)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     pb_grpc.add_MetadataServiceServicer_to_server(service, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -224,8 +205,13 @@ def pool_gateway():
 @needs_chromium
 def test_grid_draws_every_block_state(pool_gateway, tmp_path):
     service, url = pool_gateway
+    if not service.snapshots:  # an older service: the counts from Stats, a note instead of the grid
+        page = page_state(chromium(url + "/", "--dump-dom"))
+        assert page["attrs"]["source"] == "stats" and page["grids"] == [] and page["rows"] == 0
+        assert page["shown"] == expected_from_stats(service.Stats(None, None))
+        return
     snap = service.PoolSnapshot(None, None).chains[0]
-    want = {"free": snap.free_blocks, "owned": snap.owned_blocks, "shared": snap.shared_blocks,
+    want = {"free": snap.free_blocks - snap.cached_blocks, "owned": snap.owned_blocks, "shared": snap.shared_blocks,
             "cached": snap.cached_blocks}
     assert all(want.values())  # every colour is on the page
     page = page_state(chromium(url + "/", "--dump-dom"))

@@ -18,6 +18,7 @@ import torch
 from client import LocalCluster
 from client.cluster import free_port
 from tests.checkpoints import load_oracle, make_checkpoint
+from tests.freeze import FREEZE_SERVICE_ARGS, frozen
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -65,7 +66,7 @@ def tok(ckpt):
 
 @pytest.fixture(scope="module")
 def cluster(ckpt):
-    with LocalCluster(model=ckpt, workers=1, dtype="float64", http=True) as c:
+    with LocalCluster(model=ckpt, workers=1, dtype="float64", http=True, extra_service_args=FREEZE_SERVICE_ARGS) as c:
         yield c
 
 
@@ -343,9 +344,6 @@ def _one(metrics: dict, name: str, **labels) -> float:
 
 
 def test_metrics_agree_with_stats(cluster, oai, ckpt):
-    from minipaged import wire
-    from minipaged.v1 import metadata_pb2 as pb
-    from minipaged.v1 import metadata_pb2_grpc as pb_grpc
     c = cluster.client
     settle(c)
     m0 = _scrape(cluster.http_url)
@@ -364,29 +362,26 @@ def test_metrics_agree_with_stats(cluster, oai, ckpt):
     assert delta("vllm:inter_token_latency_seconds_count") == 12
     assert _one(m1, "minipaged:gateway_http_requests_total", endpoint="/v1/completions", status="200") >= 3
 
-    # during a job whose pool state holds still: block-API sequences sharing a prefix
-    stub = pb_grpc.MetadataServiceStub(c._channel)
-    shared = list(range(10, 10 + 3 * 16))
-    for sid in (1, 2, 3):
-        stub.CreateSequence(pb.CreateSequenceRequest(sequence_id=sid, prompt_token_ids=wire.pack(shared + [sid]),
-                                                     num_tokens=len(shared) + 1))
+    # during a job, its workers held still so that Stats and the scrape see the same moment
+    job = c.submit([{"prompt_token_ids": [5] * 40 + [i], "max_new_tokens": 200, "ignore_eos": True}
+                    for i in range(6)])
     try:
-        m, st = _scrape(cluster.http_url), c.stats()
-        assert st.used_blocks > 0
-        assert _one(m, "minipaged:used_blocks") == st.used_blocks
-        assert _one(m, "minipaged:free_blocks") == st.free_blocks
-        assert _one(m, "minipaged:cached_blocks") == st.cached_blocks
-        assert _one(m, "minipaged:shared_blocks") == st.shared_blocks
-        assert _one(m, "minipaged:num_blocks") == st.num_blocks
-        assert _one(m, "minipaged:internal_fragmentation_tokens") == st.internal_fragmentation_tokens
+        with frozen(cluster, until=lambda st: st.running >= 2 and st.used_blocks > 0) as st:
+            m = _scrape(cluster.http_url)
+        for name in ("used_blocks", "free_blocks", "cached_blocks", "shared_blocks", "num_blocks",
+                     "internal_fragmentation_tokens"):
+            assert _one(m, f"minipaged:{name}") == getattr(st, name), name
         assert _one(m, "minipaged:cache_epoch") == pytest.approx(st.cache_epoch, rel=1e-12)
         assert _one(m, "vllm:kv_cache_usage_perc") == pytest.approx(st.used_blocks / st.num_blocks)
-        assert _one(m, "vllm:num_requests_running") == st.running == 0
-        assert _one(m, "vllm:num_requests_waiting") == st.waiting == 0
+        assert _one(m, "vllm:num_requests_running") == st.running >= 2
+        assert _one(m, "vllm:num_requests_waiting") == st.waiting
         assert _one(m, "minipaged:ready") == 1 and _one(m, "minipaged:metadata_up") == 1
+        for ch in st.chains:
+            chain = str(ch["chain_id"])
+            assert _one(m, "minipaged:chain_free_blocks", chain=chain) == ch["free_blocks"]
+            assert _one(m, "minipaged:chain_running", chain=chain) == ch["running"]
     finally:
-        for sid in (1, 2, 3):
-            stub.ReleaseSequence(pb.ReleaseSequenceRequest(sequence_id=sid))
+        c.wait(job)
     settle(c)
 
 
@@ -457,3 +452,33 @@ def test_no_worker_chain_is_503(tmp_path):
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+
+# ---------------------------------------------------------------- the SDK against the real service
+
+def test_sdk_jobs_list_delete_snapshot_and_worker_port(cluster, capsys):
+    import client
+    from client.__main__ import main as cli_main
+    c = cluster.client
+    job = c.submit([{"prompt_token_ids": [4, 5, 6], "max_new_tokens": 2}])
+    c.wait(job)
+    listed = c.list_jobs(limit=10)
+    assert listed[0].job_id == job and listed[0].state == "done" and listed[0].created > 0
+    assert [j.job_id for j in c.list_jobs(state="done")][:1] == [job]
+    assert cli_main(["jobs", "--address", cluster.address, "--json", "--limit", "1"]) == 0
+    assert job in capsys.readouterr().out
+    assert c.delete_job(job).job_id == job
+    with pytest.raises(client.NotFound):
+        c.get_job(job)
+    assert job not in [j.job_id for j in c.list_jobs()]
+
+    snap, st = c.pool_snapshot(), c.stats()
+    assert len(snap.chains) == st.num_chains == 1 and snap.chains[0].num_blocks == st.num_blocks
+    assert sum(snap.chains[0].block_state[i] == 0 for i in range(len(snap.chains[0].block_state))) > 0
+
+    worker = cluster.processes[1].args
+    address = f"127.0.0.1:{worker[worker.index('--port') + 1]}"
+    with client.Client(address) as w, pytest.raises(client.Unimplemented, match="is a MiniPaged worker"):
+        w.stats()
+    assert cli_main(["generate", "--address", address, "--prompt", "x"]) == 1
+    assert "not the metadata service" in capsys.readouterr().err

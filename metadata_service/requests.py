@@ -29,6 +29,8 @@ def normalize(req: metadata_pb2.GenerateRequest, engine) -> metadata_pb2.Generat
         raise RequestError(grpc.StatusCode.UNAVAILABLE,
                            "no worker chain has registered yet: the model (and its tokenizer and limits) "
                            "is unknown; retry when Stats().ready is true")
+    if req.prompt and req.prompt_token_ids:
+        raise RequestError(bad, "give prompt or prompt_token_ids, not both")
     out = metadata_pb2.GenerateRequest()
     out.CopyFrom(req)
     try:
@@ -50,8 +52,8 @@ def normalize(req: metadata_pb2.GenerateRequest, engine) -> metadata_pb2.Generat
         raise RequestError(bad, f"max_new_tokens must be >= 1, got {req.max_new_tokens}")
     if not math.isfinite(req.temperature) or req.temperature < 0:
         raise RequestError(bad, f"temperature must be a finite number >= 0, got {req.temperature}")
-    if not math.isfinite(req.top_p) or not 0 <= req.top_p <= 1:
-        raise RequestError(bad, f"top_p must be in [0, 1], got {req.top_p}")
+    if req.HasField("top_p") and (not math.isfinite(req.top_p) or not 0 < req.top_p <= 1):
+        raise RequestError(bad, f"top_p must be in (0, 1] (leave it unset for no nucleus filtering), got {req.top_p}")
     if req.top_k < 0:
         raise RequestError(bad, f"top_k must be >= 0, got {req.top_k}")
     if len(req.stop) > 16 or any(len(s) > 256 for s in req.stop):
@@ -77,7 +79,7 @@ def to_sequence(req: metadata_pb2.GenerateRequest, engine, sink=None, tag=None) 
     """A normalised request -> a Sequence ready for the engine."""
     params = SamplingParams(
         max_new_tokens=req.max_new_tokens, temperature=req.temperature,
-        top_p=req.top_p if req.top_p > 0 else 1.0, top_k=req.top_k, seed=req.seed & (2**63 - 1),
+        top_p=req.top_p if req.HasField("top_p") else 1.0, top_k=req.top_k, seed=req.seed & (2**63 - 1),
         stop=tuple(req.stop), stop_token_ids=tuple(unpack(req.stop_token_ids, INT32).tolist()),
         ignore_eos=req.ignore_eos, return_logprobs=req.return_logprobs)
     seq = Sequence(unpack(req.prompt_token_ids, INT32).tolist(), params, sink=sink, tag=tag)

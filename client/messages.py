@@ -132,6 +132,8 @@ class Stats:
     num_chains: int = 0
     standby_workers: int = 0
     metadata_cpu_seconds: float = 0.0
+    model: str = ""
+    max_model_len: int = 0
 
     @classmethod
     def from_proto(cls, r: pb.StatsReply) -> "Stats":

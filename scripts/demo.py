@@ -44,7 +44,7 @@ def main() -> int:
     with LocalCluster(model="tiny", workers=2, dtype="float32", http=True) as cluster:
         c = cluster.client
         print(f"ready at {cluster.address} (gRPC) and {cluster.http_url} (OpenAI API, dashboard at /) in "
-              f"{time.time() - t0:.1f}s (service + {len(cluster.processes) - 1} workers, logs in {cluster.log_dir})\n")
+              f"{time.time() - t0:.1f}s (service, {len(cluster.layers)} workers, gateway; logs in {cluster.log_dir})\n")
 
         # One streamed request first: it also puts the shared prefix into the prefix cache.
         # (tiny has random weights: its text is noise, so the token ids are shown too.)

@@ -177,6 +177,8 @@ def main(argv=None) -> int:
         except OSError as e:
             print(f"error: cannot serve metrics on {args.host}:{args.metrics_port}: {e}", file=sys.stderr, flush=True)
             return 1
+    from minipaged.gc_tuning import tune_for_serving
+    tune_for_serving()
     engine.start()
     jobs.resume()
     for srv in servers:

@@ -177,6 +177,8 @@ def main(argv=None) -> int:
     if not args.num_blocks and budget <= 0:
         log.error("no memory left for the K/V cache on %s (use --kv-cache-bytes or --num-blocks)", args.device)
         return 2
+    from minipaged.gc_tuning import tune_for_serving
+    tune_for_serving()  # the model is loaded: freeze it out of the collector's sight
     servicer = WorkerServicer(runner, model_name=args.model, device=device, dtype=args.dtype,
                               backend=backend, kv_cache_bytes=budget, fixed_num_blocks=args.num_blocks,
                               replica_group=args.replica_group, simulate=args.simulate)

@@ -99,10 +99,20 @@ class Stats:
     ready: bool = False
     cache_epoch: int = 0
     live_sequences: int = 0
+    shared_blocks: int = 0
+    not_ready_reason: str = ""
+    chains: list = field(default_factory=list)   # one dict per replica chain (ChainStats fields)
+    num_chains: int = 0
+    standby_workers: int = 0
+    metadata_cpu_seconds: float = 0.0
 
     @classmethod
     def from_proto(cls, r: pb.StatsReply) -> "Stats":
-        return cls(**{f.name: getattr(r, f.name) for f in fields(cls)})
+        from google.protobuf.json_format import MessageToDict
+        kw = {f.name: getattr(r, f.name) for f in fields(cls) if f.name != "chains"}
+        kw["chains"] = [MessageToDict(c, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+                        for c in r.chains]
+        return cls(**kw)
 
     def as_dict(self) -> dict:
         return asdict(self)

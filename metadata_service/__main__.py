@@ -21,7 +21,8 @@ from .api import MetadataServicer
 from .auth import TokenInterceptor
 from .engine import Engine
 from .job_store import JobStore
-from .workers import GRPC_OPTIONS, WorkerRegistry
+from .router import POLICIES
+from .workers import SERVER_OPTIONS, WorkerRegistry
 
 SERVICE_NAME = metadata_pb2.DESCRIPTOR.services_by_name["MetadataService"].full_name
 
@@ -36,7 +37,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "any worker registers, for the block API alone)")
     p.add_argument("--db", default=os.path.join("data", "jobs.db"), help="SQLite job store (WAL)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="running sequences at most")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="running sequences per micro-batch")
+    p.add_argument("--micro-batches", type=int, default=0,
+                   help="micro-batches in flight per chain (0: stages + 1; one stage: 1, overlapped by "
+                        "async scheduling)")
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="schedule step k+1 only after step k's tokens are back (one-stage chains)")
+    p.add_argument("--router", choices=POLICIES, default="prefix",
+                   help="how new sequences pick a replica chain")
+    p.add_argument("--full-block-tables", action="store_true",
+                   help="send whole block tables every step instead of deltas (to compare wire costs)")
     p.add_argument("--max-model-len", type=int, default=0, help="default: the model's max_position_embeddings")
     p.add_argument("--max-waiting", type=int, default=4096, help="pending requests before RESOURCE_EXHAUSTED")
     p.add_argument("--no-prefix-caching", action="store_true")
@@ -50,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-tls-ca", default="", help="CA of the workers' certificates: talk TLS to workers")
     p.add_argument("--worker-tls-cert", default="", help="client certificate for the worker links (mTLS)")
     p.add_argument("--worker-tls-key", default="", help="key of --worker-tls-cert")
-    p.add_argument("--heartbeat-timeout", type=float, default=10.0, help="seconds without a heartbeat")
+    p.add_argument("--worker-lease", "--heartbeat-timeout", dest="worker_lease", type=float, default=4.0,
+                   help="seconds a worker may stay silent (no heartbeat) before its chain fails over")
     p.add_argument("--worker-wait", type=float, default=60.0,
                    help="seconds streams wait for a lost worker chain before failing with UNAVAILABLE")
     p.add_argument("--step-timeout", type=float, default=120.0)
@@ -67,13 +78,15 @@ def main(argv=None) -> int:
     if os.path.dirname(args.db):
         os.makedirs(os.path.dirname(args.db), exist_ok=True)
 
-    registry = WorkerRegistry(args.heartbeat_timeout, channel_factory=lambda address, options: make_channel(
+    registry = WorkerRegistry(args.worker_lease, channel_factory=lambda address, options: make_channel(
         address, options, args.worker_tls_ca, args.worker_tls_cert, args.worker_tls_key))
     engine = Engine(block_size=args.block_size, num_blocks=args.num_blocks,
                     max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                     max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
                     worker_token=args.worker_token, step_timeout_s=args.step_timeout,
-                    worker_wait_s=args.worker_wait, registry=registry)
+                    worker_wait_s=args.worker_wait, registry=registry, micro_batches=args.micro_batches,
+                    async_scheduling=not args.no_async_scheduling, router=args.router,
+                    full_block_tables=args.full_block_tables)
     jobs_store = JobStore(args.db)
     # the model the stored jobs were admitted for: after a restart, only its workers may take them
     engine.model_fingerprint = jobs_store.get_meta("model_fingerprint") or ""
@@ -89,20 +102,29 @@ def main(argv=None) -> int:
     if args.token or args.worker_token:
         interceptors.insert(0, TokenInterceptor(args.token, args.worker_token))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=128), interceptors=interceptors,
-                         options=GRPC_OPTIONS)
+                         options=SERVER_OPTIONS)
     metadata_pb2_grpc.add_MetadataServiceServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = add_port(server, f"{args.host}:{args.port}", args.tls_cert, args.tls_key, args.tls_client_ca)
+    try:
+        port = add_port(server, f"{args.host}:{args.port}", args.tls_cert, args.tls_key, args.tls_client_ca)
+    except RuntimeError:
+        port = 0
     if port == 0:
-        log.error("cannot bind %s:%d", args.host, args.port)
+        log.error("cannot serve on %s:%d: the port is taken (or the address is not this machine's)",
+                  args.host, args.port)
+        print(f"error: cannot serve on {args.host}:{args.port}: the port is taken or the address is not "
+              f"this machine's", file=sys.stderr, flush=True)
         return 1
+    # Health "" is liveness; the named service is readiness: SERVING only while a chain is ready.
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+    engine.on_ready_changed.append(lambda ok: health_servicer.set(
+        SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING))
     engine.start()
     jobs.resume()
     server.start()
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("metadata service listening on %s:%d (block size %d, db %s)", args.host, port, args.block_size, args.db)
     print(f"LISTENING {args.host}:{port}", flush=True)
 

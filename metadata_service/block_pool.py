@@ -56,6 +56,14 @@ class BlockPool:
         self.cache = PrefixCache(block_size, hash_fn)
 
     # ------------------------------------------------------------------ counts
+    def block_states(self) -> np.ndarray:
+        """uint8 per block: 0 free, 1 owned (one table), 2 shared (several), 3 cached-free (an
+        unreferenced block holding a reusable prefix): the dashboard's colours."""
+        st = np.minimum(self.ref_count, 2).astype(np.uint8)
+        if self._lru:
+            st[np.fromiter(self._lru, dtype=np.int64, count=len(self._lru))] = 3
+        return st
+
     @property
     def num_free(self) -> int:
         """Blocks that can be handed out now: free + cached-free."""

@@ -61,7 +61,7 @@ def normalize(req: metadata_pb2.GenerateRequest, engine) -> metadata_pb2.Generat
         raise RequestError(bad, f"prompt ({len(ids)} tokens) + max_new_tokens ({req.max_new_tokens}) = {total} "
                                 f"exceeds max_model_len {engine.max_model_len}")
     need = -(-total // engine.block_size)
-    pool = engine.manager.num_physical_blocks
+    pool = engine.max_pool_blocks  # a sequence lives in one chain's pool: the largest one bounds it
     if need > pool:
         raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                            f"this request needs {need} blocks of {engine.block_size} tokens but the whole pool "

@@ -68,6 +68,19 @@ class Sequence:
 
     num_tokens: int = 0                      # prompt + output, kept as a field: read every step
 
+    # Where it runs and what is in flight (the owning chain's thread alone writes these).
+    chain: object = None                     # the ChainRunner it was routed to
+    slot: int = 0                            # micro-batch it belongs to on that chain
+    gen: int = 0                             # bumped when it loses its blocks: in-flight results are void
+    inflight: int = 0                        # steps in flight that contain it
+    deferred: bool = False                   # its last appended position's token is still being sampled
+    pending_sample: bool = False             # the newest in-flight step containing it samples for it
+    blocks_sent: int = 0                     # leading blocks of its table the chain's workers hold
+    abort_requested: bool = False            # set by any thread; the owning chain finishes it
+    route_load: float = 0.0                  # what the router charged its chain (given back at the end)
+    admitted_at: float = 0.0                 # time.monotonic() of admission (TTFT)
+    first_token_at: float = 0.0
+
     sampling_row: bytes = b""                # the params packed once, for the per-step Step arrays
 
     def __post_init__(self):

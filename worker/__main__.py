@@ -68,8 +68,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-token", default=os.environ.get("MINIPAGED_WORKER_TOKEN", ""),
                    help="require 'authorization: Bearer TOKEN' on WorkerService calls "
                         "(default: $MINIPAGED_WORKER_TOKEN)")
+    p.add_argument("--worker-token-file", default="",
+                   help="read the worker token from this file (a compose/Kubernetes secret)")
     p.add_argument("--heartbeat-ms", type=int, default=1000,
                    help="heartbeat interval until the metadata service names its own")
+    p.add_argument("--replica-group", default="",
+                   help="chains form among workers of the same group (default: one group for all)")
+    p.add_argument("--simulate", default="", metavar="h200|PROFILE.json",
+                   help="a simulated worker: no weights, no compute; each step sleeps for a roofline timing "
+                        "model's time (worker/simulator.py) and returns deterministic pseudo-random tokens")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -99,6 +106,13 @@ def resolve_args(argv=None) -> argparse.Namespace:
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
     cuda = args.device.startswith("cuda")
+    if args.simulate:
+        from worker.simulator import load_profile
+        try:
+            args.profile = load_profile(args.simulate)
+        except (ValueError, OSError) as e:
+            parser.error(str(e))
+        cuda = True  # it stands in for a GPU: bfloat16 by default
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
     args.backend = args.backend or ("pycuda" if cuda else "torch")
     if args.num_blocks < 0:
@@ -109,6 +123,12 @@ def resolve_args(argv=None) -> argparse.Namespace:
         parser.error("--kv-cache-bytes must be > 0")
     if not 0 <= args.port < 65536:
         parser.error(f"--port {args.port} out of range")
+    if args.worker_token_file:
+        try:
+            with open(args.worker_token_file) as f:
+                args.worker_token = f.read().strip()
+        except OSError as e:
+            parser.error(f"--worker-token-file: {e}")
     return args
 
 
@@ -136,22 +156,36 @@ def main(argv=None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())
     keep_freed_memory()
-    from worker.model_runner import ModelRunner
     from worker.registration import Registration
     from minipaged.tls import make_channel
-    from worker.server import WorkerServicer, build_server
+    from worker.server import SERVICE_NAME, WorkerServicer, build_server
 
-    runner = ModelRunner(args.model, args.layer_start, args.layer_end, args.dtype, args.device, args.backend)
-    budget = kv_budget_bytes(args)
+    if args.simulate:  # the one substitution: a runner that sleeps instead of computing
+        from worker.simulator import SimRunner
+        runner = SimRunner(args.model, args.layer_start, args.layer_end, args.dtype, args.profile)
+        budget = 0 if args.num_blocks else (args.kv_cache_bytes or runner.timing.kv_budget_bytes())
+        device, backend = f"sim:{args.profile.name}", "simulated"
+    else:
+        from worker.model_runner import ModelRunner
+        runner = ModelRunner(args.model, args.layer_start, args.layer_end, args.dtype, args.device, args.backend)
+        budget = kv_budget_bytes(args)
+        device, backend = args.device, args.backend
     if not args.num_blocks and budget <= 0:
         log.error("no memory left for the K/V cache on %s (use --kv-cache-bytes or --num-blocks)", args.device)
         return 2
-    servicer = WorkerServicer(runner, model_name=args.model, device=args.device, dtype=args.dtype,
-                              backend=args.backend, kv_cache_bytes=budget, fixed_num_blocks=args.num_blocks)
+    servicer = WorkerServicer(runner, model_name=args.model, device=device, dtype=args.dtype,
+                              backend=backend, kv_cache_bytes=budget, fixed_num_blocks=args.num_blocks,
+                              replica_group=args.replica_group, simulate=args.simulate)
     servicer.channel_factory = lambda address, options: make_channel(address, options, args.tls_ca,
                                                                      args.tls_cert, args.tls_key)
-    server, port, health_servicer = build_server(servicer, args.host, args.port, args.worker_token,
-                                                 tls=(args.tls_cert, args.tls_key, args.tls_client_ca))
+    try:
+        server, port, health_servicer = build_server(servicer, args.host, args.port, args.worker_token,
+                                                     tls=(args.tls_cert, args.tls_key, args.tls_client_ca),
+                                                     ready=not args.metadata)
+    except OSError as e:
+        log.error("cannot serve on %s:%d: %s", args.host, args.port, e)
+        print(f"error: cannot serve on {args.host}:{args.port}: {e}", file=sys.stderr, flush=True)
+        return 1
     host = args.host if args.host not in ("0.0.0.0", "::", "[::]") else socket.gethostname()
     servicer.address = args.advertise_address or f"{host}:{port}"
     log.info("worker serving layers [%d, %d) of %s on %s:%d (advertised %s), %s %s/%s, capacity %s",
@@ -161,9 +195,13 @@ def main(argv=None) -> int:
 
     registration, rejected = None, []
     if args.metadata:
+        from grpc_health.v1 import health_pb2
+        ready = lambda ok: health_servicer.set(  # noqa: E731 - readiness follows registration
+            SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING)
         registration = Registration(args.metadata, servicer.info, lambda: servicer.epoch,
                                     default_interval_ms=args.heartbeat_ms, token=args.worker_token,
                                     channel_factory=servicer.channel_factory,
+                                    steps_fn=lambda: servicer.steps_served, on_ready=ready,
                                     on_rejected=lambda why: (rejected.append(why), stop.set())).start()
 
     while not stop.wait(1.0):  # a timed wait keeps the main thread responsive to signals

@@ -68,6 +68,16 @@ class ModelRunner:
                                      block_size, self.config.head_dim, self.dtype, self.device)
         return self.kv_cache
 
+    # Hidden states between stages travel as raw bytes in the model dtype (bfloat16 has no numpy dtype).
+    def encode_hidden(self, hidden: torch.Tensor) -> tuple[bytes, str]:
+        h = hidden.detach().contiguous().cpu()
+        return h.view(torch.uint8).numpy().tobytes(), str(h.dtype).removeprefix("torch.")
+
+    def decode_hidden(self, data: bytes, dtype: str, num_tokens: int) -> torch.Tensor:
+        # bytearray: one copy into writable memory (the stage may compute in place)
+        h = torch.frombuffer(bytearray(data), dtype=as_dtype(dtype)).view(num_tokens, self.config.hidden_size)
+        return h.to(self.device, self.dtype)
+
     def make_batch(self, input_ids, positions, slot_mapping, query_start_loc, seq_lens,
                    block_tables) -> StepBatch:
         qsl = np.asarray(query_start_loc)

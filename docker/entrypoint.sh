@@ -1,9 +1,10 @@
 #!/bin/sh
 # Secrets as files (compose `secrets:`, Kubernetes Secret volumes): for every MINIPAGED_X_FILE=PATH
 # in the environment, export MINIPAGED_X with the file's content (trailing newlines dropped) and
-# unset MINIPAGED_X_FILE, then exec the command. The services read MINIPAGED_TOKEN,
-# MINIPAGED_WORKER_TOKEN (and the gateway MINIPAGED_GATEWAY_TOKEN) from their environment, so the
-# secret never appears in the command line, `docker inspect` or the compose file.
+# unset MINIPAGED_X_FILE, then exec the command. The services read their tokens from the
+# environment (metadata service: MINIPAGED_TOKEN, MINIPAGED_WORKER_TOKEN; worker:
+# MINIPAGED_WORKER_TOKEN; gateway: MINIPAGED_TOKEN, MINIPAGED_METADATA_TOKEN), so a secret never
+# appears in a command line, in `docker inspect` or in the compose file.
 # A named file that is missing, empty or unreadable is a start error (exit 78, EX_CONFIG): a
 # service that was meant to have a token never starts without one.
 set -eu

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
 import subprocess
 import sys
 from concurrent import futures
@@ -57,13 +56,7 @@ def expand(value, env: dict | None = None) -> str:
 
 
 def command(service: dict, env: dict | None = None) -> list[str]:
-    """The argv a service runs (a `sh -c "exec ..."` command split as the shell would)."""
-    cmd = [expand(x, env) for x in service["command"]]
-    if cmd[:2] == ["sh", "-c"]:
-        script = cmd[2]
-        assert script.startswith("exec "), "a shell command must exec the service (PID 1 gets SIGTERM)"
-        cmd = shlex.split(script[len("exec "):].replace('"$MINIPAGED_GATEWAY_TOKEN"', "TOKEN"))
-    return cmd
+    return [expand(x, env) for x in service["command"]]
 
 
 def flag(cmd: list[str], name: str) -> str:
@@ -119,16 +112,17 @@ def test_tokens_come_from_secret_files(compose):
     for name, spec in compose["secrets"].items():
         assert spec == {"file": f"${{MINIPAGED_SECRETS_DIR:-./docker/secrets}}/{name}"}
     wanted = {"metadata": {"MINIPAGED_TOKEN_FILE": "client_token", "MINIPAGED_WORKER_TOKEN_FILE": "worker_token"},
-              "gateway": {"MINIPAGED_TOKEN_FILE": "client_token", "MINIPAGED_GATEWAY_TOKEN_FILE": "gateway_token"},
+              # the gateway: its API key (--token, env MINIPAGED_TOKEN) and the client token it presents
+              # to the metadata service (--metadata-token, env MINIPAGED_METADATA_TOKEN)
+              "gateway": {"MINIPAGED_TOKEN_FILE": "gateway_token", "MINIPAGED_METADATA_TOKEN_FILE": "client_token"},
               **{w: {"MINIPAGED_WORKER_TOKEN_FILE": "worker_token"} for w in WORKERS}}
     for name, svc in compose["services"].items():
         env = svc["environment"]
         files = {k: v for k, v in env.items() if k.endswith("_FILE")}
         assert files == {k: f"/run/secrets/{s}" for k, s in wanted[name].items()}, name
         assert sorted(svc["secrets"]) == sorted(wanted[name].values()), name
-        assert not {"MINIPAGED_TOKEN", "MINIPAGED_WORKER_TOKEN", "MINIPAGED_GATEWAY_TOKEN"} & set(env), name
-        assert "--token" not in command(svc)[3:] or name == "gateway", name
-        assert "--worker-token" not in command(svc), name
+        assert not {"MINIPAGED_TOKEN", "MINIPAGED_WORKER_TOKEN", "MINIPAGED_METADATA_TOKEN"} & set(env), name
+        assert not any(a.startswith(("--token", "--worker-token", "--metadata-token")) for a in command(svc)), name
 
 
 def test_model_volume_and_variable(compose):
@@ -163,10 +157,13 @@ def test_worker_commands_parse(compose, name):
         assert compose["services"][name]["environment"]["OMP_WAIT_POLICY"] == "PASSIVE"
 
 
-def test_gateway_command(compose):
+def test_gateway_command_takes_its_tokens_from_the_environment(compose, monkeypatch):
     cmd = command(compose["services"]["gateway"])
-    assert cmd[:3] == ["python", "-m", "gateway"] and flag(cmd, "--token") == "TOKEN"
-    parse(cmd)  # skips until gateway/ exists
+    assert cmd[:3] == ["python", "-m", "gateway"] and flag(cmd, "--model") == "tiny"
+    monkeypatch.setenv("MINIPAGED_TOKEN", "api-key")              # what the entrypoint exports
+    monkeypatch.setenv("MINIPAGED_METADATA_TOKEN", "client-token")
+    args = parse(cmd)  # skips until gateway/ exists
+    assert (args.token, args.metadata_token) == ("api-key", "client-token")
 
 
 def test_default_layers_split_tiny_evenly(compose):

@@ -91,21 +91,34 @@ class LocalCluster:
     `token` starts the service with --token and gives it to `.client`; `root` is the directory the
     packages are run from (the repo root; tests point it at fakes). Logs: `log_dir`, `logs()`."""
 
-    def __init__(self, model: str = "tiny", workers: int = 1, dtype: str = "float32",
+    def __init__(self, model: str = "tiny", workers: int = 1, dtype: str | None = "float32",
                  num_blocks: int | None = None, block_size: int = 16, device: str = "cpu",
                  extra_service_args=(), extra_worker_args=(), db: str | None = None,
                  env: dict | None = None, startup_timeout: float = 120.0, grace: float = 5.0,
-                 token: str | None = None, root: str | None = None):
+                 token: str | None = None, root: str | None = None, replicas: int = 1, standby: int = 0,
+                 simulate: str | None = None, threads: int | None = None):
+        """`workers` stages per chain, `replicas` chains (workers x replicas processes), plus
+        `standby` spare workers serving all layers. `simulate` ('h200' or a profile JSON) starts
+        simulated workers (no weights; dtype None = their default, bfloat16). `threads`: torch
+        threads per worker (default: the machine's cores shared out among the CPU workers)."""
         self.model, self.root, self.grace = model, root or ROOT, grace
         self.startup_timeout = startup_timeout
-        self.layers = split_layers(load_model_config(model).num_hidden_layers, workers)  # may raise
+        if replicas < 1 or standby < 0:
+            raise ValueError("replicas must be >= 1 and standby >= 0")
+        stages = split_layers(load_model_config(model).num_hidden_layers, workers)  # may raise
+        full = (0, stages[-1][1])
+        self.layers = stages * replicas + [full] * standby
+        self.replicas = replicas
         self.log_dir = tempfile.mkdtemp(prefix="minipaged-cluster-")
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.env["PYTHONPATH"] = os.pathsep.join(p for p in (self.root, self.env.get("PYTHONPATH")) if p)
-        if workers > 1:  # stages on one machine take turns: idle OpenMP threads must not spin on its cores
+        n_procs = len(self.layers)
+        if n_procs > 1:  # processes on one machine take turns: idle OpenMP threads must not spin on its cores
             self.env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        if threads is None and not simulate and device == "cpu":
+            threads = max(1, (os.cpu_count() or 1) // max(1, n_procs - standby))
         py, log = sys.executable, lambda name: os.path.join(self.log_dir, f"{name}.log")
         service_cmd = [py, "-m", "metadata_service", "--host", "127.0.0.1", "--port", str(self.port),
                        "--block-size", str(block_size), "--db", db or os.path.join(self.log_dir, "jobs.db")]
@@ -113,8 +126,10 @@ class LocalCluster:
         self._procs = [_Proc("metadata_service", service_cmd, log("metadata_service"))]
         for i, (a, b) in enumerate(self.layers):
             cmd = [py, "-m", "worker", "--metadata", self.address, "--host", "127.0.0.1",
-                   "--port", str(free_port()), "--model", model, "--layers", f"{a}:{b}",
-                   "--dtype", dtype, "--device", device]
+                   "--port", str(free_port()), "--model", model, "--layers", f"{a}:{b}"]
+            cmd += ["--dtype", dtype] if dtype else []
+            cmd += ["--simulate", simulate] if simulate else ["--device", device]
+            cmd += ["--threads", str(threads)] if threads else []
             if num_blocks is not None:
                 cmd += ["--num-blocks", str(num_blocks)]
             cmd += [str(x) for x in extra_worker_args]
@@ -159,7 +174,8 @@ class LocalCluster:
         return "\n".join(out)
 
     def wait_ready(self, timeout: float | None = None) -> None:
-        """Until Stats says ready (a full chain registered, cache initialised) or a process exits."""
+        """Until Stats says every chain is ready (caches initialised) and every worker registered,
+        or a process exits."""
         end = time.monotonic() + (self.startup_timeout if timeout is None else timeout)
         while True:
             dead = [p.name for p in self._procs if p.popen.poll() is not None]
@@ -167,7 +183,9 @@ class LocalCluster:
                 raise ClusterError(f"{', '.join(dead)} exited before the cluster was ready; "
                                    f"logs in {self.log_dir}\n" + self.logs())
             try:
-                if self.client.stats(timeout=2.0).ready:
+                st = self.client.stats(timeout=2.0)
+                # every chain formed and every worker (standbys too) registered
+                if st.ready and st.num_chains >= self.replicas and st.num_workers >= len(self.layers):
                     return
             except MiniPagedError:
                 pass  # not listening yet

@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="read the worker token from this file (a compose/Kubernetes secret)")
     p.add_argument("--heartbeat-ms", type=int, default=1000,
                    help="heartbeat interval until the metadata service names its own")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch CPU threads for this worker (default: torch's own choice, all cores)")
     p.add_argument("--replica-group", default="",
                    help="chains form among workers of the same group (default: one group for all)")
     p.add_argument("--simulate", default="", metavar="h200|PROFILE.json",
@@ -156,6 +158,9 @@ def main(argv=None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())
     keep_freed_memory()
+    if args.threads > 0:
+        import torch
+        torch.set_num_threads(args.threads)
     from worker.registration import Registration
     from minipaged.tls import make_channel
     from worker.server import SERVICE_NAME, WorkerServicer, build_server

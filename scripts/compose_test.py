@@ -127,6 +127,8 @@ class Stack:
         os.makedirs(self.models)
         self.env = {**os.environ, "MINIPAGED_SECRETS_DIR": self.secrets, "MODELS_DIR": self.models,
                     "BASE_IMAGE": BASE_IMAGE, "MODEL": MODEL, "CPU_DTYPE": DTYPE,
+                    # the cores shared out between the two workers, as LocalCluster does
+                    "CPU_THREADS": str(max(1, (os.cpu_count() or 1) // 2)),
                     **{k: str(v) for k, v in PORTS.items()}}
         run([os.path.join(REPO, "docker", "make-secrets.sh")], env=self.env, capture=True)
         self.client_token = self.read_secret("client_token")

@@ -154,6 +154,7 @@ def test_worker_commands_parse(compose, name):
     else:
         assert (args.device, args.dtype) == ("cpu", "float32")
         assert parse(command(compose["services"][name], {"CPU_DTYPE": "float64"})).dtype == "float64"
+        assert args.threads == 0 and parse(command(compose["services"][name], {"CPU_THREADS": "4"})).threads == 4
         assert compose["services"][name]["environment"]["OMP_WAIT_POLICY"] == "PASSIVE"
 
 

@@ -300,7 +300,8 @@ class S(pb_grpc.MetadataServiceServicer):
         layers.update(range(req.info.layer_start, req.info.layer_end))
         return pb.RegisterWorkerReply(worker_id=str(len(layers)))
     def Stats(self, req, ctx):
-        return pb.StatsReply(ready=layers == set(range(4)), num_workers=len(layers) // 2)
+        ready = layers == set(range(4))
+        return pb.StatsReply(ready=ready, num_workers=len(layers) // 2, num_chains=int(ready))
 server = grpc.server(futures.ThreadPoolExecutor(4))
 pb_grpc.add_MetadataServiceServicer_to_server(S(), server)
 server.add_insecure_port(f"{a.host}:{a.port}")
@@ -316,6 +317,7 @@ from minipaged.v1 import metadata_pb2 as pb, metadata_pb2_grpc as pb_grpc, worke
 ap = argparse.ArgumentParser()
 for f in ("--metadata", "--host", "--port", "--model", "--layers", "--dtype", "--device"):
     ap.add_argument(f, required=True)
+ap.add_argument("--threads")
 a = ap.parse_args()
 if os.environ.get("FAKE_FAIL") and a.layers != "0:2":
     sys.exit("boom: cannot load layers " + a.layers)

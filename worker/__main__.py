@@ -119,8 +119,8 @@ def resolve_args(argv=None) -> argparse.Namespace:
     args.backend = args.backend or ("pycuda" if cuda else "torch")
     if args.num_blocks < 0:
         parser.error("--num-blocks must be > 0")
-    if args.kv_memory_fraction is not None and not 0 < args.kv_memory_fraction <= 1:
-        parser.error("--kv-memory-fraction must be in (0, 1]")
+    if args.kv_memory_fraction is not None and not 0 < args.kv_memory_fraction < 1:
+        parser.error("--kv-memory-fraction must be in (0, 1): activations need room beyond the cache")
     if args.kv_cache_bytes is not None and args.kv_cache_bytes <= 0:
         parser.error("--kv-cache-bytes must be > 0")
     if not 0 <= args.port < 65536:
@@ -135,19 +135,13 @@ def resolve_args(argv=None) -> argparse.Namespace:
 
 
 def kv_budget_bytes(args) -> int:
-    """K/V byte budget once the weights are loaded (0 when --num-blocks fixes the capacity)."""
-    if args.num_blocks:
-        return 0
-    if args.kv_cache_bytes is not None and args.kv_memory_fraction is None:
-        return args.kv_cache_bytes
-    if args.device.startswith("cuda"):
-        import torch
-        free, total = torch.cuda.mem_get_info(torch.device(args.device))
-        frac = args.kv_memory_fraction or DEFAULT_GPU_MEMORY_FRACTION
-        return max(0, int(total * frac) - (total - free))  # vLLM-style: a share of the whole device
-    if args.kv_memory_fraction is not None:
-        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * args.kv_memory_fraction)
-    return DEFAULT_CPU_KV_BYTES
+    """K/V byte budget once the weights are loaded (0 when --num-blocks fixes the capacity).
+    Only this process's own device memory counts against --kv-memory-fraction (worker/memory.py)."""
+    from worker import memory
+    return memory.kv_budget_bytes(args.device, args.kv_memory_fraction, args.kv_cache_bytes, args.num_blocks,
+                                  default_gpu_fraction=DEFAULT_GPU_MEMORY_FRACTION,
+                                  default_cpu_bytes=DEFAULT_CPU_KV_BYTES,
+                                  baseline=getattr(args, "memory_baseline", None))
 
 
 def main(argv=None) -> int:
@@ -172,6 +166,9 @@ def main(argv=None) -> int:
         device, backend = f"sim:{args.profile.name}", "simulated"
     else:
         from worker.model_runner import ModelRunner
+        if args.device.startswith("cuda"):  # what this process grows outside torch counts as its own
+            from worker import memory
+            args.memory_baseline = memory.take_baseline(args.device)
         runner = ModelRunner(args.model, args.layer_start, args.layer_end, args.dtype, args.device, args.backend)
         budget = kv_budget_bytes(args)
         device, backend = args.device, args.backend

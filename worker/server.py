@@ -75,6 +75,7 @@ class StepOutcome:
     forward: pb.StepRequest | None       # or what goes to the next stage
     timing: pb.StageTiming
     sampled_ids: list[int]               # sequence ids this step samples (stage 0 tracks their tokens)
+    ready_at: float = 0.0                # time.monotonic() when the device has the results (see below)
 
 
 class WorkerServicer(pb_grpc.WorkerServiceServicer):
@@ -244,8 +245,12 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                         else grpc.StatusCode.INTERNAL)
                 raise StepError(code, f"step {request.step_id} on stage [{self.runner.layer_start}, "
                                       f"{self.runner.layer_end}): {type(e).__name__}: {e}") from None
+            # A runner may model an asynchronous device (the simulator does): the call returns at once,
+            # the results exist at `ready_at`, and the stage's busy time is the device's.
+            device_s = getattr(self.runner, "last_step_s", None)
             timing = pb.StageTiming(layer_start=self.runner.layer_start, layer_end=self.runner.layer_end,
-                                    compute_ms=(time.perf_counter() - t0) * 1e3)  # excludes later stages
+                                    compute_ms=1e3 * (device_s if device_s is not None else time.perf_counter() - t0))
+            ready_at = getattr(self.runner, "ready_at", 0.0)
             sampled = [s for s, d in zip(a.seq_ids, a.do_sample.tolist()) if d] if a.seq_ids else []
             self.steps_served += 1
             if self.runner.is_last:
@@ -253,9 +258,9 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                 out.cache_epoch = self.epoch
                 if self.runner.is_first and sampled and out.sampled_token_ids:
                     self.store.record_sampled(sampled, wire.unpack(out.sampled_token_ids), forwarded=False)
-                return StepOutcome(out, None, timing, sampled)
+                return StepOutcome(out, None, timing, sampled, ready_at)
             out.cache_epoch = self._pin_next_epoch()
-            return StepOutcome(None, out, timing, sampled)
+            return StepOutcome(None, out, timing, sampled, ready_at)
 
     def _compute(self, request, a):
         hidden_in = None
@@ -297,6 +302,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             o = self._process(request)
         except StepError as e:
             context.abort(e.code, e.message)
+        _wait_until(o.ready_at)
         if o.reply is not None:
             return o.reply
         first = self.runner.is_first and o.sampled_ids
@@ -322,7 +328,9 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                 item = stream.out.get()
                 if item is None:
                     return
-                yield item
+                reply, ready_at = item
+                _wait_until(ready_at)  # an asynchronous device: not before its results exist
+                yield reply
         finally:
             self.streams.discard(stream)
             stream.cancel()
@@ -332,6 +340,12 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             stream.cancel()
         if self.next_channel is not None:
             self.next_channel.close()
+
+
+def _wait_until(t: float) -> None:
+    delay = t - time.monotonic()
+    if delay > 0:
+        time.sleep(delay)
 
 
 def _upstream_code(code: grpc.StatusCode) -> grpc.StatusCode:
@@ -376,11 +390,11 @@ class _Stream:
         try:
             o = self.s._process(request)
         except StepError as e:
-            self.out.put(pb.StepReply(step_id=request.step_id, error_code=e.code.value[0], error=e.message,
-                                      cache_epoch=self.s.epoch))
+            self.out.put((pb.StepReply(step_id=request.step_id, error_code=e.code.value[0], error=e.message,
+                                       cache_epoch=self.s.epoch), 0.0))
             return
         if o.reply is not None:
-            self.out.put(o.reply)
+            self.out.put((o.reply, o.ready_at))
             return
         if self.link is None:
             self.link = StageLink(self.s.next_stub, self.s.next_address, self.s.next_meta,
@@ -389,20 +403,21 @@ class _Stream:
         self.sent[request.step_id] = (o.timing, o.sampled_ids if first else [])
         if first:
             self.s.store.note_forwarded(o.sampled_ids)
-        self.link.send(o.forward)
+        self.link.send(o.forward, o.ready_at)
 
     def _relay(self, down: pb.StepReply) -> None:
         timing, sampled = self.sent.pop(down.step_id, (pb.StageTiming(), []))
         if sampled:
             toks = wire.unpack(down.sampled_token_ids) if not down.error_code else None
             self.s.store.record_sampled(sampled, toks, forwarded=True)
-        self.out.put(_relayed(down, timing, down.step_id, self.s.epoch))
+        self.out.put((_relayed(down, timing, down.step_id, self.s.epoch), 0.0))
 
     def _failed(self, step_id: int, code: grpc.StatusCode, message: str) -> None:
         _, sampled = self.sent.pop(step_id, (None, []))
         if sampled:
             self.s.store.record_sampled(sampled, None, forwarded=True)
-        self.out.put(pb.StepReply(step_id=step_id, error_code=code.value[0], error=message, cache_epoch=self.s.epoch))
+        self.out.put((pb.StepReply(step_id=step_id, error_code=code.value[0], error=message,
+                                   cache_epoch=self.s.epoch), 0.0))
 
     def cancel(self) -> None:
         self.cancelled.set()

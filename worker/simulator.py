@@ -7,6 +7,10 @@ spins, so many simulated workers share two cores) for the time a roofline model 
 layer range gives, then returns deterministic pseudo-random tokens. Dynamo's "mocker" engine is the
 precedent; what this measures is the real host side: scheduler, block manager, wire, processes.
 
+The device is asynchronous, as a GPU is: a step occupies the simulated device from when it is
+queued (or when the previous step ends) for the model's time, and the worker prepares the next step
+on the CPU meanwhile; replies and forwarded hidden states leave when the device is done.
+
 Timing model (one step of T query tokens over B sequences with context lengths ctx_b, on the stage's
 L layers; all byte counts in the model dtype):
     weight bytes   W   = L * P_layer * bytes  (+ lm_head on the last stage, + T embedding rows on the first)
@@ -148,6 +152,11 @@ class SimRunner:
         self.eos = np.asarray(sorted(set(self.config.eos_token_ids)), dtype=np.int64)
         self.kv_cache = None
         self.busy_s = 0.0
+        # The simulated device runs asynchronously, like a GPU: execute() queues the step on its
+        # timeline and returns; its results exist at ready_at. The server holds the reply (and the
+        # forwarded hidden states) until then, while it already prepares the next step.
+        self.ready_at = 0.0
+        self.last_step_s = 0.0
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return self.timing.layers * self.timing.kv_tok * block_size
@@ -164,7 +173,8 @@ class SimRunner:
         q_lens = np.diff(batch.query_start_loc)
         sampled = len(q_lens) if self.is_last else 0
         t = self.timing.step_seconds(q_lens, batch.seq_lens, sampled)
-        time.sleep(t)   # sleep, never spin: many simulated workers share the machine's cores
+        self.ready_at = max(time.monotonic(), self.ready_at) + t   # waited for by sleeping, never spinning
+        self.last_step_s = t
         self.busy_s += t
         ids = batch.input_ids if batch.input_ids is not None else hidden_in.input_ids
         return SimHidden(np.asarray(ids, dtype=np.int32), batch.positions)

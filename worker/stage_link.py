@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from typing import Callable
 
 import grpc
@@ -37,12 +38,16 @@ class StageLink:
             item = self._requests.get()
             if item is _END:
                 return
-            yield item
+            request, ready_at = item
+            delay = ready_at - time.monotonic()
+            if delay > 0:       # hidden states leave an asynchronous device once they exist
+                time.sleep(delay)
+            yield request
 
-    def send(self, request: pb.StepRequest) -> None:
+    def send(self, request: pb.StepRequest, ready_at: float = 0.0) -> None:
         with self._lock:
             self._outstanding.append(request.step_id)
-        self._requests.put(request)
+        self._requests.put((request, ready_at))
 
     def _run(self) -> None:
         try:

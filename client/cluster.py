@@ -89,16 +89,19 @@ class LocalCluster:
 
     Starts on construction (like dask's LocalCluster) and waits until the service reports ready.
     `token` starts the service with --token and gives it to `.client`; `root` is the directory the
-    packages are run from (the repo root; tests point it at fakes). Logs: `log_dir`, `logs()`."""
+    packages are run from (the repo root; tests point it at fakes). Logs: `log_dir`, `logs()`.
+    `http=True` also starts the HTTP gateway (`python -m gateway`, with the same token) once the
+    service is ready, and waits for its GET /health; `.http_url` is its base URL (None without)."""
 
     def __init__(self, model: str = "tiny", workers: int = 1, dtype: str | None = "float32",
                  num_blocks: int | None = None, block_size: int = 16, device: str = "cpu",
                  extra_service_args=(), extra_worker_args=(), db: str | None = None,
                  env: dict | None = None, startup_timeout: float = 120.0, grace: float = 5.0,
                  token: str | None = None, root: str | None = None, replicas: int = 1, standby: int = 0,
-                 simulate: str | None = None, threads: int | None = None):
+                 simulate: str | None = None, threads: int | None = None, http: bool = False):
         """`workers` stages per chain, `replicas` chains (workers x replicas processes), plus
-        `standby` spare workers serving all layers. `simulate` ('h200' or a profile JSON) starts
+        `standby` spare workers for the last stage's layers: they wait, outside any chain, to replace
+        a lost stage (with one stage per chain a spare is simply one more replica). `simulate` ('h200' or a profile JSON) starts
         simulated workers (no weights; dtype None = their default, bfloat16). `threads`: torch
         threads per worker (default: the machine's cores shared out among the CPU workers)."""
         self.model, self.root, self.grace = model, root or ROOT, grace
@@ -106,8 +109,7 @@ class LocalCluster:
         if replicas < 1 or standby < 0:
             raise ValueError("replicas must be >= 1 and standby >= 0")
         stages = split_layers(load_model_config(model).num_hidden_layers, workers)  # may raise
-        full = (0, stages[-1][1])
-        self.layers = stages * replicas + [full] * standby
+        self.layers = stages * replicas + [stages[-1]] * standby
         self.replicas = replicas
         self.log_dir = tempfile.mkdtemp(prefix="minipaged-cluster-")
         self.port = free_port()
@@ -118,7 +120,7 @@ class LocalCluster:
         if n_procs > 1:  # processes on one machine take turns: idle OpenMP threads must not spin on its cores
             self.env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         if threads is None and not simulate and device == "cpu":
-            threads = max(1, (os.cpu_count() or 1) // max(1, n_procs - standby))
+            threads = max(1, (os.cpu_count() or 1) // max(1, n_procs - (standby if workers > 1 else 0)))
         py, log = sys.executable, lambda name: os.path.join(self.log_dir, f"{name}.log")
         service_cmd = [py, "-m", "metadata_service", "--host", "127.0.0.1", "--port", str(self.port),
                        "--block-size", str(block_size), "--db", db or os.path.join(self.log_dir, "jobs.db")]
@@ -135,10 +137,13 @@ class LocalCluster:
             cmd += [str(x) for x in extra_worker_args]
             self._procs.append(_Proc(f"worker{i}", cmd, log(f"worker{i}")))
         self.client = Client(self.address, token=token)
+        self.http_url: str | None = None
         try:
             for p in self._procs:
                 self._spawn(p)
             self.wait_ready()
+            if http:
+                self._start_gateway(py, log("gateway"), token)
         except BaseException:
             self.stop(keep_logs=True)
             raise
@@ -191,6 +196,31 @@ class LocalCluster:
                 pass  # not listening yet
             if time.monotonic() > end:
                 raise ClusterError(f"cluster at {self.address} not ready after {self.startup_timeout:.0f}s; "
+                                   f"logs in {self.log_dir}\n" + self.logs())
+            time.sleep(0.2)
+
+    def _start_gateway(self, py: str, log_path: str, token: str | None) -> None:
+        import urllib.error
+        import urllib.request
+        port = free_port()
+        cmd = [py, "-m", "gateway", "--metadata", self.address, "--port", str(port), "--host", "127.0.0.1",
+               "--model", self.model] + (["--token", token] if token else [])
+        p = _Proc("gateway", cmd, log_path)
+        self._procs.append(p)  # last: workers keep their indices in .processes
+        self._spawn(p)
+        url, end = f"http://127.0.0.1:{port}", time.monotonic() + self.startup_timeout
+        while True:
+            if p.popen.poll() is not None:
+                raise ClusterError(f"gateway exited before it was ready; logs in {self.log_dir}\n" + self.logs())
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2.0) as r:
+                    if r.status == 200:
+                        self.http_url = url
+                        return
+            except (urllib.error.URLError, OSError):
+                pass  # not listening yet, or 503 while not ready
+            if time.monotonic() > end:
+                raise ClusterError(f"gateway at {url} not healthy after {self.startup_timeout:.0f}s; "
                                    f"logs in {self.log_dir}\n" + self.logs())
             time.sleep(0.2)
 

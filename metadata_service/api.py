@@ -10,6 +10,7 @@ import threading
 import time
 
 import grpc
+import numpy as np
 
 from minipaged.tokenizer import IncrementalDetokenizer
 from minipaged.v1 import metadata_pb2, metadata_pb2_grpc
@@ -70,35 +71,50 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
 
     # ------------------------------------------------------------------ generation
     def Generate(self, request, context):
+        if request.best_of > max(1, request.n):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"best_of ({request.best_of}) > n ({max(1, request.n)}) cannot be streamed: which choices "
+                          f"win is known only at the end; submit it as a job")
         req = self._admit([request], context)[0]
         events: queue.SimpleQueue = queue.SimpleQueue()
-        seq = to_sequence(req, self.engine, sink=lambda s, ev: events.put(ev))
+        seq = to_sequence(req, self.engine, sink=lambda s, ev: events.put((s, ev)))
         context.add_callback(lambda: seq.status.value != "finished" and self.engine.abort(seq))
         self.engine.add(seq)
-        detok = IncrementalDetokenizer(self.engine)
+        grouped = seq.group is not None
         hold = max((len(s) for s in seq.params.stop), default=1) - 1  # never stream a stop string
-        sent = 0
+        choices: dict[int, list] = {}                                  # choice -> [detokenizer, chars sent]
         try:
             while True:
                 try:
-                    ev = events.get(timeout=0.5)
+                    s, ev = events.get(timeout=0.5)
                 except queue.Empty:
                     if not context.is_active():
                         return
                     continue
+                if ev.error:
+                    context.abort(grpc.StatusCode[ev.error_code or "UNAVAILABLE"], ev.error)
+                if ev.finished and ev.finish_reason == "group":
+                    return                                             # every choice has ended
+                state = choices.setdefault(s.choice, [IncrementalDetokenizer(self.engine), 0])
+                detok, sent = state
                 detok.push(ev.new_token_ids)
-                lp = pack(ev.new_logprobs, FLOAT32) if seq.params.return_logprobs else b""
+                chunk = metadata_pb2.GenerateChunk(token_ids=pack(ev.new_token_ids, INT32), index=s.choice,
+                                                   logprobs=pack(ev.new_logprobs, FLOAT32)
+                                                   if seq.params.return_logprobs else b"")
+                if ev.new_top:
+                    chunk.top_logprob_ids = pack(np.concatenate([t[0] for t in ev.new_top]))
+                    chunk.top_logprobs = pack(np.concatenate([t[1] for t in ev.new_top]), FLOAT32)
                 if ev.finished:
-                    if ev.error:
-                        context.abort(grpc.StatusCode[ev.error_code or "UNAVAILABLE"], ev.error)
-                    text = final_text(seq, self.engine)
-                    yield metadata_pb2.GenerateChunk(token_ids=pack(ev.new_token_ids, INT32), text=text[sent:],
-                                                     finish_reason=ev.finish_reason, usage=usage(seq), logprobs=lp)
-                    return
+                    chunk.text, chunk.finish_reason = final_text(s, self.engine)[sent:], ev.finish_reason
+                    chunk.usage.CopyFrom(usage(s))
+                    yield chunk
+                    if not grouped:
+                        return
+                    continue
                 visible = detok.emitted[:max(0, len(detok.emitted) - hold)] if hold else detok.emitted
-                delta = visible[sent:] if len(visible) > sent else ""
-                sent += len(delta)
-                yield metadata_pb2.GenerateChunk(token_ids=pack(ev.new_token_ids, INT32), text=delta, logprobs=lp)
+                chunk.text = visible[sent:] if len(visible) > sent else ""
+                state[1] = sent + len(chunk.text)
+                yield chunk
         finally:
             self._done()
 

@@ -182,6 +182,7 @@ class ChainRunner:
 
     def _step_request(self, b: ScheduledBatch, release: list[int]) -> worker_pb2.StepRequest:
         seqs = b.seqs
+        pending = set(b.deferred)
         rows = np.frombuffer(b"".join([s.sampling_row for s in seqs]), dtype=SAMPLING_ROW)
         step_id, self.next_step_id = self.next_step_id, self.next_step_id + 1
         req = worker_pb2.StepRequest(
@@ -192,7 +193,8 @@ class ChainRunner:
             do_sample=b.do_sample.tobytes(),
             temperature=rows["temperature"].tobytes(), top_p=rows["top_p"].tobytes(),
             top_k=rows["top_k"].tobytes(), seeds=rows["seed"].tobytes(),
-            sample_offsets=pack([len(s.output_token_ids) for s in seqs], INT32),
+            # the index of the token each row samples: one more when its input is still in flight
+            sample_offsets=pack([len(s.output_token_ids) + (s in pending) for s in seqs], INT32),
             return_logprobs=any(s.params.return_logprobs for s in seqs))
         if b.block_tables is not None:
             req.block_tables, req.max_blocks_per_seq = pack(b.block_tables), b.block_tables.shape[1]
@@ -202,6 +204,10 @@ class ChainRunner:
             req.new_blocks = pack(b.new_blocks)
         if release:
             req.release_sequence_ids = pack(release, INT64)
+        if b.copies:
+            req.copy_src, req.copy_dst = pack([c[0] for c in b.copies]), pack([c[1] for c in b.copies])
+        if any(s.params.extras for s in seqs):
+            _add_extras(req, seqs, unpack(req.sample_offsets, INT32))
         self.wire_bytes += req.ByteSize()
         return req
 
@@ -234,6 +240,10 @@ class ChainRunner:
         """Append each sampled token and apply the stop rules (hot: one pass, locals only)."""
         tokens = unpack(reply.sampled_token_ids, INT32).tolist()
         logprobs = unpack(reply.logprobs, FLOAT32).tolist() if reply.logprobs else None
+        top = None
+        if reply.top_logprob_ids:
+            top_ids = unpack(reply.top_logprob_ids, INT32).reshape(len(tokens), -1)
+            top = (top_ids, unpack(reply.top_logprobs, FLOAT32).reshape(top_ids.shape))
         mask = b.do_sample.tolist()
         eos, finished_status, engine = self.engine.eos_ids, SeqStatus.FINISHED, self.engine
         finished, fill_ids, fill_toks = [], [], []
@@ -257,6 +267,8 @@ class ChainRunner:
             if logprobs is not None:
                 seq.output_logprobs.append(logprobs[j])
             p = seq.params
+            if top is not None and p.top_logprobs:
+                seq.output_top.append((top[0][j, :p.top_logprobs], top[1][j, :p.top_logprobs]))
             if (tok in eos and not p.ignore_eos) or tok in p.stop_token_ids:
                 finished.append((seq, "stop"))
             elif seq.stop_checker is not None and seq.stop_checker.push(tok):
@@ -264,7 +276,8 @@ class ChainRunner:
             elif len(seq.output_token_ids) >= p.max_new_tokens:
                 finished.append((seq, "length"))
             elif seq.sink is not None and seq.tag is None:  # streams hear every token
-                engine.stream_tokens(seq, [tok], [logprobs[j]] if logprobs else [])
+                engine.stream_tokens(seq, [tok], [logprobs[j]] if logprobs else [],
+                                     seq.output_top[-1:] if p.top_logprobs else [])
         if fill_ids:
             self.manager.fill_tokens(fill_ids, fill_toks)
         self.generated_tokens += len(tokens)
@@ -343,3 +356,24 @@ class ChainRunner:
 
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def _add_extras(req: worker_pb2.StepRequest, seqs: list[Sequence], offsets: np.ndarray) -> None:
+    """The per-sequence sampling rules beyond temperature/top-p/top-k (worker/logits_processors.py).
+    Penalized sequences send their whole history: their cost grows with their length (only theirs)."""
+    B = len(seqs)
+    suppress = [bool(s.suppress_ids) and int(o) < s.params.min_new_tokens for s, o in zip(seqs, offsets)]
+    if any(suppress):
+        ids = [s.suppress_ids if on else () for s, on in zip(seqs, suppress)]
+        req.min_tokens_suppress = np.asarray(suppress, dtype=np.uint8).tobytes()
+        req.suppress_counts = pack([len(x) for x in ids])
+        req.suppress_ids = pack([t for x in ids for t in x])
+    if any(s.params.penalized for s in seqs):
+        hist = [s.all_token_ids if s.params.penalized else [] for s in seqs]
+        req.repetition_penalty = pack([s.params.repetition_penalty for s in seqs], FLOAT32)
+        req.presence_penalty = pack([s.params.presence_penalty for s in seqs], FLOAT32)
+        req.frequency_penalty = pack([s.params.frequency_penalty for s in seqs], FLOAT32)
+        req.penalty_counts = pack([len(h) for h in hist])
+        req.penalty_prompt_lens = pack([s.num_prompt_tokens if s.params.penalized else 0 for s in seqs])
+        req.penalty_tokens = pack([t for h in hist for t in h])
+    req.top_logprobs = max(s.params.top_logprobs for s in seqs)

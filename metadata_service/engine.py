@@ -105,6 +105,13 @@ class Engine:
         self._route([seq])
 
     def abort(self, seq: Sequence) -> None:
+        if seq.group is not None:             # a request with several choices: all of them
+            for member in seq.group.abort():
+                self._abort_one(member)
+            return
+        self._abort_one(seq)
+
+    def _abort_one(self, seq: Sequence) -> None:
         seq.abort_requested = True
         with self.route_lock:
             if seq in self.parked:
@@ -138,8 +145,8 @@ class Engine:
             if pending and self.model_fingerprint else None
 
     # ------------------------------------------------------------------ sinks (any thread)
-    def stream_tokens(self, seq: Sequence, tokens: list[int], logprobs: list[float]) -> None:
-        seq.sink(seq, SeqEvent(tokens, logprobs))
+    def stream_tokens(self, seq: Sequence, tokens: list[int], logprobs: list[float], top=()) -> None:
+        seq.sink(seq, SeqEvent(tokens, logprobs, new_top=list(top)))
 
     def finish(self, seq: Sequence, reason: str, error: str = "", code: str = "UNAVAILABLE") -> None:
         """Exactly once per sequence, from whichever thread ends it."""
@@ -155,8 +162,9 @@ class Engine:
         if seq.sink is not None:
             new = seq.output_token_ids[-1:] if reason in ("stop", "length") and seq.tag is None else []
             lp = seq.output_logprobs[-1:] if new and seq.output_logprobs else []
+            top = seq.output_top[-1:] if new and seq.output_top else []
             seq.sink(seq, SeqEvent(new, lp, finished=True, finish_reason=reason, error=error,
-                                   error_code=code if error else ""))
+                                   error_code=code if error else "", new_top=top))
 
     # ------------------------------------------------------------------ routing
     def _route(self, seqs: list[Sequence]) -> None:

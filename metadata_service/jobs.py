@@ -7,10 +7,10 @@ import uuid
 from dataclasses import dataclass, field
 
 from minipaged.v1 import metadata_pb2
-from minipaged.wire import FLOAT32, INT32, pack
 
 from .job_store import JobStore
-from .requests import final_text, to_sequence, usage
+from .requests import result as make_result
+from .requests import to_sequence
 from .sequence import Sequence
 
 log = logging.getLogger("metadata_service.jobs")
@@ -84,10 +84,7 @@ class JobManager:
     def _on_finish(self, seq: Sequence, event) -> None:
         """Engine thread: a job's sequence ended (finished, cancelled or failed)."""
         job, idx = seq.tag
-        result = metadata_pb2.GenerationResult(
-            index=idx, token_ids=pack(seq.output_token_ids, INT32), text=final_text(seq, self.engine),
-            finish_reason=event.finish_reason, usage=usage(seq), error=event.error,
-            logprobs=pack(seq.output_logprobs, FLOAT32) if seq.params.return_logprobs else b"")
+        result = make_result(seq, event, idx, self.engine)
         self.store.save_result(job.job_id, result)
         with job.cond:
             job.seqs.pop(idx, None)

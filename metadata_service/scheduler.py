@@ -45,6 +45,7 @@ class ScheduledBatch:
     slot: int = 0
     deferred: list[Sequence] = field(default_factory=list)  # sequences whose input is -1
     block_tables: np.ndarray | None = None   # int32 [B, max_blocks], only when sending full tables
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) before the step
 
     @property
     def num_tokens(self) -> int:
@@ -64,6 +65,7 @@ class Scheduler:
         self.running: list[Sequence] = []         # admission order: the newest is preempted first
         self.slot_sizes = [0] * micro_batches
         self.released: list[int] = []             # ids whose worker-side state can be dropped
+        self.copies: list[tuple[int, int]] = []   # forks' copy-on-write, for the next step to carry
         self.num_preemptions = 0
 
     # ------------------------------------------------------------------ queue
@@ -134,18 +136,47 @@ class Scheduler:
                 return s
         return None
 
+    # ------------------------------------------------------------------ forks (n / best_of)
+    @staticmethod
+    def _todo(s: Sequence) -> int:
+        """Known tokens it may compute now: a request with several choices stops its prefill one
+        token short, where it forks (each choice then computes that last token itself)."""
+        g = s.group
+        if g is not None and not g.forked and g.parent is s:
+            return g.prefill_target() - s.num_computed_tokens
+        return s.num_tokens - s.num_computed_tokens
+
+    def _fork_ready(self, slot: int) -> bool:
+        forked = False
+        for s in list(self.running):
+            g = s.group
+            if s.slot != slot or g is None or g.forked or g.parent is not s or self._todo(s) != 0:
+                continue
+            partial = s.num_computed_tokens % self.manager.block_size != 0
+            if partial and self.manager.num_free_blocks < g.size - 1:
+                continue                              # no room for the copies yet: try again later
+            for c in g.fork():
+                self.copies += self.manager.fork(s.seq_id, c.seq_id)
+                c.status = SeqStatus.RUNNING
+                self.running.append(c)
+                self.slot_sizes[slot] += 1
+            forked = True
+        return forked
+
     # ------------------------------------------------------------------ schedule
     def schedule(self, slot: int = 0) -> ScheduledBatch | None:
         budget = self.max_num_batched_tokens
+        forked = self._fork_ready(slot)
         decodes, chunks = [], []
         for s in self.running:
             if s.slot != slot:
                 continue
-            known = s.num_tokens - s.num_computed_tokens
-            if known == 1 or (known == 0 and self.overlap and s.inflight == 1 and not s.deferred
-                              and s.pending_sample):
+            known = self._todo(s)
+            grouped = s.group is not None and not s.group.forked
+            if not grouped and (known == 1 or (known == 0 and self.overlap and s.inflight == 1 and not s.deferred
+                                               and s.pending_sample and not s.params.penalized)):
                 decodes.append(s)
-            elif known > 1:
+            elif known > 1 or (grouped and known > 0):
                 chunks.append(s)
         del decodes[budget:]
 
@@ -171,7 +202,7 @@ class Scheduler:
         for s in chunks:
             if budget <= 0:
                 break
-            n = min(s.num_tokens - s.num_computed_tokens, budget, self._room(s))
+            n = min(self._todo(s), budget, self._room(s))
             if n > 0:
                 slots.append(self._append(s, n))
                 chosen.append((s, n))
@@ -186,8 +217,9 @@ class Scheduler:
                 s.num_computed_tokens = cached
                 if s.preemptions == 0:
                     s.num_cached_tokens = cached
-            n = min(s.num_tokens - s.num_computed_tokens, budget, self._room(s))
-            if n <= 0:
+            todo = self._todo(s)
+            n = min(todo, budget, self._room(s))
+            if n <= 0 and todo > 0:
                 if created:
                     self.manager.release_sequence(s.seq_id)
                     s.num_computed_tokens = 0
@@ -196,11 +228,15 @@ class Scheduler:
             s.status, s.slot = SeqStatus.RUNNING, slot
             self.running.append(s)
             self.slot_sizes[slot] += 1
-            slots.append(self._append(s, n))
-            chosen.append((s, n))
-            budget -= n
+            if n > 0:
+                slots.append(self._append(s, n))
+                chosen.append((s, n))
+                budget -= n
+        forked = self._fork_ready(slot) or forked
 
         if not chosen:
+            if forked:
+                return self.schedule(slot)            # the new choices decode right away
             if not any(s.inflight for s in self.running if s.slot == slot):
                 self._preempt_newest(slot)  # everything stuck on blocks (only prefills): free the newest
             return None
@@ -240,8 +276,10 @@ class Scheduler:
             positions = np.repeat(starts, num_new) + offsets
             for s, n in chosen:
                 s.num_computed_tokens += n
-            # a prefill chunk samples only once it reaches the last known token
-            do_sample[num_decodes:] = [s.num_computed_tokens == s.num_tokens for s in seqs[num_decodes:]]
+            # a prefill chunk samples only once it reaches the last known token (a request with
+            # several choices never samples before its fork)
+            do_sample[num_decodes:] = [s.num_computed_tokens == s.num_tokens and not (s.group and not s.group.forked)
+                                       for s in seqs[num_decodes:]]
         for s, d in zip(seqs, do_sample.tolist()):
             s.inflight += 1
             s.pending_sample = bool(d)
@@ -264,7 +302,11 @@ class Scheduler:
             slot_mapping=(slots[0] if len(slots) == 1 else np.concatenate(slots)).astype(np.int32, copy=False),
             query_start_loc=qsl, seq_lens=seq_lens, do_sample=do_sample,
             table_base=base, new_block_counts=counts, new_blocks=new_blocks.astype(np.int32, copy=False),
-            slot=slot, deferred=deferred, block_tables=tables)
+            slot=slot, deferred=deferred, block_tables=tables, copies=self._take_copies())
+
+    def _take_copies(self) -> list[tuple[int, int]]:
+        copies, self.copies = self.copies, []
+        return copies
 
     def step_done(self, batch: ScheduledBatch) -> None:
         """The step came back (applied or failed): its sequences are one step less in flight."""

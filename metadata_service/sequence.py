@@ -37,6 +37,22 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     return_logprobs: bool = False
+    n: int = 1                               # choices returned
+    best_of: int = 1                         # choices generated (forked from one prefill)
+    min_new_tokens: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    top_logprobs: int = 0
+
+    @property
+    def penalized(self) -> bool:
+        """Its next sample depends on every token so far (so it never decodes a pending token)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def extras(self) -> bool:
+        return self.penalized or self.min_new_tokens > 0 or self.top_logprobs > 0
 
 
 @dataclass
@@ -48,6 +64,7 @@ class SeqEvent:
     finish_reason: str = ""
     error: str = ""
     error_code: str = ""                     # a grpc.StatusCode name when error is set
+    new_top: list = field(default_factory=list)  # per new token: (ids [k], logprobs [k]) alternatives
 
 
 @dataclass(eq=False)  # identity semantics: sequences live in lists and sets
@@ -80,6 +97,10 @@ class Sequence:
     route_load: float = 0.0                  # what the router charged its chain (given back at the end)
     admitted_at: float = 0.0                 # time.monotonic() of admission (TTFT)
     first_token_at: float = 0.0
+    group: object = None                     # SequenceGroup when the request asked for n / best_of > 1
+    choice: int = 0                          # this sequence's index in its group
+    output_top: list = field(default_factory=list)   # per output token: (ids int32 [k], logprobs float32 [k])
+    suppress_ids: tuple = ()                 # EOS + stop ids, masked while output < min_new_tokens
 
     sampling_row: bytes = b""                # the params packed once, for the per-step Step arrays
 

@@ -82,6 +82,17 @@ def test_a_lost_replica_recomputes_elsewhere_and_rejoins(ckpt, oracle):
         settle_all(c.client)
 
 
+def test_seeded_sampling_is_the_same_with_and_without_async_scheduling(ckpt):
+    """Token i of a seeded request uses randomness (seed, i) however the steps were scheduled."""
+    reqs = [{"prompt_token_ids": p, "max_new_tokens": 16, "temperature": 1.0, "top_k": 20, "seed": 7 + i,
+             "ignore_eos": True} for i, p in enumerate(prompts(6, 2, 20, seed=81))]
+    outs = []
+    for extra in ([], ["--no-async-scheduling"]):
+        with LocalCluster(model=ckpt, workers=1, dtype="float64", extra_service_args=extra) as c:
+            outs.append([r.token_ids for r in c.client.wait(c.client.submit(reqs))])
+    assert outs[0] == outs[1]
+
+
 def test_stop_strings_and_cancels_race_the_overlap(ckpt, oracle):
     """With async scheduling one extra token may be computed after a stop; it is never returned."""
     with LocalCluster(model=ckpt, workers=1, dtype="float64") as c:

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from minipaged.config import ModelConfig, load_model_config
-from worker import sampler
+from worker import logits_processors, sampler
 from worker.model import Qwen3Stage, StepBatch
 from worker.paged_cache import PagedKVCache, as_dtype, bytes_per_block
 from worker.weights import fingerprint, load_state_dict
@@ -100,8 +100,10 @@ class ModelRunner:
         with torch.inference_mode():
             return self.stage(batch, self.kv_cache, hidden_states)
 
+    supports_extras = True  # penalties, min tokens, top logprobs (worker/logits_processors.py)
+
     def sample(self, hidden: torch.Tensor, query_start_loc, do_sample, temperature, top_p, top_k,
-               seeds, offsets, return_logprobs: bool = False, return_logits: bool = False):
+               seeds, offsets, return_logprobs: bool = False, return_logits: bool = False, extras=None):
         """Sample one token for each sequence with do_sample set, from its LAST query row.
 
         The sampling arrays are either per sequence ([B], the wire form; filtered by do_sample
@@ -115,7 +117,18 @@ class ModelRunner:
         with torch.inference_mode():
             idx = torch.as_tensor(rows, device=hidden.device)
             logits = self.stage.compute_logits(hidden[idx])
-            ids, logprobs = sampler.sample(logits, pick(temperature), pick(top_p), pick(top_k),
-                                           pick(seeds), pick(offsets), return_logprobs)
+            if extras is None:
+                ids, logprobs = sampler.sample(logits, pick(temperature), pick(top_p), pick(top_k),
+                                               pick(seeds), pick(offsets), return_logprobs)
+                top = None
+            else:  # min tokens, penalties, alternatives: logprobs stay those of the raw distribution
+                x = logits_processors.rows(extras, mask)
+                ids, _ = sampler.sample(logits_processors.apply(logits, x), pick(temperature), pick(top_p),
+                                        pick(top_k), pick(seeds), pick(offsets), False)
+                logprobs = None
+                if return_logprobs:
+                    lp = torch.log_softmax(logits, -1).gather(1, torch.as_tensor(ids, device=logits.device).long()[:, None])
+                    logprobs = lp.squeeze(1).to(torch.float32).cpu().numpy()
+                top = logits_processors.top_logprobs(logits, x.top_logprobs) if x.top_logprobs else None
             out_logits = logits.to(torch.float64).cpu().numpy() if return_logits else None
-        return ids, logprobs, out_logits
+        return ids, logprobs, out_logits, top

@@ -272,6 +272,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         return self._sample(request, a, hidden) if self.runner.is_last else self._forward_request(request, hidden)
 
     def _forward_request(self, request, hidden) -> pb.StepRequest:
+        request.ClearField("hidden_states")  # (already decoded) not copied into the forward
         fwd = pb.StepRequest()
         fwd.CopyFrom(request)
         fwd.ClearField("input_ids")

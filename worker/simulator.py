@@ -123,6 +123,7 @@ class SimBatch:
 class SimHidden:
     input_ids: np.ndarray      # int32 [T]: carried to the last stage for the token hash
     positions: np.ndarray
+    payload: bytes | None = None   # the bytes received from the previous stage (passed on as they are)
 
 
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -157,6 +158,7 @@ class SimRunner:
         # forwarded hidden states) until then, while it already prepares the next step.
         self.ready_at = 0.0
         self.last_step_s = 0.0
+        self._zeros = b""
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return self.timing.layers * self.timing.kv_tok * block_size
@@ -176,17 +178,23 @@ class SimRunner:
         self.ready_at = max(time.monotonic(), self.ready_at) + t   # waited for by sleeping, never spinning
         self.last_step_s = t
         self.busy_s += t
-        ids = batch.input_ids if batch.input_ids is not None else hidden_in.input_ids
-        return SimHidden(np.asarray(ids, dtype=np.int32), batch.positions)
+        if hidden_in is not None:
+            return SimHidden(hidden_in.input_ids, batch.positions, hidden_in.payload)
+        return SimHidden(np.asarray(batch.input_ids, dtype=np.int32), batch.positions)
 
     def encode_hidden(self, hidden: SimHidden) -> tuple[bytes, str]:
+        """The size real hidden states have: the input ids, then zeros (a later stage passes the
+        received bytes on unchanged: no copy)."""
+        if hidden.payload is not None:
+            return hidden.payload, self.dtype_name
         T = len(hidden.input_ids)
-        buf = bytearray(T * self.config.hidden_size * self.bytes)   # the size real hidden states have
-        buf[:4 * T] = hidden.input_ids.astype("<i4").tobytes()
-        return bytes(buf), self.dtype_name
+        tail = T * self.config.hidden_size * self.bytes - 4 * T
+        if len(self._zeros) < tail:
+            self._zeros = bytes(max(tail, 2 * len(self._zeros)))
+        return hidden.input_ids.astype("<i4").tobytes() + memoryview(self._zeros)[:tail], self.dtype_name
 
     def decode_hidden(self, data: bytes, dtype: str, num_tokens: int) -> SimHidden:
-        return SimHidden(np.frombuffer(data, dtype="<i4", count=num_tokens), None)
+        return SimHidden(np.frombuffer(data, dtype="<i4", count=num_tokens), None, data)
 
     def sample(self, hidden: SimHidden, query_start_loc, do_sample, temperature, top_p, top_k, seeds, offsets,
                return_logprobs=False, return_logits=False, extras=None):

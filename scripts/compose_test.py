@@ -336,6 +336,7 @@ def main() -> int:
             stack.up()
             log(f"   healthy and ready {stack.wait_healthy():.1f}s after up")
             check_networks("during the run")
+            run(["docker", "network", "ls"])
             running = set(stack.containers())
             log(f"   containers: {sorted(running)}")
             if running & {"worker0", "worker1"}:

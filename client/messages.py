@@ -132,6 +132,8 @@ class Stats:
     num_chains: int = 0
     standby_workers: int = 0
     metadata_cpu_seconds: float = 0.0
+    model: str = ""
+    max_model_len: int = 0
 
     @classmethod
     def from_proto(cls, r: pb.StatsReply) -> "Stats":
@@ -308,7 +310,7 @@ def result_from_proto(r: pb.GenerationResult) -> GenerateResult:
     out = GenerateResult(token_ids=ids, text=r.text, finish_reason=r.finish_reason,
                          usage=Usage.from_proto(r.usage), logprobs=_floats(r.logprobs), index=r.index,
                          error=r.error or None, top_logprobs=_top(r.top_logprob_ids, r.top_logprobs, len(ids)),
-                         choice=r.choice, cumulative_logprob=r.cumulative_logprob if r.logprobs else None)
+                         choice=r.choice, cumulative_logprob=r.cumulative_logprob if (r.logprobs or r.cumulative_logprob) else None)
     if r.choices:
         out.choices = [result_from_proto(c) for c in r.choices]
         for c in out.choices:

@@ -100,7 +100,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
                 detok.push(ev.new_token_ids)
                 chunk = metadata_pb2.GenerateChunk(token_ids=pack(ev.new_token_ids, INT32), index=s.choice,
                                                    logprobs=pack(ev.new_logprobs, FLOAT32)
-                                                   if seq.params.return_logprobs else b"")
+                                                   if seq.params.show_logprobs else b"")
                 if ev.new_top:
                     chunk.top_logprob_ids = pack(np.concatenate([t[0] for t in ev.new_top]))
                     chunk.top_logprobs = pack(np.concatenate([t[1] for t in ev.new_top]), FLOAT32)
@@ -217,7 +217,8 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
             num_workers=st["num_workers"], ready=st["ready"], cache_epoch=st["cache_epoch"],
             live_sequences=st["live_sequences"] + api_live, not_ready_reason=st["not_ready_reason"],
             chains=chains, num_chains=st["num_chains"], standby_workers=st["standby_workers"],
-            metadata_cpu_seconds=time.process_time())
+            metadata_cpu_seconds=time.process_time(), model=self.engine.model_name,
+            max_model_len=self.engine.max_model_len)
 
     def PoolSnapshot(self, request, context):
         max_blocks = request.max_blocks if request.max_blocks > 0 else 4096

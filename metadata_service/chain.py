@@ -24,7 +24,7 @@ import grpc
 import numpy as np
 
 from minipaged.v1 import metadata_pb2, worker_pb2
-from minipaged.wire import FLOAT32, INT32, INT64, pack, unpack
+from minipaged.wire import FLOAT32, FLOAT64, INT32, INT64, pack, unpack
 
 from .block_manager import KVBlockManager
 from .scheduler import ScheduledBatch, Scheduler
@@ -370,9 +370,9 @@ def _add_extras(req: worker_pb2.StepRequest, seqs: list[Sequence], offsets: np.n
         req.suppress_ids = pack([t for x in ids for t in x])
     if any(s.params.penalized for s in seqs):
         hist = [s.all_token_ids if s.params.penalized else [] for s in seqs]
-        req.repetition_penalty = pack([s.params.repetition_penalty for s in seqs], FLOAT32)
-        req.presence_penalty = pack([s.params.presence_penalty for s in seqs], FLOAT32)
-        req.frequency_penalty = pack([s.params.frequency_penalty for s in seqs], FLOAT32)
+        req.repetition_penalty = pack([s.params.repetition_penalty for s in seqs], FLOAT64)
+        req.presence_penalty = pack([s.params.presence_penalty for s in seqs], FLOAT64)
+        req.frequency_penalty = pack([s.params.frequency_penalty for s in seqs], FLOAT64)
         req.penalty_counts = pack([len(h) for h in hist])
         req.penalty_prompt_lens = pack([s.num_prompt_tokens if s.params.penalized else 0 for s in seqs])
         req.penalty_tokens = pack([t for h in hist for t in h])

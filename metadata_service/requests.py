@@ -107,7 +107,8 @@ def to_sequence(req: metadata_pb2.GenerateRequest, engine, sink=None, tag=None) 
         ignore_eos=req.ignore_eos, return_logprobs=req.return_logprobs or req.top_logprobs > 0,
         n=n, best_of=req.best_of or n, min_new_tokens=req.min_new_tokens,
         repetition_penalty=req.repetition_penalty or 1.0, presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty, top_logprobs=req.top_logprobs)
+        frequency_penalty=req.frequency_penalty, top_logprobs=req.top_logprobs,
+        show_logprobs=req.return_logprobs or req.top_logprobs > 0)
     if params.best_of > params.n:   # choosing the best needs every candidate's logprobs
         params.return_logprobs = True
     seq = Sequence(unpack(req.prompt_token_ids, INT32).tolist(), params, sink=sink, tag=tag)
@@ -161,7 +162,7 @@ def _choice(seq: Sequence, engine, finish_reason: str) -> metadata_pb2.Generatio
     r = metadata_pb2.GenerationResult(
         token_ids=pack(seq.output_token_ids, INT32), text=final_text(seq, engine), finish_reason=finish_reason,
         usage=usage(seq), cumulative_logprob=float(sum(seq.output_logprobs)),
-        logprobs=pack(seq.output_logprobs, FLOAT32) if seq.params.return_logprobs else b"")
+        logprobs=pack(seq.output_logprobs, FLOAT32) if seq.params.show_logprobs else b"")
     if seq.output_top:
         r.top_logprob_ids = pack(np.concatenate([t[0] for t in seq.output_top]))
         r.top_logprobs = pack(np.concatenate([t[1] for t in seq.output_top]), FLOAT32)

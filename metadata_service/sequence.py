@@ -44,6 +44,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     top_logprobs: int = 0
+    show_logprobs: bool = False              # the caller asked for them (best_of computes them anyway)
 
     @property
     def penalized(self) -> bool:

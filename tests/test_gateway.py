@@ -25,7 +25,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 320
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-NEEDS_SERVER = "needs the server side of issue 9 on main ({})"
 
 
 def add_tokenizer(directory: str, vocab: int) -> None:
@@ -274,7 +273,6 @@ def test_client_disconnect_frees_blocks(cluster, ckpt):
 
 # ---------------------------------------------------------------- features waiting for the server
 
-@pytest.mark.xfail(reason=NEEDS_SERVER.format("n > 1 via fork"), strict=False)
 def test_n_choices_share_the_prompt(cluster, oai, ckpt):
     r = oai.completions.create(model=ckpt, prompt=[[3, 4, 5, 6]] * 2, max_tokens=5, n=3, temperature=1.0, seed=5,
                                extra_body={"ignore_eos": True})
@@ -289,7 +287,6 @@ def test_n_choices_share_the_prompt(cluster, oai, ckpt):
     settle(cluster.client)
 
 
-@pytest.mark.xfail(reason=NEEDS_SERVER.format("min_new_tokens in the engine"), strict=False)
 def test_min_tokens_masks_stop_tokens(cluster, oai, ckpt):
     first = cluster.client.generate(prompt_token_ids=[7, 8, 9], max_new_tokens=1).token_ids[0]
     r = oai.completions.create(model=ckpt, prompt=[[7, 8, 9]], max_tokens=8, temperature=0, logprobs=0,
@@ -298,7 +295,6 @@ def test_min_tokens_masks_stop_tokens(cluster, oai, ckpt):
     assert len(r.choices[0].logprobs.tokens) >= 4
 
 
-@pytest.mark.xfail(reason=NEEDS_SERVER.format("top_logprobs in the engine and sampler"), strict=False)
 def test_top_logprobs(cluster, oai, ckpt):
     r = oai.completions.create(model=ckpt, prompt=[[7, 8, 9]], max_tokens=4, temperature=0, logprobs=3,
                                extra_body={"return_tokens_as_token_ids": True})
@@ -312,7 +308,6 @@ def test_top_logprobs(cluster, oai, ckpt):
     assert all(len(c.top_logprobs) == 2 for c in chat.choices[0].logprobs.content)
 
 
-@pytest.mark.xfail(reason=NEEDS_SERVER.format("penalties in the sampler"), strict=False)
 def test_penalties_change_greedy_output(cluster, oai, ckpt):
     kw = dict(model=ckpt, prompt=[[7, 8, 9]], max_tokens=24, temperature=0, logprobs=0)
     plain = oai.completions.create(**kw, extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})

@@ -69,7 +69,7 @@ class SamplingExtras:
     suppress: np.ndarray | None = None          # bool [B]: mask suppress ids (EOS etc.) this step
     suppress_counts: np.ndarray | None = None   # int32 [B] CSR
     suppress_ids: np.ndarray | None = None      # int32 [sum]
-    repetition: np.ndarray | None = None        # float32 [B]
+    repetition: np.ndarray | None = None        # float64 [B]
     presence: np.ndarray | None = None
     frequency: np.ndarray | None = None
     penalty_counts: np.ndarray | None = None    # int32 [B] CSR over penalty_tokens
@@ -286,8 +286,8 @@ def _extras(req, B: int, vocab: int) -> SamplingExtras | None:
 
 def _floats(data: bytes, B: int, name: str, default: float) -> np.ndarray:
     if not data:
-        return np.full(B, default, dtype=np.float32)
-    arr = wire.unpack(data, wire.FLOAT32, name=name, count=B)
+        return np.full(B, default, dtype=np.float64)
+    arr = wire.unpack(data, wire.FLOAT64, name=name, count=B)
     if not np.isfinite(arr).all():
         _fail(f"{name}: every value must be finite")
     return arr

@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds streams wait for a lost worker chain before failing with UNAVAILABLE")
     p.add_argument("--step-timeout", type=float, default=120.0)
     p.add_argument("--grace", type=float, default=10.0, help="shutdown grace period (SIGTERM)")
+    p.add_argument("--metrics-port", type=int, default=-1,
+                   help="serve Prometheus text on this port (vLLM's metric names; 0 picks one; default off)")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -167,6 +169,14 @@ def main(argv=None) -> int:
     engine.on_ready_changed.append(lambda ok: [h.set(
         SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING)
         for h in healths])
+    if args.metrics_port >= 0:
+        from .metrics import ServiceMetrics
+        try:
+            mport = ServiceMetrics(engine).serve(args.metrics_port, args.host)
+            print(f"metrics on http://{args.host}:{mport}/metrics", file=sys.stderr, flush=True)
+        except OSError as e:
+            print(f"error: cannot serve metrics on {args.host}:{args.metrics_port}: {e}", file=sys.stderr, flush=True)
+            return 1
     engine.start()
     jobs.resume()
     for srv in servers:

@@ -79,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--simulate", default="", metavar="h200|PROFILE.json",
                    help="a simulated worker: no weights, no compute; each step sleeps for a roofline timing "
                         "model's time (worker/simulator.py) and returns deterministic pseudo-random tokens")
+    p.add_argument("--metrics-port", type=int, default=-1,
+                   help="serve Prometheus text on this port (0 picks one; default off)")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -188,6 +190,14 @@ def main(argv=None) -> int:
         log.error("cannot serve on %s:%d: %s", args.host, args.port, e)
         print(f"error: cannot serve on {args.host}:{args.port}: {e}", file=sys.stderr, flush=True)
         return 1
+    if args.metrics_port >= 0:
+        from worker import metrics
+        try:
+            mport = metrics.serve(servicer, args.metrics_port, args.host)
+            print(f"metrics on http://{args.host}:{mport}/metrics", file=sys.stderr, flush=True)
+        except OSError as e:
+            print(f"error: cannot serve metrics on {args.host}:{args.metrics_port}: {e}", file=sys.stderr, flush=True)
+            return 1
     host = args.host if args.host not in ("0.0.0.0", "::", "[::]") else socket.gethostname()
     servicer.address = args.advertise_address or f"{host}:{port}"
     log.info("worker serving layers [%d, %d) of %s on %s:%d (advertised %s), %s %s/%s, capacity %s",

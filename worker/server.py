@@ -92,6 +92,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         self.dtype_bytes = DTYPE_BYTES[dtype]
         self.lock = threading.Lock()  # one model, one cache: Steps run one at a time
         self.epoch, self.num_blocks, self.block_size, self.steps_served = 0, 0, 0, 0
+        self.compute_s = 0.0
         self.limits: StepLimits | None = None
         self.store = SequenceStore()  # remembered tables and sampled tokens, per cache epoch
         self.next_address, self.next_meta, self.next_stub, self.next_channel = "", (), None, None
@@ -251,6 +252,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             timing = pb.StageTiming(layer_start=self.runner.layer_start, layer_end=self.runner.layer_end,
                                     compute_ms=1e3 * (device_s if device_s is not None else time.perf_counter() - t0))
             ready_at = getattr(self.runner, "ready_at", 0.0)
+            self.compute_s += timing.compute_ms / 1e3
             sampled = [s for s, d in zip(a.seq_ids, a.do_sample.tolist()) if d] if a.seq_ids else []
             self.steps_served += 1
             if self.runner.is_last:

@@ -11,7 +11,8 @@ What it does, in order (every step timed; any failure stops it with the services
  4. the stack from docker-compose.host.yml (host networking, every service on 127.0.0.1 with its
     own port, tokens from secret files), waited for healthy and ready; then through its published
     entry points, from the host's SDK:
-    - without the client token: UNAUTHENTICATED; the ports listen on 127.0.0.1 only;
+    - without the client token: UNAUTHENTICATED; the ports listen on 127.0.0.1 only; /metrics of
+      the metadata service and both workers;
     - a streamed generate and a 32-prompt job: token-exact against the reference;
     - a worker container's process killed (SIGKILL) mid-job: the restart policy brings it back and
       the job finishes exact;
@@ -22,8 +23,10 @@ What it does, in order (every step timed; any failure stops it with the services
  5. always, even on failure or SIGTERM: `down -v`, and the daemon stopped if this run started it.
 
 It never skips: what does not work fails the run. Settings (environment): COMPOSE_TEST_PROJECT,
-COMPOSE_TEST_BASE_IMAGE, COMPOSE_TEST_METADATA_PORT / _WORKER0_PORT / _WORKER1_PORT / _GATEWAY_PORT
-(51051 / 51061 / 51062 / 51080: clear of the default ports other tests use), MINIPAGED_SHARED_DOCKER.
+COMPOSE_TEST_BASE_IMAGE, COMPOSE_TEST_<VARIABLE> for each port variable of docker-compose.host.yml
+(METADATA_PORT 51051, METADATA_WORKER_PORT 51052, WORKER0_PORT 51061, WORKER1_PORT 51062, GATEWAY_PORT
+51080, METADATA_METRICS_PORT 51100, WORKERn_METRICS_PORT 51101/51102: clear of the default ports
+other tests use), MINIPAGED_SHARED_DOCKER.
 """
 from __future__ import annotations
 
@@ -46,7 +49,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from client import Client, LocalCluster  # noqa: E402
-from client.errors import Unauthenticated  # noqa: E402
+from client.errors import MiniPagedError, Unauthenticated  # noqa: E402
 from minipaged.config import load_model_config  # noqa: E402
 
 SHARED = os.environ.get("MINIPAGED_SHARED_DOCKER", os.path.join(REPO, "..", "shared", "docker"))
@@ -54,7 +57,9 @@ PROJECT = os.environ.get("COMPOSE_TEST_PROJECT", "minipaged-ci")
 COMPOSE_FILE = "docker-compose.host.yml"
 BASE_IMAGE = os.environ.get("COMPOSE_TEST_BASE_IMAGE", "local/python:3.11-bookworm")
 PORTS = {name: int(os.environ.get(f"COMPOSE_TEST_{name}", default)) for name, default in
-         (("METADATA_PORT", 51051), ("WORKER0_PORT", 51061), ("WORKER1_PORT", 51062), ("GATEWAY_PORT", 51080))}
+         (("METADATA_PORT", 51051), ("METADATA_WORKER_PORT", 51052), ("WORKER0_PORT", 51061),
+          ("WORKER1_PORT", 51062), ("GATEWAY_PORT", 51080), ("METADATA_METRICS_PORT", 51100),
+          ("WORKER0_METRICS_PORT", 51101), ("WORKER1_METRICS_PORT", 51102))}
 DAEMON_PIDFILE = os.environ.get("DOCKERD_PID", "/tmp/minipaged-compose-test-dockerd.pid")
 MODEL, DTYPE = "tiny", "float64"   # float64: greedy tokens do not depend on batch composition
 CPU_SERVICES = ["metadata", "worker0-cpu", "worker1-cpu"]
@@ -348,12 +353,28 @@ def main() -> int:
                     raise Failed(f"port {port} ({name}) listens on {addrs or 'nothing'}, expected 127.0.0.1 only")
             log(f"   listening on 127.0.0.1 only: {sorted(checked.values())}")
 
-        with step("auth: no token -> UNAUTHENTICATED"):
+        with step("auth: no token -> UNAUTHENTICATED; no client API on the internal port"):
             try:
                 Client(stack.address, timeout=5).stats()
                 raise Failed("the client API answered without the client token")
             except Unauthenticated as e:
                 log(f"   refused: {e}")
+            internal = f"127.0.0.1:{PORTS['METADATA_WORKER_PORT']}"
+            try:
+                Client(internal, token=stack.client_token, timeout=5).stats()
+                raise Failed(f"the client API answered on the internal surface {internal}")
+            except MiniPagedError as e:
+                log(f"   the internal surface {internal} refuses the client API: {type(e).__name__}")
+
+        with step("metrics: GET /metrics of the metadata service and both workers"):
+            for name in ("METADATA_METRICS_PORT", "WORKER0_METRICS_PORT", "WORKER1_METRICS_PORT"):
+                url = f"http://127.0.0.1:{PORTS[name]}/metrics"
+                with urllib.request.urlopen(url, timeout=10) as r:
+                    text = r.read().decode()
+                series = {line.split("{")[0].split()[0] for line in text.splitlines() if line and line[0] != "#"}
+                if r.status != 200 or not series:
+                    raise Failed(f"{url}: {r.status}, no series")
+                log(f"   {url} -> {r.status}, {len(series)} series, e.g. {sorted(series)[:3]}")
 
         with step("streamed generate + 32-prompt job, token-exact"):
             with stack.client() as c:

@@ -24,7 +24,9 @@ WORKERS = GPU_WORKERS + CPU_WORKERS
 SERVICES = {"metadata", "gateway", *WORKERS}
 FILES = ("docker-compose.yml", "docker-compose.host.yml")
 # what the test of the host variant sets (scripts/compose_test.py uses ports like these)
-HOST_ENV = {"METADATA_PORT": "51051", "WORKER0_PORT": "51061", "WORKER1_PORT": "51062", "GATEWAY_PORT": "51080"}
+HOST_ENV = {"METADATA_PORT": "51051", "METADATA_WORKER_PORT": "51052", "WORKER0_PORT": "51061", "WORKER1_PORT": "51062",
+            "GATEWAY_PORT": "51080", "METADATA_METRICS_PORT": "51100", "WORKER0_METRICS_PORT": "51101",
+            "WORKER1_METRICS_PORT": "51102"}
 SECRETS = {"client_token", "worker_token", "gateway_token"}
 
 
@@ -137,7 +139,8 @@ def test_model_volume_and_variable(compose):
 
 def test_metadata_command_parses(compose):
     args = parse(command(compose["services"]["metadata"]))
-    assert (args.port, args.block_size, args.db) == (50051, 16, "/data/jobs.db")
+    assert (args.port, args.worker_port, args.block_size, args.db) == (50051, 50052, 16, "/data/jobs.db")
+    assert args.metrics_port == 9100
     assert args.token is None or args.token == os.environ.get("MINIPAGED_TOKEN")  # from the secret, at run time
 
 
@@ -229,8 +232,25 @@ def test_bridge_exposure_is_safe_by_default(bridge):
 @pytest.mark.parametrize("name", WORKERS)
 def test_bridge_workers_use_service_names(bridge, name):
     args = parse(command(bridge["services"][name]))
-    assert args.metadata == "metadata:50051" and args.host == "0.0.0.0"
+    worker_port = parse(command(bridge["services"]["metadata"])).worker_port
+    assert args.metadata == f"metadata:{worker_port}" and args.host == "0.0.0.0"   # the internal surface
     assert args.advertise_address == f"{name}:{args.port}"  # the compose DNS name of this service
+
+
+def test_prometheus_scrape_targets_exist(bridge):
+    """monitoring/prometheus.yml scrapes compose service names: each target is a service of the
+    default file serving metrics on that port."""
+    path = os.path.join(REPO, "monitoring", "prometheus.yml")
+    if not os.path.exists(path):
+        pytest.skip("no monitoring/prometheus.yml in this tree")
+    with open(path) as f:
+        targets = [t for job in yaml.safe_load(f)["scrape_configs"] for sc in job["static_configs"]
+                   for t in sc["targets"]]
+    for target in targets:
+        name, port = target.rsplit(":", 1)
+        cmd = command(bridge["services"][name])
+        served = flag(cmd, "--port") if name == "gateway" else flag(cmd, "--metrics-port")
+        assert served == port, target
 
 
 # ------------------------------------------------------------------ the host-networking file
@@ -247,14 +267,14 @@ def test_host_file_creates_no_network(host):
 def test_host_services_on_loopback_with_own_ports(host, env):
     services = host["services"]
     meta = parse(command(services["metadata"], env))
-    assert meta.host == "127.0.0.1"
+    assert meta.host == "127.0.0.1" and meta.worker_host in (None, "", "127.0.0.1")
     for profile, workers in (("cpu", CPU_WORKERS), ("gpu", GPU_WORKERS)):
-        ports = [meta.port]
+        ports = [meta.port, meta.worker_port, meta.metrics_port]
         for name in workers:
             args = parse(command(services[name], env))
-            assert args.host == "127.0.0.1" and args.metadata == f"127.0.0.1:{meta.port}", name
+            assert args.host == "127.0.0.1" and args.metadata == f"127.0.0.1:{meta.worker_port}", name
             assert args.advertise_address == f"127.0.0.1:{args.port}", name
-            ports.append(args.port)
+            ports += [args.port, args.metrics_port]
         gw = command(services["gateway"], env)
         assert flag(gw, "--metadata") == f"127.0.0.1:{meta.port}" and flag(gw, "--host") == "127.0.0.1"
         ports.append(int(flag(gw, "--port")))

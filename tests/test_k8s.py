@@ -18,9 +18,6 @@ K8S = os.path.join(REPO, "deploy", "k8s")
 # installed kubernetes-validate knows.
 VERSIONS = ("1.27.0", kubernetes_validate.latest_version())
 TOKENS = {"client_token", "worker_token", "gateway_token"}
-# Flags of the target interface (docs/containers.md) that the code on this branch may not have yet:
-# stripped before parsing only while the parser does not know them. Anything else unknown fails.
-PENDING = {"metadata_service": {"--worker-port", "--metrics-port"}, "worker": {"--metrics-port"}}
 
 
 def manifests() -> list[tuple[str, dict]]:
@@ -65,7 +62,7 @@ def flag(args: list[str], name: str) -> str:
 
 def parse(args: list[str]):
     assert args[:2] == ["python", "-m"], args
-    module, argv = args[2], list(args[3:])
+    module, argv = args[2], args[3:]
     if module == "metadata_service":
         from metadata_service.__main__ import build_parser
     elif module == "worker":
@@ -76,12 +73,7 @@ def parse(args: list[str]):
         from gateway.__main__ import build_parser  # type: ignore[import-not-found]
     else:
         raise AssertionError(module)
-    parser = build_parser()
-    known = {s for a in parser._actions for s in a.option_strings}
-    for name in PENDING.get(module, set()) - known:   # not landed yet: the manifests are ahead
-        i = argv.index(name)
-        del argv[i:i + 2]
-    return parser.parse_args(argv)
+    return build_parser().parse_args(argv)
 
 
 # ------------------------------------------------------------------ schemas
@@ -123,6 +115,9 @@ def test_metadata_is_a_statefulset_with_the_job_store_on_a_claim():
     assert claim["metadata"]["name"] == "jobs" and mounts["jobs"] == "/data"
     args = parse(expand(c["args"], c))
     assert args.db.startswith("/data/") and args.host == "0.0.0.0"
+    assert (args.port, args.worker_port, args.metrics_port) == (50051, 50052, 9100)
+    service_ports = {p["port"] for svc in ("metadata", "metadata-workers") for p in BY_KIND["Service"][svc]["spec"]["ports"]}
+    assert service_ports == {args.port, args.worker_port}
     assert sts["spec"]["template"]["spec"]["securityContext"]["fsGroup"] == 10001
     assert sts["spec"]["serviceName"] in BY_KIND["Service"]
 

@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 EXTRA ?=
 
-.PHONY: venv proto test test-fast demo bench clean
+.PHONY: venv proto test test-fast demo bench clean compose-test
 
 $(STAMP): requirements.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,11 @@ proto: $(STAMP)
 
 test: proto
 	$(BIN)/python -m pytest -q
+
+# Builds the images and runs the compose stack for real (Docker; starts a daemon if none answers).
+# Called by .ci/run after `make test`. See scripts/compose_test.py and docs/containers.md.
+compose-test: proto
+	$(BIN)/python scripts/compose_test.py
 
 demo: proto
 	$(BIN)/python scripts/demo.py

@@ -214,3 +214,56 @@ def test_paged_cache_layout_copy_blocks_and_checksum():
     assert blocks_for_budget(per_block * 7 + 5, 2, 2, 4, D, torch.float64) == 7
     assert blocks_for_budget(per_block * 7, 2, 2, 4, D, "float32") == 14
     assert cache.nbytes == 5 * per_block
+
+
+# ---- the torch backend on a CPU device: decode through the compiled loop (worker/attention_cpu)
+
+
+def native_backend():
+    from worker.attention_cpu import CpuTorchBackend
+    be = CpuTorchBackend()
+    if not be.native:
+        pytest.skip("no C++ compiler: the CPU decode library could not be built")
+    return be
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float64, 1e-13), (torch.float32, 2e-6)])
+@pytest.mark.parametrize("block_size", [1, 7, 16])
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_native_decode_matches_torch_and_reference(block_size, group, dtype, atol):
+    Hkv = 2
+    seq_lens = [1, 9, 23, 16, 0]          # the last one has no context: zeros, like the torch path
+    kc, vc, tables, _ = paged_context(seq_lens[:-1] + [1], block_size, Hkv, seed=block_size + 3 * group)
+    kc, vc = kc.to(dtype), vc.to(dtype)
+    q = torch.randn(len(seq_lens), Hkv * group, D, dtype=dtype)
+    sl = torch.tensor(seq_lens, dtype=torch.int32)
+    out = native_backend().paged_decode(q, kc, vc, tables, sl, 0.25)
+    assert out.dtype == dtype and out.shape == q.shape
+    torch.testing.assert_close(out, TorchBackend().paged_decode(q, kc, vc, tables, sl, 0.25), rtol=0, atol=atol)
+    torch.testing.assert_close(out[:-1], reference_paged_decode(q[:-1], kc, vc, tables[:-1], sl[:-1], 0.25),
+                               rtol=0, atol=atol)
+    assert not out[-1].any()
+
+
+def test_native_decode_refuses_blocks_outside_the_cache():
+    kc, vc, tables, _ = paged_context([5, 9], 4, 1, seed=1)
+    q = torch.randn(2, 2, D, dtype=DT)
+    be = native_backend()
+    bad = tables.clone()
+    bad[1, 1] = kc.shape[0]                                    # one past the last block
+    with pytest.raises(IndexError, match="sequence 1"):
+        be.paged_decode(q, kc, vc, bad, torch.tensor([5, 9], dtype=torch.int32), 0.5)
+    with pytest.raises(IndexError, match="sequence 0"):        # longer than its table row
+        be.paged_decode(q, kc, vc, tables, torch.tensor([4 * tables.shape[1] + 1, 9], dtype=torch.int32), 0.5)
+
+
+def test_native_decode_can_be_switched_off():
+    import os
+    import subprocess
+    import sys
+    code = ("from worker.attention import get_backend; from worker.attention_cpu import CpuTorchBackend; "
+            "b = get_backend('torch', 'cpu'); assert isinstance(b, CpuTorchBackend); print(b.native)")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root,
+                         env={**os.environ, "MINIPAGED_CPU_KERNELS": "0"})
+    assert out.stdout.strip() == "False"

@@ -146,7 +146,7 @@ def test_one_qwen3_attention_layer_matches_transformers(impl, atol):
     from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3RotaryEmbedding
 
     from minipaged.config import ModelConfig
-    from worker.model import Attention, RotaryEmbedding, StepBatch
+    from worker.model import Attention, RotaryEmbedding, StepBatch, fuse_hf_weights
 
     hf_cfg = Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                          intermediate_size=128, num_hidden_layers=1, vocab_size=32,
@@ -157,7 +157,7 @@ def test_one_qwen3_attention_layer_matches_transformers(impl, atol):
         for p in hf.parameters():
             p.copy_(torch.randn_like(p) * (0.1 if p.dim() > 1 else 1.0))
     ours = Attention(ModelConfig.from_dict(hf_cfg.to_dict(), "layer"), TorchBackend()).to(DT)
-    ours.load_state_dict(hf.state_dict())
+    ours.load_state_dict(fuse_hf_weights(hf.state_dict()))
 
     T, block_size = 13, 4
     x = torch.randn(1, T, 64, dtype=DT)

@@ -13,6 +13,7 @@ tensors into them (`fuse_hf_weights`), so checkpoints keep Hugging Face's names.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,34 @@ class StepBatch:
     @property
     def num_tokens(self) -> int:
         return self.positions.shape[0]
+
+
+def _onednn_fp32_gemm() -> bool:
+    """Can float32 GEMMs go to oneDNN? torch's F.linear calls MKL's sgemm, which on AMD CPUs runs
+    its non-AVX-512 code: ~100 GFLOP/s per core here, where oneDNN (the GEMM torch's Inductor and
+    vLLM's CPU backend use) does ~230. Checked once against F.linear; MINIPAGED_CPU_KERNELS=0
+    keeps F.linear."""
+    if os.environ.get("MINIPAGED_CPU_KERNELS", "1") == "0" or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        x, w = torch.randn(3, 8), torch.randn(5, 8)
+        got = torch.ops.mkldnn._linear_pointwise(x, w, torch.ones(5), "none", [], "")
+        return torch.allclose(got, F.linear(x, w, torch.ones(5)), rtol=1e-5, atol=1e-5)
+    except (AttributeError, RuntimeError):
+        return False
+
+
+ONEDNN_FP32_GEMM = _onednn_fp32_gemm()
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose float32 CPU GEMM is oneDNN's when available (see _onednn_fp32_gemm);
+    float64 (the parity mode) and other devices use F.linear."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if ONEDNN_FP32_GEMM and x.dtype == torch.float32 and x.device.type == "cpu":
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -112,8 +141,8 @@ class Attention(nn.Module):
                                                             config.num_key_value_heads, D)
         self.scale = D ** -0.5
         self.qkv_sizes = [self.num_heads * D, self.num_kv_heads * D, self.num_kv_heads * D]
-        self.qkv_proj = nn.Linear(H, sum(self.qkv_sizes), bias=bias)   # rows: q | k | v
-        self.o_proj = nn.Linear(self.num_heads * D, H, bias=bias)
+        self.qkv_proj = Linear(H, sum(self.qkv_sizes), bias=bias)   # rows: q | k | v
+        self.o_proj = Linear(self.num_heads * D, H, bias=bias)
         self.q_norm = RMSNorm(D, config.rms_norm_eps)                   # QK-norm, per head, before RoPE
         self.k_norm = RMSNorm(D, config.rms_norm_eps)
         self.backend = backend
@@ -140,8 +169,8 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         H, self.inter = config.hidden_size, config.intermediate_size
-        self.gate_up_proj = nn.Linear(H, 2 * self.inter, bias=False)    # rows: gate | up
-        self.down_proj = nn.Linear(self.inter, H, bias=False)
+        self.gate_up_proj = Linear(H, 2 * self.inter, bias=False)    # rows: gate | up
+        self.down_proj = Linear(self.inter, H, bias=False)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
@@ -183,7 +212,7 @@ class Qwen3Stage(nn.Module):
             self.layers = nn.ModuleList(DecoderLayer(config, self.backend)
                                         for _ in range(layer_end - layer_start))
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last else None
-            self.lm_head = (nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = (Linear(config.hidden_size, config.vocab_size, bias=False)
                             if self.is_last else None)
         self.to(self.dtype).to_empty(device=self.device)
         self.requires_grad_(False)       # inference only: lets inference-mode tensors mix freely

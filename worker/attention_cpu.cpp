@@ -14,7 +14,7 @@
 // float64 ones, like the torch backend), a max-subtracted exp, P.V, one division by the sum at the
 // end. Plain loops with `omp simd` (no -ffast-math: linking it would switch the whole process to
 // flush-to-zero). Parallel over sequences with the OpenMP runtime torch already loaded (same
-// libgomp soname), so torch.set_num_threads applies here too.
+// libgomp soname), with as many threads as torch uses (the caller passes torch.get_num_threads()).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -50,7 +50,7 @@ int check_tables(const int32_t* block_tables, int max_blocks, const int32_t* seq
 template <typename T>
 int paged_decode(const T* query, const T* key_cache, const T* value_cache, int num_blocks,
                  const int32_t* block_tables, int max_blocks, const int32_t* seq_lens,
-                 int B, int H, int Hkv, int block_size, int D, T scale, T* out) {
+                 int B, int H, int Hkv, int block_size, int D, T scale, T* out, int num_threads) {
   if (const int bad = check_tables(block_tables, max_blocks, seq_lens, B, block_size, num_blocks))
     return bad;
   const int G = H / Hkv;
@@ -59,7 +59,7 @@ int paged_decode(const T* query, const T* key_cache, const T* value_cache, int n
   int max_len = 1;
   for (int b = 0; b < B; ++b) max_len = std::max(max_len, int(seq_lens[b]));
 
-#pragma omp parallel
+#pragma omp parallel num_threads(std::max(1, std::min(num_threads, B)))
   {
     std::vector<T> scores(size_t(H) * max_len);  // this thread's [H, len] scores, then weights
     std::vector<T> acc(size_t(H) * D);
@@ -148,17 +148,17 @@ extern "C" {
 int minipaged_paged_decode_f32(const float* query, const float* key_cache, const float* value_cache,
                                int num_blocks, const int32_t* block_tables, int max_blocks,
                                const int32_t* seq_lens, int B, int H, int Hkv, int block_size, int D,
-                               double scale, float* out) {
+                               double scale, float* out, int num_threads) {
   return paged_decode<float>(query, key_cache, value_cache, num_blocks, block_tables, max_blocks,
-                             seq_lens, B, H, Hkv, block_size, D, float(scale), out);
+                             seq_lens, B, H, Hkv, block_size, D, float(scale), out, num_threads);
 }
 
 int minipaged_paged_decode_f64(const double* query, const double* key_cache, const double* value_cache,
                                int num_blocks, const int32_t* block_tables, int max_blocks,
                                const int32_t* seq_lens, int B, int H, int Hkv, int block_size, int D,
-                               double scale, double* out) {
+                               double scale, double* out, int num_threads) {
   return paged_decode<double>(query, key_cache, value_cache, num_blocks, block_tables, max_blocks,
-                              seq_lens, B, H, Hkv, block_size, D, scale, out);
+                              seq_lens, B, H, Hkv, block_size, D, scale, out, num_threads);
 }
 
 }  // extern "C"

@@ -93,7 +93,7 @@ def load_library() -> ctypes.CDLL | None:
             return None
         P, I = ctypes.c_void_p, ctypes.c_int
         for fn in (lib.minipaged_paged_decode_f32, lib.minipaged_paged_decode_f64):
-            fn.argtypes = [P, P, P, I, P, I, P, I, I, I, I, I, ctypes.c_double, P]
+            fn.argtypes = [P, P, P, I, P, I, P, I, I, I, I, I, ctypes.c_double, P, I]
             fn.restype = ctypes.c_int
         _lib = lib
         return _lib
@@ -128,7 +128,7 @@ class CpuTorchBackend(TorchBackend):
         out = torch.empty_like(query)
         bad = fn(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), num_blocks,
                  tables.data_ptr(), tables.shape[1], lens.data_ptr(), B, H, Hkv, block_size, D,
-                 float(scale), out.data_ptr())
+                 float(scale), out.data_ptr(), torch.get_num_threads())
         if bad:
             b = bad - 1
             raise IndexError(f"paged_decode: sequence {b} (seq_len {int(lens[b])}) reads a block "

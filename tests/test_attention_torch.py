@@ -245,6 +245,43 @@ def test_native_decode_matches_torch_and_reference(block_size, group, dtype, ato
     assert not out[-1].any()
 
 
+@pytest.mark.parametrize("dtype,atol", [(torch.float64, 1e-13), (torch.float32, 2e-6)])
+@pytest.mark.parametrize("block_size", [1, 7, 16])
+@pytest.mark.parametrize("group", [1, 2, 4, 16])
+def test_native_prefill_matches_torch_and_reference(block_size, group, dtype, atol):
+    Hkv, d = 1 if group == 16 else 2, 64 // (8 if dtype == torch.float64 else 4)  # d: whole vectors
+    seq_lens = [5, 1, 40, 13, 30]
+    qlens = [5, 1, 6, 13, 29]        # 2 and 4 have a cached prefix; 1 is a decode row (mixed step)
+    g = torch.Generator().manual_seed(block_size * 7 + group)
+    need = [-(-n // block_size) for n in seq_lens]
+    kc = torch.randn(sum(need) + 2, Hkv, block_size, d, generator=g, dtype=dtype)
+    vc = torch.randn(sum(need) + 2, Hkv, block_size, d, generator=g, dtype=dtype)
+    perm = torch.randperm(kc.shape[0], generator=g)
+    tables = torch.full((len(seq_lens), max(need)), -1, dtype=torch.int32)
+    for b, start in enumerate(np.cumsum([0] + need[:-1])):
+        tables[b, :need[b]] = perm[start:start + need[b]].to(torch.int32)
+    qsl = torch.tensor(np.concatenate([[0], np.cumsum(qlens)]), dtype=torch.int32)
+    q = torch.randn(int(qsl[-1]), Hkv * group, d, generator=g, dtype=dtype)
+    sl = torch.tensor(seq_lens, dtype=torch.int32)
+    out = native_backend().paged_prefill(q, kc, vc, tables, sl, qsl, max(qlens), 0.3)
+    torch.testing.assert_close(out, TorchBackend().paged_prefill(q, kc, vc, tables, sl, qsl, max(qlens), 0.3),
+                               rtol=0, atol=atol)
+    torch.testing.assert_close(out, reference_paged_prefill(q, kc, vc, tables, sl, qsl, max(qlens), 0.3),
+                               rtol=0, atol=atol)
+
+
+def test_native_prefill_refuses_queries_outside_the_batch():
+    kc, vc, tables, _ = paged_context([5, 9], 4, 1, seed=2)
+    kc, vc = kc.float(), vc.float()
+    q = torch.randn(14, 2, D)
+    be = native_backend()
+    qsl = torch.tensor([0, 5, 14], dtype=torch.int32)
+    bad = tables.clone()
+    bad[1, 2] = -1                                             # a hole inside the used part
+    with pytest.raises(IndexError, match="sequence 1"):
+        be.paged_prefill(q, kc, vc, bad, torch.tensor([5, 9], dtype=torch.int32), qsl, 9, 0.5)
+
+
 def test_native_decode_refuses_blocks_outside_the_cache():
     kc, vc, tables, _ = paged_context([5, 9], 4, 1, seed=1)
     q = torch.randn(2, 2, D, dtype=DT)

@@ -1,10 +1,13 @@
-// Paged decode attention for the CPU: the torch backend's decode, fused into one pass over K/V.
+// Paged attention for the CPU: the torch backend's decode and prefill, each as one compiled loop
+// over the cache (worker/attention_cpu.py loads this file; the torch code stays the reference).
 //
-// Why: the torch formulation gathers every block a batch uses into a contiguous buffer, then runs
-// two batched matmuls over it, so K and V cross memory about three times, and a decode step of a
-// small model is mostly that traffic. Here each sequence reads its K and V blocks once, straight
-// from the cache through its block table, whole blocks at a time (all kv heads: one contiguous
-// run), and every query head of a GQA group is served from that read.
+// Decode: the torch formulation gathers every block a batch uses into a contiguous buffer, then
+// runs two batched matmuls over it, so K and V cross memory about three times, and a decode step
+// of a small model is mostly that traffic. Here each sequence reads its K and V blocks once,
+// straight from the cache through its block table, whole blocks at a time (all kv heads: one
+// contiguous run), and every query head of a GQA group is served from that read.
+// Prefill: see paged_prefill below (register-blocked tiles instead of gather + SDPA, whose CPU
+// GEMMs are MKL's slow path on AMD CPUs).
 //
 // Layout (DESIGN section 4): key_cache / value_cache [num_blocks, Hkv, block_size, D], contiguous;
 // context position p of sequence b lives in block block_tables[b, p / block_size] at offset
@@ -13,8 +16,9 @@
 // Numerics: scores = (q . k) * scale in the compute type T (float for float32 models, double for
 // float64 ones, like the torch backend), a max-subtracted exp, P.V, one division by the sum at the
 // end. Plain loops with `omp simd` (no -ffast-math: linking it would switch the whole process to
-// flush-to-zero). Parallel over sequences with the OpenMP runtime torch already loaded (same
-// libgomp soname), with as many threads as torch uses (the caller passes torch.get_num_threads()).
+// flush-to-zero; -fno-trapping-math, which changes no value, lets exp_nonpositive vectorize).
+// Parallel with the OpenMP runtime torch already loaded (same libgomp soname), with as many
+// threads as torch uses (the caller passes torch.get_num_threads()).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -31,6 +35,26 @@ template <typename T>
 inline void prefetch(const T* p, int64_t n) {
   for (int64_t i = 0; i < n; i += 64 / sizeof(T)) __builtin_prefetch(p + i, 0, 3);
 }
+
+// exp(x) for x <= 0 (softmax weights: score - row max) in a form the compiler vectorizes: libm's
+// expf is a call per element, and a long causal prefill computes millions of them. Cephes' expf:
+// x = n ln2 + r (ln2 in two parts), a degree-6 polynomial for exp(r), 2^n through the exponent
+// bits; relative error ~2e-7 (about 1 ulp). Below -87.3 the weight is 0. float64 (the parity mode)
+// keeps std::exp.
+inline float exp_nonpositive(float x) {
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (int32_t(n) + 127) << 23;  // 2^n, n >= -126 above the cut-off
+  return x < -87.3f ? 0.0f : p * __builtin_bit_cast(float, bits);
+}
+inline double exp_nonpositive(double x) { return std::exp(x); }
 
 // Every block a sequence reads must exist: returns 1 + the first bad sequence, or 0. (The worker
 // validates Steps before they get here; this keeps a wrong direct call an error, not a crash.)
@@ -104,11 +128,10 @@ int paged_decode(const T* query, const T* key_cache, const T* value_cache, int n
         T* s = scores.data() + size_t(h) * len;
         T mx = -std::numeric_limits<T>::infinity();
         for (int p = 0; p < len; ++p) mx = std::max(mx, s[p]);
+#pragma omp simd
+        for (int p = 0; p < len; ++p) s[p] = exp_nonpositive(s[p] - mx);
         T sum = 0;
-        for (int p = 0; p < len; ++p) {
-          s[p] = std::exp(s[p] - mx);
-          sum += s[p];
-        }
+        for (int p = 0; p < len; ++p) sum += s[p];
         acc[size_t(h) * D] = sum;  // parked here until step 3 needs the row
       }
       std::vector<T> denom(H);
@@ -140,6 +163,148 @@ int paged_decode(const T* query, const T* key_cache, const T* value_cache, int n
   return 0;
 }
 
+// Varlen causal prefill: sequence s's q_lens[s] queries are the last q_lens[s] positions of its
+// context of seq_lens[s] tokens (a cached prefix may precede them); query row t of the chunk sees
+// context positions 0 .. seq_len - q_len + t. A work item is one (sequence, kv head): its K rows
+// are gathered once, transposed in groups of kLanes positions, so that scoring a tile of query
+// rows (TQ tokens x the G heads of the group) is a small GEMM whose inner loop runs along
+// positions with its accumulators in registers; then a per-row causal softmax, then P.V. Two
+// passes rather than an online softmax: a tile's scores fit in L2 for any context.
+template <typename T>
+int paged_prefill(const T* query, const T* key_cache, const T* value_cache, int num_blocks,
+                  const int32_t* block_tables, int max_blocks, const int32_t* seq_lens,
+                  const int32_t* q_starts, const int32_t* q_lens, int S, int num_tokens, int H,
+                  int Hkv, int block_size, int D, T scale, T* out, int num_threads) {
+  if (const int bad = check_tables(block_tables, max_blocks, seq_lens, S, block_size, num_blocks))
+    return bad;
+  for (int s = 0; s < S; ++s)
+    if (q_lens[s] < 1 || q_lens[s] > seq_lens[s] || q_starts[s] < 0 ||
+        int64_t(q_starts[s]) + q_lens[s] > num_tokens)
+      return s + 1;
+  constexpr int kLanes = 64 / sizeof(T);   // positions per GEMM column block: one vector
+  constexpr int kRowBlock = 8;             // score rows whose accumulators live in registers
+  constexpr int kTileRows = 16;            // query rows (tokens x heads) scored together
+  constexpr int kPvRows = 4;               // output rows whose accumulators live in registers
+  if (D % kLanes != 0) return -1;          // the caller checks; vectors of d must tile D
+  const int G = H / Hkv;
+  const int TQ = std::max(1, kTileRows / G);                       // tokens per tile
+  const int RP = (TQ * G + kRowBlock - 1) / kRowBlock * kRowBlock;  // rows, padded
+  const int64_t head_stride = int64_t(block_size) * D;
+  const int64_t block_stride = Hkv * head_stride;
+  int max_len = 1;
+  for (int s = 0; s < S; ++s) max_len = std::max(max_len, int(seq_lens[s]));
+  const int max_pad = (max_len + kLanes - 1) / kLanes * kLanes;
+
+#pragma omp parallel num_threads(std::max(1, std::min(num_threads, S * Hkv)))
+  {
+    std::vector<T> k_t(size_t(max_pad) * D), q_tile(size_t(RP) * D), o_tile(size_t(RP) * D);
+    static_assert(kRowBlock % kPvRows == 0, "RP must be a multiple of kPvRows");
+    std::vector<T> scores(size_t(RP) * max_pad), denom(RP);
+    std::vector<const T*> v_rows(max_len);
+#pragma omp for schedule(dynamic, 1)
+    for (int item = 0; item < S * Hkv; ++item) {
+      const int s = item / Hkv, kvh = item % Hkv;
+      const int len = seq_lens[s], qlen = q_lens[s], prefix = len - qlen;
+      const int32_t* table = block_tables + int64_t(s) * max_blocks;
+      auto row_of = [&](const T* cache, int p) {
+        return cache + int64_t(table[p / block_size]) * block_stride + kvh * head_stride +
+               int64_t(p % block_size) * D;
+      };
+      // K transposed per group of kLanes positions: k_t[c][d][i] = k[c * kLanes + i][d]
+      const int len_pad = (len + kLanes - 1) / kLanes * kLanes;
+      for (int p = 0; p < len_pad; ++p) {
+        T* dst = k_t.data() + size_t(p / kLanes) * D * kLanes + p % kLanes;
+        if (p < len) {
+          const T* k = row_of(key_cache, p);
+          for (int d = 0; d < D; ++d) dst[size_t(d) * kLanes] = k[d];
+        } else {
+          for (int d = 0; d < D; ++d) dst[size_t(d) * kLanes] = T(0);
+        }
+      }
+      for (int p = 0; p < len; ++p) v_rows[p] = row_of(value_cache, p);
+
+      for (int t0 = 0; t0 < qlen; t0 += TQ) {
+        const int nt = std::min(TQ, qlen - t0), R = nt * G;
+        const int keys = prefix + t0 + nt;                    // what the tile's last row sees
+        const int keys_pad = (keys + kLanes - 1) / kLanes * kLanes;
+        // the tile's queries: row r = (token t0 + r / G, head kvh * G + r % G); padding is zero
+        std::fill(q_tile.begin(), q_tile.end(), T(0));
+        for (int r = 0; r < R; ++r) {
+          const T* q = query + (int64_t(q_starts[s] + t0 + r / G) * H + kvh * G + r % G) * D;
+          std::copy(q, q + D, q_tile.begin() + size_t(r) * D);
+        }
+        // 1. scores[r, p] = (q[r] . k[p]) * scale, kLanes positions x kRowBlock rows at a time
+        for (int p0 = 0; p0 < keys; p0 += kLanes) {
+          const T* kt = k_t.data() + size_t(p0 / kLanes) * D * kLanes;
+          for (int r0 = 0; r0 < RP; r0 += kRowBlock) {
+            T acc[kRowBlock][kLanes] = {};
+            for (int d = 0; d < D; ++d) {
+              for (int rr = 0; rr < kRowBlock; ++rr) {
+                const T qv = q_tile[size_t(r0 + rr) * D + d];
+#pragma omp simd
+                for (int i = 0; i < kLanes; ++i) acc[rr][i] += qv * kt[size_t(d) * kLanes + i];
+              }
+            }
+            for (int rr = 0; rr < kRowBlock; ++rr)
+              for (int i = 0; i < kLanes; ++i)
+                scores[size_t(r0 + rr) * keys_pad + p0 + i] = acc[rr][i] * scale;
+          }
+        }
+        // 2. causal softmax per row: row r sees positions 0 .. prefix + t0 + r / G
+        for (int r = 0; r < R; ++r) {
+          T* row = scores.data() + size_t(r) * keys_pad;
+          const int visible = prefix + t0 + r / G + 1;
+          T mx = -std::numeric_limits<T>::infinity();
+          for (int p = 0; p < visible; ++p) mx = std::max(mx, row[p]);
+#pragma omp simd
+          for (int p = 0; p < visible; ++p) row[p] = exp_nonpositive(row[p] - mx);
+          T sum = 0;
+          for (int p = 0; p < visible; ++p) sum += row[p];
+          std::fill(row + visible, row + keys_pad, T(0));
+          denom[r] = sum;
+        }
+        // 3. out[r] = sum_p w[r, p] * v[p]: kPvRows rows x one vector of d at a time, two
+        //    accumulators each (even / odd positions) so that the FMAs do not wait on each other
+        for (int r0 = 0; r0 < R; r0 += kPvRows) {
+          for (int d0 = 0; d0 < D; d0 += kLanes) {
+            T acc[kPvRows][2][kLanes] = {};
+            const T* w = scores.data() + size_t(r0) * keys_pad;
+            int p = 0;
+            for (; p + 1 < keys; p += 2) {
+              const T* v0 = v_rows[p] + d0;
+              const T* v1 = v_rows[p + 1] + d0;
+              for (int rr = 0; rr < kPvRows; ++rr) {
+                const T w0 = w[size_t(rr) * keys_pad + p], w1 = w[size_t(rr) * keys_pad + p + 1];
+#pragma omp simd
+                for (int i = 0; i < kLanes; ++i) {
+                  acc[rr][0][i] += w0 * v0[i];
+                  acc[rr][1][i] += w1 * v1[i];
+                }
+              }
+            }
+            if (p < keys) {
+              const T* v0 = v_rows[p] + d0;
+              for (int rr = 0; rr < kPvRows; ++rr) {
+                const T w0 = w[size_t(rr) * keys_pad + p];
+#pragma omp simd
+                for (int i = 0; i < kLanes; ++i) acc[rr][0][i] += w0 * v0[i];
+              }
+            }
+            for (int rr = 0; rr < kPvRows; ++rr)
+              for (int i = 0; i < kLanes; ++i)
+                o_tile[size_t(r0 + rr) * D + d0 + i] = acc[rr][0][i] + acc[rr][1][i];
+          }
+        }
+        for (int r = 0; r < R; ++r) {
+          T* o = out + (int64_t(q_starts[s] + t0 + r / G) * H + kvh * G + r % G) * D;
+          for (int d = 0; d < D; ++d) o[d] = o_tile[size_t(r) * D + d] / denom[r];
+        }
+      }
+    }
+  }
+  return 0;
+}
+
 }  // namespace
 
 // Returns 0, or 1 + the index of a sequence whose seq_len or block ids are out of range.
@@ -159,6 +324,26 @@ int minipaged_paged_decode_f64(const double* query, const double* key_cache, con
                                double scale, double* out, int num_threads) {
   return paged_decode<double>(query, key_cache, value_cache, num_blocks, block_tables, max_blocks,
                               seq_lens, B, H, Hkv, block_size, D, scale, out, num_threads);
+}
+
+int minipaged_paged_prefill_f32(const float* query, const float* key_cache, const float* value_cache,
+                                int num_blocks, const int32_t* block_tables, int max_blocks,
+                                const int32_t* seq_lens, const int32_t* q_starts, const int32_t* q_lens,
+                                int S, int num_tokens, int H, int Hkv, int block_size, int D,
+                                double scale, float* out, int num_threads) {
+  return paged_prefill<float>(query, key_cache, value_cache, num_blocks, block_tables, max_blocks,
+                              seq_lens, q_starts, q_lens, S, num_tokens, H, Hkv, block_size, D,
+                              float(scale), out, num_threads);
+}
+
+int minipaged_paged_prefill_f64(const double* query, const double* key_cache, const double* value_cache,
+                                int num_blocks, const int32_t* block_tables, int max_blocks,
+                                const int32_t* seq_lens, const int32_t* q_starts, const int32_t* q_lens,
+                                int S, int num_tokens, int H, int Hkv, int block_size, int D,
+                                double scale, double* out, int num_threads) {
+  return paged_prefill<double>(query, key_cache, value_cache, num_blocks, block_tables, max_blocks,
+                               seq_lens, q_starts, q_lens, S, num_tokens, H, Hkv, block_size, D,
+                               scale, out, num_threads);
 }
 
 }  // extern "C"

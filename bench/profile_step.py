@@ -9,10 +9,12 @@ call inside the forward (nested timers: a module's time excludes its timed child
 split into pure decode steps (every sequence has one query token: the steady state) and the rest
 (prefill chunks, mixed steps).
 
-Part 2 runs the same workload through the real distributed path (LocalCluster: the service and
-the worker as processes, gRPC on loopback) and puts the per-step wall time next to Part 1's
-in-process sum; the difference is the wire: gRPC (de)framing and transport, the process boundary and
-the thread hand-offs on both sides (derived, labelled as such).
+Part 2 replays it again with the worker as a real `python -m worker` process over gRPC, driven by
+the service's code in this process: per step, the service's own work, the Step RPC's wall time and
+the compute the worker reports in its reply (StageTiming); RPC minus compute is the wire.
+
+Part 3 runs the same workload through LocalCluster (the service and the worker as processes, the
+SDK as client) and puts its per-step wall time next to Part 1's in-process sum (derived).
 
     .venv/bin/python bench/profile_step.py [--model tiny|PATH] [--dtype float32] [--workers 1]
         [--prompts 64] [--new-tokens 64] [--block-size 16] [--skip-cluster] [--torch-profile]
@@ -26,6 +28,7 @@ import argparse
 import collections
 import os
 import re
+import subprocess
 import sys
 import threading
 import time
@@ -299,6 +302,89 @@ def summary_rows(per_step):
 
 # ------------------------------------------------------------------------------------ part 2
 
+def over_grpc(args, prompts):
+    """The same replay, but the worker is a real `python -m worker` process reached over gRPC on
+    loopback: per step, the service's own work, the Step RPC's wall time, and the worker's compute
+    as the worker itself reports it (StageTiming.compute_ms: make_batch + forward + sample). RPC
+    minus compute is the wire: (de)serialization, transport, the worker's unpacking and validation,
+    and the thread hand-offs on both sides."""
+    import grpc
+
+    from client.cluster import free_port
+    from metadata_service.engine import Engine
+    from metadata_service.sequence import SamplingParams, Sequence
+    from minipaged.config import load_model_config
+    from minipaged.v1 import worker_pb2, worker_pb2_grpc
+    from worker.paged_cache import bytes_per_block
+
+    cfg = load_model_config(args.model)
+    num_blocks = 256 * 1024 * 1024 // bytes_per_block(cfg.num_hidden_layers, cfg.num_key_value_heads,
+                                                      args.block_size, cfg.head_dim, args.dtype)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "worker", "--port", str(port), "--model", args.model,
+                             "--dtype", args.dtype, "--num-blocks", str(num_blocks), "--log-level", "WARNING"],
+                            cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    try:
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        grpc.channel_ready_future(channel).result(timeout=120)
+        stub = worker_pb2_grpc.WorkerServiceStub(channel)
+        epoch = stub.InitCache(worker_pb2.InitCacheRequest(num_blocks=num_blocks, block_size=args.block_size)).cache_epoch
+        eng = Engine(block_size=args.block_size, num_blocks=num_blocks)
+        eng.vocab_size, eng.cache_epoch = cfg.vocab_size, epoch
+
+        def run_step():
+            t0 = time.perf_counter()
+            with eng.lock:
+                b = eng.scheduler.schedule()
+            req = eng._step_request(b)
+            t1 = time.perf_counter()
+            reply = stub.Step(req, timeout=120)
+            t2 = time.perf_counter()
+            eng._apply(b, reply)
+            t3 = time.perf_counter()
+            eng.steps += 1
+            decode = bool((np.diff(b.query_start_loc) == 1).all())
+            compute = sum(t.compute_ms for t in reply.timings) / 1000
+            return decode, dict(svc=(t1 - t0) + (t3 - t2), wire=(t2 - t1) - compute, compute=compute,
+                                total=t3 - t0)
+
+        for p in workload(4, seed=1):
+            eng.scheduler.add(Sequence(list(p), SamplingParams(max_new_tokens=4)))
+        while eng.scheduler.has_work():
+            run_step()
+        for p in prompts:
+            eng.scheduler.add(Sequence(list(p), SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)))
+        steps, t0 = [], time.perf_counter()
+        while eng.scheduler.has_work():
+            steps.append(run_step())
+        return dict(steps=steps, total=time.perf_counter() - t0)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def grpc_table(r) -> str:
+    lines = ["| phase | decode ms/step | % | prefill/mixed ms/step | % |", "|---|---|---|---|---|"]
+    cols = {}
+    for label, want in (("decode", True), ("prefill", False)):
+        rows = [d for dec, d in r["steps"] if dec == want]
+        cols[label] = {k: 1000 * sum(d[k] for d in rows) / max(len(rows), 1) for k in ("svc", "wire", "compute", "total")}
+        cols[label]["n"] = len(rows)
+    names = {"svc": "metadata service (schedule + build + apply)",
+             "wire": "wire: gRPC, (de)serialization, worker validation, hand-offs",
+             "compute": "worker compute (StageTiming: make_batch + forward + sample)"}
+    for k, name in names.items():
+        d, p = cols["decode"], cols["prefill"]
+        lines.append(f"| {name} | {d[k]:.3f} | {100 * d[k] / d['total']:.1f}% | {p[k]:.3f} | "
+                     f"{100 * p[k] / p['total']:.1f}% |")
+    d, p = cols["decode"], cols["prefill"]
+    lines.append(f"| **step** ({d['n']} decode, {p['n']} prefill/mixed steps) | **{d['total']:.3f}** | 100% | "
+                 f"**{p['total']:.3f}** | 100% |")
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------ part 3
+
 def cluster_run(args, prompts):
     from client import LocalCluster
     with LocalCluster(model=args.model, workers=args.workers, dtype=args.dtype,
@@ -325,7 +411,7 @@ def main():
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--skip-cluster", action="store_true")
+    ap.add_argument("--skip-cluster", action="store_true", help="skip Parts 2 and 3")
     ap.add_argument("--torch-profile", action="store_true", help="also print torch.profiler's op table")
     ap.add_argument("--cpu-time", action="store_true",
                     help="time Part 1 with this thread's CPU time instead of wall time: steadier on a busy "
@@ -360,6 +446,11 @@ def main():
         print("\n### torch.profiler, steady decode forward (5 steps)\n\n```\n" + r["torch_table"] + "```\n")
 
     if not args.skip_cluster:
+        g = over_grpc(args, prompts)
+        print("\n## The worker as a process over gRPC (service code in this process)\n")
+        print(f"whole workload: {g['total']:.2f} s wall, {len(g['steps'])} steps, "
+              f"{r['tokens'] / g['total']:.0f} tok/s\n")
+        print(grpc_table(g))
         c = cluster_run(args, prompts)
         inproc = r["total"]
         n = len(r["per_step"])

@@ -1,107 +1,20 @@
-"""The torch backend on a CPU device: the same torch code, with decode attention in one compiled loop.
+"""The torch backend on a CPU device: the same torch code, with attention in compiled loops.
 
 `TorchBackend` (worker/attention_torch.py) stays the pure-torch reference that the kernel tests
 compare against. `CpuTorchBackend` is what `get_backend("torch", "cpu")` gives a worker: it inherits
-everything, and its `paged_decode` / `paged_prefill` call the loops of worker/attention_cpu.cpp,
+everything, and its `paged_decode` / `paged_prefill` call the loops of worker/cpu_kernels.cpp,
 which read K/V straight from the cache through the block tables: decode reads each sequence's
 blocks once instead of gathering them into a buffer for two batched matmuls (~3x per layer), and
 prefill runs each tile of queries as a small register-blocked GEMM against the rows it may see,
-instead of gather + SDPA (whose GEMMs are MKL's slow path on AMD CPUs).
-
-The library is compiled on first use with the machine's C++ compiler (`g++ -O3 -march=native
--fopenmp`, well under a second) into build/cpu_kernels/<hash>/, where the hash covers the source,
-the flags, the compiler and the CPU's feature flags, so a copy of the repo moved to another machine
-rebuilds instead of running illegal instructions. Concurrent builders write to a temporary name and
-rename it into place. Without a compiler (or with MINIPAGED_CPU_KERNELS=0) the backend is the
-pure-torch one, with a single log line saying so.
+instead of gather + SDPA (whose GEMMs are MKL's slow path on AMD CPUs). Without the library (no
+compiler, or MINIPAGED_CPU_KERNELS=0) it is the pure-torch backend.
 """
 from __future__ import annotations
-
-import ctypes
-import hashlib
-import logging
-import os
-import subprocess
-import tempfile
-import threading
 
 import torch
 
 from worker.attention_torch import TorchBackend
-
-log = logging.getLogger("worker.attention_cpu")
-
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "attention_cpu.cpp")
-REPO_ROOT = os.path.dirname(os.path.dirname(SOURCE))
-BUILD_DIR = os.environ.get("MINIPAGED_CPU_KERNEL_DIR", os.path.join(REPO_ROOT, "build", "cpu_kernels"))
-CXX = os.environ.get("CXX", "g++")
-FLAGS = ["-x", "c++", "-std=c++17", "-O3", "-march=native", "-fopenmp", "-fno-trapping-math",
-         "-fno-math-errno", "-fPIC", "-shared", "-Wall", "-Wextra"]
-
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
-def library_path() -> str:
-    h = hashlib.sha256()
-    with open(SOURCE, "rb") as f:
-        h.update(f.read())
-    version = subprocess.run([CXX, "--version"], capture_output=True, text=True).stdout
-    for part in (" ".join(FLAGS), version, _cpu_flags()):
-        h.update(part.encode())
-    return os.path.join(BUILD_DIR, h.hexdigest()[:16], "libminipaged_cpu_attention.so")
-
-
-def build_library() -> str:
-    """Compile the library unless this exact build exists; return its path. Raises on failure."""
-    path = library_path()
-    if os.path.exists(path):
-        return path
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
-    os.close(fd)
-    cmd = [CXX, *FLAGS, SOURCE, "-o", tmp]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        os.unlink(tmp)
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr}")
-    os.replace(tmp, path)
-    return path
-
-
-def load_library() -> ctypes.CDLL | None:
-    """The compiled library, or None when it is switched off or cannot be built (logged once)."""
-    global _lib, _tried
-    with _lock:
-        if _tried:
-            return _lib
-        _tried = True
-        if os.environ.get("MINIPAGED_CPU_KERNELS", "1") == "0":
-            log.info("MINIPAGED_CPU_KERNELS=0: CPU decode attention runs in pure torch")
-            return None
-        try:
-            lib = ctypes.CDLL(build_library())
-        except (OSError, RuntimeError) as e:
-            log.warning("CPU attention library unavailable, decode runs in pure torch: %s", e)
-            return None
-        P, I = ctypes.c_void_p, ctypes.c_int
-        for fn in (lib.minipaged_paged_decode_f32, lib.minipaged_paged_decode_f64):
-            fn.argtypes = [P, P, P, I, P, I, P, I, I, I, I, I, ctypes.c_double, P, I]
-            fn.restype = ctypes.c_int
-        for fn in (lib.minipaged_paged_prefill_f32, lib.minipaged_paged_prefill_f64):
-            fn.argtypes = [P, P, P, I, P, I, P, P, P, I, I, I, I, I, I, ctypes.c_double, P, I]
-            fn.restype = ctypes.c_int
-        _lib = lib
-        return _lib
+from worker.cpu_kernels import load_library
 
 
 def _i32(t: torch.Tensor) -> torch.Tensor:

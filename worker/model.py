@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minipaged.config import ModelConfig
+from worker import cpu_kernels
 from worker.attention import AttentionBackend, get_backend
 from worker.paged_cache import PagedKVCache, as_dtype
 
@@ -149,11 +150,16 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, batch: StepBatch, key_cache, value_cache):
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
-        q = self.q_norm(q.view(T, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(T, self.num_kv_heads, self.head_dim))
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split(self.qkv_sizes, dim=-1)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cpu_kernels.fused_ok(qkv) and self.head_dim <= 512:  # same steps, one pass (float32, CPU)
+            q, k = cpu_kernels.qk_norm_rope(qkv, self.num_heads, self.num_kv_heads, self.head_dim,
+                                            self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin)
+        else:
+            q = self.q_norm(q.view(T, self.num_heads, self.head_dim))
+            k = self.k_norm(k.view(T, self.num_kv_heads, self.head_dim))
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         self.backend.write_kv(k, v, key_cache, value_cache, batch.slot_mapping)
         if batch.is_decode:
             o = self.backend.paged_decode(q, key_cache, value_cache, batch.block_tables,
@@ -173,7 +179,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(self.inter, H, bias=False)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if cpu_kernels.fused_ok(gate_up):                # same steps, one pass (float32, CPU)
+            return self.down_proj(cpu_kernels.silu_mul(gate_up, self.inter))
+        gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
 
 

@@ -1,5 +1,7 @@
-// Paged attention for the CPU: the torch backend's decode and prefill, each as one compiled loop
-// over the cache (worker/attention_cpu.py loads this file; the torch code stays the reference).
+// CPU kernels (worker/cpu_kernels.py builds and loads this file): the torch backend's paged
+// attention, decode and prefill, each as one compiled loop over the cache (worker/attention_cpu.py;
+// the torch code stays the reference), and two fused elementwise steps of the Qwen3 block
+// (qk_norm_rope, silu_mul; worker/model.py, float32 only).
 //
 // Decode: the torch formulation gathers every block a batch uses into a contiguous buffer, then
 // runs two batched matmuls over it, so K and V cross memory about three times, and a decode step
@@ -311,6 +313,56 @@ int paged_prefill(const T* query, const T* key_cache, const T* value_cache, int 
 
 }  // namespace
 
+// QK-norm then RoPE, the steps between the qkv projection and attention (HF's Qwen3Attention):
+// for each token and head, x = the head's D values of qkv; x = x / sqrt(mean(x^2) + eps) * w (w:
+// q_norm or k_norm weight); then out = x * cos + rotate_half(x) * sin, rotate_half(x) =
+// (-x[D/2:], x[:D/2]). One pass over q and k instead of ~22 torch ops, each a full read and write.
+void qk_norm_rope(const float* qkv, int64_t row_stride, int T, int H, int Hkv, int D,
+                  const float* q_weight, const float* k_weight, float eps, const float* cos,
+                  const float* sin, float* q_out, float* k_out, int num_threads) {
+  const int half = D / 2;
+#pragma omp parallel for num_threads(std::max(1, num_threads)) schedule(static)
+  for (int t = 0; t < T; ++t) {
+    const float* c = cos + int64_t(t) * D;
+    const float* s = sin + int64_t(t) * D;
+    for (int h = 0; h < H + Hkv; ++h) {
+      const float* x = qkv + int64_t(t) * row_stride + int64_t(h) * D;   // q heads, then k heads
+      const float* w = h < H ? q_weight : k_weight;
+      float* o = h < H ? q_out + (int64_t(t) * H + h) * D : k_out + (int64_t(t) * Hkv + h - H) * D;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int d = 0; d < D; ++d) ss += x[d] * x[d];
+      const float rstd = 1.f / std::sqrt(ss / float(D) + eps);
+      float y[512];                                   // D <= 512 (checked by the caller)
+#pragma omp simd
+      for (int d = 0; d < D; ++d) y[d] = x[d] * rstd * w[d];
+#pragma omp simd
+      for (int d = 0; d < half; ++d) {
+        o[d] = y[d] * c[d] - y[d + half] * s[d];
+        o[d + half] = y[d + half] * c[d + half] + y[d] * s[d + half];
+      }
+    }
+  }
+}
+
+// SwiGLU's middle: out = silu(gate) * up, silu(g) = g / (1 + exp(-g)), written with exp of a
+// non-positive argument only (the vectorized exp above): g >= 0: g / (1 + e), g < 0: g e / (1 + e),
+// e = exp(-|g|).
+void silu_mul(const float* gate_up, int64_t row_stride, int T, int I, float* out, int num_threads) {
+#pragma omp parallel for num_threads(std::max(1, num_threads)) schedule(static)
+  for (int t = 0; t < T; ++t) {
+    const float* g = gate_up + int64_t(t) * row_stride;
+    const float* u = g + I;
+    float* o = out + int64_t(t) * I;
+#pragma omp simd
+    for (int i = 0; i < I; ++i) {
+      const float e = exp_nonpositive(-std::fabs(g[i]));
+      const float silu = (g[i] >= 0.f ? g[i] : g[i] * e) / (1.f + e);
+      o[i] = silu * u[i];
+    }
+  }
+}
+
 // The common head dims get their own instantiation; others run the generic one.
 template <template <typename, int> class Kernel, typename T, typename... Args>
 int dispatch(int head_dim, Args... args) {
@@ -366,6 +418,19 @@ int minipaged_paged_prefill_f64(const double* query, const double* key_cache, co
   return dispatch<Prefill, double>(D, query, key_cache, value_cache, num_blocks, block_tables, max_blocks,
                                    seq_lens, q_starts, q_lens, S, num_tokens, H, Hkv, block_size, D,
                                    scale, out, num_threads);
+}
+
+void minipaged_qk_norm_rope_f32(const float* qkv, int row_stride, int T, int H, int Hkv, int D,
+                                const float* q_weight, const float* k_weight, float eps,
+                                const float* cos, const float* sin, float* q_out, float* k_out,
+                                int num_threads) {
+  qk_norm_rope(qkv, row_stride, T, H, Hkv, D, q_weight, k_weight, eps, cos, sin, q_out, k_out,
+               num_threads);
+}
+
+void minipaged_silu_mul_f32(const float* gate_up, int row_stride, int T, int I, float* out,
+                            int num_threads) {
+  silu_mul(gate_up, row_stride, T, I, out, num_threads);
 }
 
 }  // extern "C"

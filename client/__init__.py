@@ -8,11 +8,13 @@ from .aio import AsyncClient
 from .cluster import ClusterError, LocalCluster, split_layers
 from .errors import (AlreadyExists, Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument,
                      MiniPagedError, NotFound, PermissionDenied, ResourceExhausted, Unauthenticated, Unavailable,
-                     from_rpc_error)
-from .messages import GenerateResult, JobStatus, Stats, StreamChunk, Usage
+                     Unimplemented, from_rpc_error)
+from .messages import (ChainSnapshot, GenerateResult, JobStatus, PoolSnapshot, SequenceSnapshot, Stats, StreamChunk,
+                       Usage)
 from .sdk import Client
 
 __all__ = ["Client", "AsyncClient", "LocalCluster", "ClusterError", "split_layers", "GenerateResult",
-           "StreamChunk", "Usage", "Stats", "JobStatus", "MiniPagedError", "InvalidArgument",
-           "ResourceExhausted", "NotFound", "Unavailable", "FailedPrecondition", "Unauthenticated",
-           "PermissionDenied", "AlreadyExists", "DeadlineExceeded", "Cancelled", "from_rpc_error"]
+           "StreamChunk", "Usage", "Stats", "JobStatus", "PoolSnapshot", "ChainSnapshot", "SequenceSnapshot",
+           "MiniPagedError", "InvalidArgument", "ResourceExhausted", "NotFound", "Unavailable",
+           "FailedPrecondition", "Unauthenticated", "PermissionDenied", "AlreadyExists", "DeadlineExceeded",
+           "Cancelled", "Unimplemented", "from_rpc_error"]

@@ -10,60 +10,142 @@ from typing import AsyncIterator, Sequence
 import grpc
 import grpc.aio
 
-from minipaged.tls import channel_credentials
+from minipaged.tls import channel_credentials, make_channel
 from minipaged.v1 import metadata_pb2 as pb
 from minipaged.v1 import metadata_pb2_grpc as pb_grpc
 
-from .errors import Unavailable, from_rpc_error
+from .errors import MiniPagedError, Unavailable, explain_unimplemented, from_rpc_error
 from .messages import (CHANNEL_OPTIONS, TERMINAL_STATES, Deadline, GenerateResult, JobCollector, JobStatus,
-                  ResultAssembler, Stats, StreamChunk, build_generate_request, build_submit_request,
-                  chunk_from_proto, job_from_proto)
+                       PoolSnapshot, ResultAssembler, Stats, StreamChunk, batch_items, build_generate_request,
+                       build_submit_request, chunk_from_proto, job_from_proto, normalize_address,
+                       pool_snapshot_from_proto)
+from .sdk import MAX_BATCH_CONCURRENCY
 
 
 class AsyncClient:
-    """Non-blocking client. Create it inside a running event loop (grpc.aio binds to it)."""
+    """Non-blocking client. Create it inside a running event loop (grpc.aio binds to it).
+    `wait_ready` and the address rules are those of `Client`."""
 
     def __init__(self, address: str = "127.0.0.1:50051", token: str | None = None,
                  timeout: float | None = None, *, tls_ca: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None):
-        self.address, self.timeout = address, timeout
+                 tls_key: str | None = None, wait_ready: float | None = None):
+        self.address, self.timeout, self.wait_ready = normalize_address(address), timeout, wait_ready
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._tls = (tls_ca, tls_cert, tls_key)
         creds = channel_credentials(tls_ca, tls_cert, tls_key)
-        self._channel = (grpc.aio.secure_channel(address, creds, options=CHANNEL_OPTIONS) if creds else
-                         grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS))
+        self._channel = (grpc.aio.secure_channel(self.address, creds, options=CHANNEL_OPTIONS) if creds else
+                         grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS))
         self._stub = pb_grpc.MetadataServiceStub(self._channel)
 
     def _kw(self, timeout: float | None) -> dict:
         return {"timeout": self.timeout if timeout is None else timeout, "metadata": self._metadata}
 
+    async def _error(self, e: grpc.RpcError) -> MiniPagedError:
+        err = from_rpc_error(e)  # AioRpcError is a grpc.RpcError
+        if err.code != grpc.StatusCode.UNIMPLEMENTED:
+            return err
+
+        def probe():  # the health probe is a blocking call: keep it off the event loop
+            with make_channel(self.address, CHANNEL_OPTIONS, *self._tls) as ch:
+                return explain_unimplemented(err, self.address, ch)
+        return await asyncio.get_running_loop().run_in_executor(None, probe)
+
     async def _unary(self, method, request, timeout):
         try:
             return await method(request, **self._kw(timeout))
-        except grpc.RpcError as e:  # AioRpcError is a grpc.RpcError
-            raise from_rpc_error(e) from None
+        except grpc.RpcError as e:
+            raise (await self._error(e)) from None
+
+    async def _await_ready(self, timeout: float | None) -> None:
+        if not self.wait_ready:
+            return
+        budget = self.wait_ready if timeout is None else min(self.wait_ready, timeout)
+        deadline, reason = Deadline(budget), "the service did not answer"
+        while True:
+            try:
+                st = await self._stub.Stats(pb.StatsRequest(), timeout=max(0.05, deadline.left()),
+                                            metadata=self._metadata, wait_for_ready=True)
+                if st.ready:
+                    return
+                reason = st.not_ready_reason or "no worker chain is ready"
+            except grpc.RpcError as e:
+                err = await self._error(e)
+                if not isinstance(err, Unavailable) and err.code != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise err from None
+                reason = err.details or reason
+            if deadline.left() <= 0.0:
+                raise Unavailable(f"no ready worker chain at {self.address} after waiting {budget:g}s "
+                                  f"(wait_ready): {reason}")
+            await asyncio.sleep(min(0.2, deadline.left()))
 
     async def stream(self, prompt: str | None = None, *, timeout: float | None = None,
                      **params) -> AsyncIterator[StreamChunk]:
-        """Async iterator of chunks; leaving the loop early (aclose) cancels the request."""
+        """Async iterator of chunks; leaving the loop early (aclose), or cancelling the task that
+        iterates, cancels the request and frees its blocks."""
         request = build_generate_request(prompt, **params)
+        await self._await_ready(timeout)
         call = self._stub.Generate(request, **self._kw(timeout))
         try:
             async for chunk in call:
                 yield chunk_from_proto(chunk)
         except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
+            raise (await self._error(e)) from None
         finally:
             call.cancel()
 
-    async def generate(self, prompt: str | None = None, *, timeout: float | None = None,
-                       **params) -> GenerateResult:
+    async def generate(self, prompt: str | Sequence | None = None, *, timeout: float | None = None,
+                       max_concurrency: int = MAX_BATCH_CONCURRENCY, **params):
+        """As Client.generate: one result, or a list of them for a list of prompts (run
+        concurrently; the first failure cancels the rest)."""
+        items = batch_items(prompt, params)
+        if items is not None:
+            for item in items:  # every type error before any RPC
+                build_generate_request(**item)
+            sem = asyncio.Semaphore(max(1, max_concurrency))
+
+            async def one(item):
+                async with sem:
+                    return await self.generate(timeout=timeout, **item)
+            tasks = [asyncio.ensure_future(one(item)) for item in items]
+            try:
+                results = await asyncio.gather(*tasks)
+            except BaseException:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
+            for i, r in enumerate(results):
+                r.index = i
+                for c in r.choices or []:
+                    c.index = i
+            return list(results)
         acc = ResultAssembler()
-        async for chunk in self.stream(prompt, timeout=timeout, **params):
-            acc.add(chunk)
+        agen = self.stream(prompt, timeout=timeout, **params)
+        try:
+            async for chunk in agen:
+                acc.add(chunk)
+        finally:
+            await agen.aclose()  # on cancellation too: the stream's finally cancels the call
         return acc.result()
 
     async def submit(self, requests: Sequence[dict], *, timeout: float | None = None) -> str:
-        return (await self._unary(self._stub.SubmitJob, build_submit_request(requests), timeout)).job_id
+        request = build_submit_request(requests)
+        await self._await_ready(timeout)
+        return (await self._unary(self._stub.SubmitJob, request, timeout)).job_id
+
+    async def list_jobs(self, limit: int = 100, state: str | None = None, *,
+                        timeout: float | None = None) -> list[JobStatus]:
+        reply = await self._unary(self._stub.ListJobs, pb.ListJobsRequest(limit=int(limit), state=state or ""),
+                                  timeout)
+        return [job_from_proto(j) for j in reply.jobs]
+
+    async def delete_job(self, job_id: str, *, timeout: float | None = None) -> JobStatus:
+        return job_from_proto(await self._unary(self._stub.DeleteJob, pb.JobRequest(job_id=job_id), timeout))
+
+    async def pool_snapshot(self, max_blocks: int = 0, max_sequences: int = 0, *,
+                            timeout: float | None = None) -> PoolSnapshot:
+        request = pb.PoolSnapshotRequest(max_blocks=max_blocks, max_sequences=max_sequences)
+        return pool_snapshot_from_proto(await self._unary(self._stub.PoolSnapshot, request, timeout))
 
     async def get_job(self, job_id: str, *, timeout: float | None = None) -> JobStatus:
         return job_from_proto(await self._unary(self._stub.GetJob, pb.JobRequest(job_id=job_id), timeout))
@@ -88,7 +170,7 @@ class AsyncClient:
                         acc.update(job_from_proto(msg))
                     acc.update(await self.get_job(job_id, timeout=deadline.left()))
                 except (grpc.RpcError, Unavailable) as e:
-                    err = from_rpc_error(e) if isinstance(e, grpc.RpcError) else e
+                    err = (await self._error(e)) if isinstance(e, grpc.RpcError) else e
                     left = deadline.left()
                     if not isinstance(err, Unavailable) or (left is not None and left <= 0.5):
                         raise err from None

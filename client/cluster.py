@@ -89,23 +89,38 @@ class LocalCluster:
 
     Starts on construction (like dask's LocalCluster) and waits until the service reports ready.
     `token` starts the service with --token and gives it to `.client`; `root` is the directory the
-    packages are run from (the repo root; tests point it at fakes). Logs: `log_dir`, `logs()`."""
+    packages are run from (the repo root; tests point it at fakes). Logs: `log_dir`, `logs()`.
+    `http=True` also starts the HTTP gateway (`python -m gateway`, with the same token) once the
+    service is ready, and waits for its GET /health; `.http_url` is its base URL (None without)."""
 
-    def __init__(self, model: str = "tiny", workers: int = 1, dtype: str = "float32",
+    def __init__(self, model: str = "tiny", workers: int = 1, dtype: str | None = "float32",
                  num_blocks: int | None = None, block_size: int = 16, device: str = "cpu",
                  extra_service_args=(), extra_worker_args=(), db: str | None = None,
                  env: dict | None = None, startup_timeout: float = 120.0, grace: float = 5.0,
-                 token: str | None = None, root: str | None = None):
+                 token: str | None = None, root: str | None = None, replicas: int = 1, standby: int = 0,
+                 simulate: str | None = None, threads: int | None = None, http: bool = False):
+        """`workers` stages per chain, `replicas` chains (workers x replicas processes), plus
+        `standby` spare workers for the last stage's layers: they wait, outside any chain, to replace
+        a lost stage (with one stage per chain a spare is simply one more replica). `simulate` ('h200' or a profile JSON) starts
+        simulated workers (no weights; dtype None = their default, bfloat16). `threads`: torch
+        threads per worker (default: the machine's cores shared out among the CPU workers)."""
         self.model, self.root, self.grace = model, root or ROOT, grace
         self.startup_timeout = startup_timeout
-        self.layers = split_layers(load_model_config(model).num_hidden_layers, workers)  # may raise
+        if replicas < 1 or standby < 0:
+            raise ValueError("replicas must be >= 1 and standby >= 0")
+        stages = split_layers(load_model_config(model).num_hidden_layers, workers)  # may raise
+        self.layers = stages * replicas + [stages[-1]] * standby
+        self.replicas = replicas
         self.log_dir = tempfile.mkdtemp(prefix="minipaged-cluster-")
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.env["PYTHONPATH"] = os.pathsep.join(p for p in (self.root, self.env.get("PYTHONPATH")) if p)
-        if workers > 1:  # stages on one machine take turns: idle OpenMP threads must not spin on its cores
+        n_procs = len(self.layers)
+        if n_procs > 1:  # processes on one machine take turns: idle OpenMP threads must not spin on its cores
             self.env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        if threads is None and not simulate and device == "cpu":
+            threads = max(1, (os.cpu_count() or 1) // max(1, n_procs - (standby if workers > 1 else 0)))
         py, log = sys.executable, lambda name: os.path.join(self.log_dir, f"{name}.log")
         service_cmd = [py, "-m", "metadata_service", "--host", "127.0.0.1", "--port", str(self.port),
                        "--block-size", str(block_size), "--db", db or os.path.join(self.log_dir, "jobs.db")]
@@ -113,17 +128,22 @@ class LocalCluster:
         self._procs = [_Proc("metadata_service", service_cmd, log("metadata_service"))]
         for i, (a, b) in enumerate(self.layers):
             cmd = [py, "-m", "worker", "--metadata", self.address, "--host", "127.0.0.1",
-                   "--port", str(free_port()), "--model", model, "--layers", f"{a}:{b}",
-                   "--dtype", dtype, "--device", device]
+                   "--port", str(free_port()), "--model", model, "--layers", f"{a}:{b}"]
+            cmd += ["--dtype", dtype] if dtype else []
+            cmd += ["--simulate", simulate] if simulate else ["--device", device]
+            cmd += ["--threads", str(threads)] if threads else []
             if num_blocks is not None:
                 cmd += ["--num-blocks", str(num_blocks)]
             cmd += [str(x) for x in extra_worker_args]
             self._procs.append(_Proc(f"worker{i}", cmd, log(f"worker{i}")))
         self.client = Client(self.address, token=token)
+        self.http_url: str | None = None
         try:
             for p in self._procs:
                 self._spawn(p)
             self.wait_ready()
+            if http:
+                self._start_gateway(py, log("gateway"), token)
         except BaseException:
             self.stop(keep_logs=True)
             raise
@@ -159,7 +179,8 @@ class LocalCluster:
         return "\n".join(out)
 
     def wait_ready(self, timeout: float | None = None) -> None:
-        """Until Stats says ready (a full chain registered, cache initialised) or a process exits."""
+        """Until Stats says every chain is ready (caches initialised) and every worker registered,
+        or a process exits."""
         end = time.monotonic() + (self.startup_timeout if timeout is None else timeout)
         while True:
             dead = [p.name for p in self._procs if p.popen.poll() is not None]
@@ -167,12 +188,39 @@ class LocalCluster:
                 raise ClusterError(f"{', '.join(dead)} exited before the cluster was ready; "
                                    f"logs in {self.log_dir}\n" + self.logs())
             try:
-                if self.client.stats(timeout=2.0).ready:
+                st = self.client.stats(timeout=2.0)
+                # every chain formed and every worker (standbys too) registered
+                if st.ready and st.num_chains >= self.replicas and st.num_workers >= len(self.layers):
                     return
             except MiniPagedError:
                 pass  # not listening yet
             if time.monotonic() > end:
                 raise ClusterError(f"cluster at {self.address} not ready after {self.startup_timeout:.0f}s; "
+                                   f"logs in {self.log_dir}\n" + self.logs())
+            time.sleep(0.2)
+
+    def _start_gateway(self, py: str, log_path: str, token: str | None) -> None:
+        import urllib.error
+        import urllib.request
+        port = free_port()
+        cmd = [py, "-m", "gateway", "--metadata", self.address, "--port", str(port), "--host", "127.0.0.1",
+               "--model", self.model] + (["--token", token] if token else [])
+        p = _Proc("gateway", cmd, log_path)
+        self._procs.append(p)  # last: workers keep their indices in .processes
+        self._spawn(p)
+        url, end = f"http://127.0.0.1:{port}", time.monotonic() + self.startup_timeout
+        while True:
+            if p.popen.poll() is not None:
+                raise ClusterError(f"gateway exited before it was ready; logs in {self.log_dir}\n" + self.logs())
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2.0) as r:
+                    if r.status == 200:
+                        self.http_url = url
+                        return
+            except (urllib.error.URLError, OSError):
+                pass  # not listening yet, or 503 while not ready
+            if time.monotonic() > end:
+                raise ClusterError(f"gateway at {url} not healthy after {self.startup_timeout:.0f}s; "
                                    f"logs in {self.log_dir}\n" + self.logs())
             time.sleep(0.2)
 

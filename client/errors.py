@@ -62,10 +62,16 @@ class Cancelled(MiniPagedError):
     code = grpc.StatusCode.CANCELLED
 
 
+class Unimplemented(MiniPagedError):
+    """The server does not serve this RPC: an older metadata service, or not the metadata service
+    at all (a worker's port answers every MetadataService call with "Method not found")."""
+    code = grpc.StatusCode.UNIMPLEMENTED
+
+
 _BY_CODE: dict[grpc.StatusCode, type[MiniPagedError]] = {
     cls.code: cls
     for cls in (InvalidArgument, ResourceExhausted, NotFound, Unavailable, FailedPrecondition,
-                Unauthenticated, PermissionDenied, AlreadyExists, DeadlineExceeded, Cancelled)
+                Unauthenticated, PermissionDenied, AlreadyExists, DeadlineExceeded, Cancelled, Unimplemented)
 }
 
 
@@ -73,6 +79,28 @@ def error_for(code: grpc.StatusCode, details: str = "") -> MiniPagedError:
     """The typed exception for a status code; codes without a subclass get the base class."""
     cls = _BY_CODE.get(code)
     return cls(details) if cls is not None else MiniPagedError(details, code)
+
+
+WORKER_SERVICE = "minipaged.v1.WorkerService"
+
+
+def explain_unimplemented(err: MiniPagedError, address: str, channel: grpc.Channel | None = None) -> MiniPagedError:
+    """UNIMPLEMENTED "Method not found" means the server at `address` serves no MetadataService.
+    Ask its health service whether it is one of our workers, and say so plainly (the common
+    mistake: pointing the client at a worker's port)."""
+    if not isinstance(err, Unimplemented) or "not found" not in err.details.lower():
+        return err
+    what = "does not serve minipaged.v1.MetadataService"
+    if channel is not None:
+        try:
+            from grpc_health.v1 import health_pb2, health_pb2_grpc
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=WORKER_SERVICE),
+                                                      timeout=2.0)
+            what = "is a MiniPaged worker (minipaged.v1.WorkerService), not the metadata service"
+        except grpc.RpcError:
+            pass
+    return Unimplemented(f"{address} {what}: point the client at the metadata service's address "
+                         f"(python -m metadata_service --port, 50051 by default). Server said: {err.details}")
 
 
 def from_rpc_error(e: grpc.RpcError) -> MiniPagedError:
@@ -85,5 +113,6 @@ def from_rpc_error(e: grpc.RpcError) -> MiniPagedError:
 
 
 __all__ = ["MiniPagedError", "InvalidArgument", "ResourceExhausted", "NotFound", "Unavailable",
-           "FailedPrecondition", "Unauthenticated", "PermissionDenied", "AlreadyExists", "DeadlineExceeded", "Cancelled", "error_for",
+           "FailedPrecondition", "Unauthenticated", "PermissionDenied", "AlreadyExists", "DeadlineExceeded", "Cancelled", "Unimplemented",
+           "error_for", "explain_unimplemented",
            "from_rpc_error"]

@@ -20,7 +20,24 @@ CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 TERMINAL_STATES = ("done", "cancelled", "failed")
 # Keys a generate() call / a submit() item may carry (timeout is per call, not per request).
 REQUEST_KEYS = ("prompt", "prompt_token_ids", "max_new_tokens", "temperature", "top_p", "top_k",
-                "seed", "stop", "stop_token_ids", "ignore_eos", "return_logprobs")
+                "seed", "stop", "stop_token_ids", "ignore_eos", "return_logprobs", "logprobs", "n", "best_of",
+                "min_new_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty")
+DEFAULT_PORT = 50051
+
+
+def normalize_address(address: str) -> str:
+    """"HOST" means HOST:50051 (the metadata service's default port); "HOST:PORT", "[v6]:PORT",
+    "unix:..." and "dns:///..." targets pass through unchanged."""
+    a = address.strip()
+    if not a or a.startswith(("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:")) or "://" in a:
+        return a
+    if a.startswith("["):                       # [::1] or [::1]:50051
+        return a if "]:" in a else f"{a}:{DEFAULT_PORT}"
+    if a.count(":") == 0:
+        return f"{a}:{DEFAULT_PORT}"
+    if a.count(":") > 1:                        # a bare IPv6 address
+        return f"[{a}]:{DEFAULT_PORT}"
+    return a
 
 
 # ---------------------------------------------------------------- result types
@@ -39,6 +56,8 @@ class Usage:
 
 @dataclass
 class GenerateResult:
+    """One request's result. With n > 1, `choices` holds every choice (choice 0 first) and the
+    top-level fields are choice 0's."""
     token_ids: list[int]
     text: str
     finish_reason: str
@@ -46,6 +65,11 @@ class GenerateResult:
     logprobs: list[float] | None = None
     index: int = 0
     error: str | None = None  # set when this one request of a job failed on its own
+    # logprobs=k: per generated token, its k best alternatives {token_id: logprob}, best first
+    top_logprobs: list[dict[int, float]] | None = None
+    choice: int = 0
+    cumulative_logprob: float | None = None
+    choices: list["GenerateResult"] | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -55,9 +79,11 @@ class GenerateResult:
 class StreamChunk:
     token_ids: list[int]
     text: str
-    finish_reason: str | None = None  # None while running; set on the last chunk
-    usage: Usage | None = None        # set on the last chunk
+    finish_reason: str | None = None  # None while running; set on the last chunk (of its choice)
+    usage: Usage | None = None        # set on the last chunk (of its choice)
     logprobs: list[float] | None = None
+    index: int = 0                    # which choice (n > 1): chunks of different choices interleave
+    top_logprobs: list[dict[int, float]] | None = None
 
 
 @dataclass
@@ -67,6 +93,7 @@ class JobStatus:
     total: int
     completed: int
     results: list[GenerateResult] = field(default_factory=list)
+    created: float = 0.0  # unix time of SubmitJob
 
     @property
     def done(self) -> bool:
@@ -99,10 +126,22 @@ class Stats:
     ready: bool = False
     cache_epoch: int = 0
     live_sequences: int = 0
+    shared_blocks: int = 0
+    not_ready_reason: str = ""
+    chains: list = field(default_factory=list)   # one dict per replica chain (ChainStats fields)
+    num_chains: int = 0
+    standby_workers: int = 0
+    metadata_cpu_seconds: float = 0.0
+    model: str = ""
+    max_model_len: int = 0
 
     @classmethod
     def from_proto(cls, r: pb.StatsReply) -> "Stats":
-        return cls(**{f.name: getattr(r, f.name) for f in fields(cls)})
+        from google.protobuf.json_format import MessageToDict
+        kw = {f.name: getattr(r, f.name) for f in fields(cls) if f.name != "chains"}
+        kw["chains"] = [MessageToDict(c, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+                        for c in r.chains]
+        return cls(**kw)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -149,25 +188,55 @@ def _int_array(name: str, values) -> bytes:
     return wire.pack(arr, wire.INT32)
 
 
+def _logprob_fields(logprobs, return_logprobs) -> tuple[bool, int]:
+    """`logprobs=True` (or the older `return_logprobs=True`): the sampled tokens' logprobs;
+    `logprobs=k` (an int >= 0): also the k best alternatives per token (OpenAI's `logprobs=k`)."""
+    if logprobs is None or logprobs is False:
+        return bool(return_logprobs), 0
+    if logprobs is True:
+        return True, 0
+    if isinstance(logprobs, (int, np.integer)):
+        if logprobs < 0:
+            raise InvalidArgument(f"logprobs must be True or an int >= 0 (alternatives per token), got {logprobs}")
+        return True, int(logprobs)
+    raise TypeError(f"logprobs must be a bool or an int, got {logprobs!r}")
+
+
 def build_generate_request(prompt: str | None = None, prompt_token_ids: Sequence[int] | None = None,
-                           max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
+                           max_new_tokens: int = 32, temperature: float = 0.0, top_p: float | None = None,
                            top_k: int = 0, seed: int | None = None, stop: str | Sequence[str] | None = None,
                            stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
-                           return_logprobs: bool = False) -> pb.GenerateRequest:
-    """Light type checks only: the server validates values and answers INVALID_ARGUMENT."""
+                           return_logprobs: bool = False, logprobs: bool | int | None = None, n: int = 1,
+                           best_of: int | None = None, min_new_tokens: int = 0,
+                           repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
+                           frequency_penalty: float = 0.0) -> pb.GenerateRequest:
+    """Type checks and the few value checks the wire cannot express (top_p=0, both prompt forms);
+    the server validates every value and answers INVALID_ARGUMENT."""
     if prompt is not None and not isinstance(prompt, str):
         raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
-    for name, v in (("max_new_tokens", max_new_tokens), ("top_k", top_k), ("seed", seed)):
+    if prompt is not None and prompt_token_ids is not None:
+        raise InvalidArgument("give prompt or prompt_token_ids, not both")
+    for name, v in (("max_new_tokens", max_new_tokens), ("top_k", top_k), ("seed", seed), ("n", n),
+                    ("best_of", best_of), ("min_new_tokens", min_new_tokens)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer))):
             raise TypeError(f"{name} must be an int, got {v!r}")
+    if top_p is not None and not 0 < float(top_p) <= 1:  # also catches NaN
+        raise InvalidArgument(f"top_p must be in (0, 1], got {top_p}")
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if not all(isinstance(s, str) for s in stops):
         raise TypeError(f"stop must be a str or a list of str, got {stop!r}")
+    want_logprobs, top_logprobs = _logprob_fields(logprobs, return_logprobs)
     try:  # values the wire cannot carry (an int past int32/int64) are the caller's error too
         req = pb.GenerateRequest(prompt=prompt or "", max_new_tokens=int(max_new_tokens),
-                                 temperature=float(temperature), top_p=float(top_p), top_k=int(top_k),
-                                 stop=stops, ignore_eos=bool(ignore_eos),
-                                 return_logprobs=bool(return_logprobs))
+                                 temperature=float(temperature), top_k=int(top_k),
+                                 stop=stops, ignore_eos=bool(ignore_eos), return_logprobs=want_logprobs,
+                                 top_logprobs=top_logprobs, n=int(n), best_of=int(best_of or 0),
+                                 min_new_tokens=int(min_new_tokens),
+                                 repetition_penalty=float(repetition_penalty),
+                                 presence_penalty=float(presence_penalty),
+                                 frequency_penalty=float(frequency_penalty))
+        if top_p is not None:  # proto3 optional: unset means 1 (off)
+            req.top_p = float(top_p)
         if prompt_token_ids is not None:
             req.prompt_token_ids = _int_array("prompt_token_ids", prompt_token_ids)
         if stop_token_ids is not None:
@@ -175,7 +244,8 @@ def build_generate_request(prompt: str | None = None, prompt_token_ids: Sequence
         if seed is not None:  # proto3 optional: unset means "the service picks one"
             req.seed = int(seed)
     except (ValueError, OverflowError) as e:
-        raise InvalidArgument(f"{e} (max_new_tokens and top_k are int32, seed int64, token ids int32)") from None
+        raise InvalidArgument(f"{e} (max_new_tokens, top_k, n, best_of, min_new_tokens are int32, seed int64, "
+                              f"token ids int32)") from None
     return req
 
 
@@ -191,27 +261,76 @@ def build_submit_request(requests: Sequence[dict]) -> pb.SubmitJobRequest:
     return pb.SubmitJobRequest(requests=items)
 
 
+def batch_items(prompt, params: dict) -> list[dict] | None:
+    """generate([...]): a list of prompts (str, token-id lists or request dicts), or
+    prompt_token_ids=[[...], ...], is a batch: one request dict per item (shared `params` under
+    each item's own keys). None when this is a single request."""
+    ids = params.get("prompt_token_ids")
+    if prompt is None and isinstance(ids, (list, tuple)) and ids and isinstance(ids[0], (list, tuple, np.ndarray)):
+        rest = {k: v for k, v in params.items() if k != "prompt_token_ids"}
+        return [{**rest, "prompt_token_ids": list(x)} for x in ids]
+    if not isinstance(prompt, (list, tuple)):
+        return None
+    items = []
+    for i, p in enumerate(prompt):
+        if isinstance(p, str):
+            items.append({**params, "prompt": p})
+        elif isinstance(p, dict):
+            items.append({**params, **p})
+        elif isinstance(p, (list, tuple, np.ndarray)):
+            items.append({**params, "prompt_token_ids": list(p)})
+        else:
+            raise TypeError(f"generate([...]) item {i} must be a str, a list of token ids or a dict, "
+                            f"got {type(p).__name__} (one prompt of token ids: prompt_token_ids=[...])")
+    for i, item in enumerate(items):
+        unknown = set(item) - set(REQUEST_KEYS)
+        if unknown:
+            raise TypeError(f"generate([...]) item {i}: unknown keys {sorted(unknown)} (allowed: {REQUEST_KEYS})")
+    return items
+
+
 def _floats(data: bytes) -> list[float] | None:
     return wire.unpack(data, wire.FLOAT32, name="logprobs").tolist() if data else None
 
 
+def _top(ids: bytes, lps: bytes, n_tokens: int) -> list[dict[int, float]] | None:
+    """int32 [k, K] ids + float32 [k, K] logprobs -> per token {id: logprob}, best first."""
+    if not ids or n_tokens == 0:
+        return None
+    a = wire.unpack(ids, wire.INT32, name="top_logprob_ids")
+    b = wire.unpack(lps, wire.FLOAT32, name="top_logprobs", count=a.size)
+    if a.size % n_tokens:
+        raise wire.WireError(f"top_logprob_ids: {a.size} values is not a multiple of {n_tokens} tokens")
+    a, b = a.reshape(n_tokens, -1).tolist(), b.reshape(n_tokens, -1).tolist()
+    return [dict(zip(r, s)) for r, s in zip(a, b)]
+
+
 def result_from_proto(r: pb.GenerationResult) -> GenerateResult:
-    return GenerateResult(token_ids=wire.unpack(r.token_ids, name="token_ids").tolist(), text=r.text,
-                          finish_reason=r.finish_reason, usage=Usage.from_proto(r.usage),
-                          logprobs=_floats(r.logprobs), index=r.index, error=r.error or None)
+    ids = wire.unpack(r.token_ids, name="token_ids").tolist()
+    out = GenerateResult(token_ids=ids, text=r.text, finish_reason=r.finish_reason,
+                         usage=Usage.from_proto(r.usage), logprobs=_floats(r.logprobs), index=r.index,
+                         error=r.error or None, top_logprobs=_top(r.top_logprob_ids, r.top_logprobs, len(ids)),
+                         choice=r.choice, cumulative_logprob=r.cumulative_logprob if (r.logprobs or r.cumulative_logprob) else None)
+    if r.choices:
+        out.choices = [result_from_proto(c) for c in r.choices]
+        for c in out.choices:
+            c.index = out.index
+    return out
 
 
 def chunk_from_proto(c: pb.GenerateChunk) -> StreamChunk:
-    return StreamChunk(token_ids=wire.unpack(c.token_ids, name="token_ids").tolist(), text=c.text,
-                       finish_reason=c.finish_reason or None,
+    ids = wire.unpack(c.token_ids, name="token_ids").tolist()
+    return StreamChunk(token_ids=ids, text=c.text, finish_reason=c.finish_reason or None,
                        usage=Usage.from_proto(c.usage) if c.HasField("usage") else None,
-                       logprobs=_floats(c.logprobs))
+                       logprobs=_floats(c.logprobs), index=c.index,
+                       top_logprobs=_top(c.top_logprob_ids, c.top_logprobs, len(ids)))
 
 
 def job_from_proto(j) -> JobStatus:
     """pb.Job or pb.JobProgress (the latter's results are only the new ones)."""
     results = j.results if isinstance(j, pb.Job) else j.new_results
-    return JobStatus(j.job_id, j.state, j.total, j.completed, [result_from_proto(r) for r in results])
+    return JobStatus(j.job_id, j.state, j.total, j.completed, [result_from_proto(r) for r in results],
+                     created=getattr(j, "created", 0.0))
 
 
 class Deadline:
@@ -224,23 +343,47 @@ class Deadline:
         return None if self.at is None else max(0.0, self.at - time.monotonic())
 
 
-class ResultAssembler:
-    """Folds stream chunks into one GenerateResult (generate() is stream() collected)."""
-
-    def __init__(self):
-        self.token_ids, self.text, self.logprobs = [], [], []
+class _ChoiceAssembler:
+    def __init__(self, index: int):
+        self.index = index
+        self.token_ids, self.text, self.logprobs, self.top = [], [], [], []
         self.finish_reason, self.usage = "", Usage()
 
     def add(self, c: StreamChunk) -> None:
         self.token_ids += c.token_ids
         self.text.append(c.text)
         self.logprobs += c.logprobs or []
+        self.top += c.top_logprobs or []
         self.finish_reason = c.finish_reason or self.finish_reason
         self.usage = c.usage or self.usage
 
     def result(self) -> GenerateResult:
         return GenerateResult(self.token_ids, "".join(self.text), self.finish_reason, self.usage,
-                              self.logprobs or None)
+                              self.logprobs or None, top_logprobs=self.top or None, choice=self.index,
+                              cumulative_logprob=float(sum(self.logprobs)) if self.logprobs else None)
+
+
+class ResultAssembler:
+    """Folds stream chunks into one GenerateResult (generate() is stream() collected). Chunks of
+    several choices (n > 1) interleave; each is folded by its `index`."""
+
+    def __init__(self):
+        self._choices: dict[int, _ChoiceAssembler] = {}
+
+    def add(self, c: StreamChunk) -> None:
+        if c.index not in self._choices:
+            self._choices[c.index] = _ChoiceAssembler(c.index)
+        self._choices[c.index].add(c)
+
+    def result(self) -> GenerateResult:
+        if not self._choices:
+            return _ChoiceAssembler(0).result()
+        choices = [self._choices[i].result() for i in sorted(self._choices)]
+        if len(choices) == 1:
+            return choices[0]
+        top = GenerateResult(**{f.name: getattr(choices[0], f.name) for f in fields(GenerateResult)})
+        top.choices = choices
+        return top
 
 
 class JobCollector:
@@ -276,3 +419,58 @@ class JobCollector:
                 r = GenerateResult([], "", "cancelled" if self.state == "cancelled" else "", Usage(), index=i)
             out.append(r)
         return out
+
+
+# ---------------------------------------------------------------- pool snapshot (dashboard)
+
+@dataclass
+class SequenceSnapshot:
+    sequence_id: int
+    state: str                 # "running" | "waiting"
+    length: int
+    num_blocks: int
+    block_table: list[int]     # the first <= 64 blocks of its table
+    num_cached_tokens: int
+    label: str
+
+
+@dataclass
+class ChainSnapshot:
+    """One chain's pool: block_state[i] (0 free, 1 owned, 2 shared, 3 cached) describes physical
+    block i * stride; the counts are exact over the whole pool."""
+    chain_id: int
+    num_blocks: int
+    block_size: int
+    stride: int
+    block_state: list[int]
+    ref_counts: list[int]
+    free_blocks: int
+    owned_blocks: int
+    shared_blocks: int
+    cached_blocks: int
+    sequences: list[SequenceSnapshot]
+    running: int
+    waiting: int
+
+
+@dataclass
+class PoolSnapshot:
+    chains: list[ChainSnapshot]
+    time: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def pool_snapshot_from_proto(r: pb.PoolSnapshotReply) -> PoolSnapshot:
+    chains = []
+    for c in r.chains:
+        seqs = [SequenceSnapshot(s.sequence_id, s.state, s.length, s.num_blocks,
+                                 wire.unpack(s.block_table, wire.INT32, name="block_table").tolist(),
+                                 s.num_cached_tokens, s.label) for s in c.sequences]
+        chains.append(ChainSnapshot(c.chain_id, c.num_blocks, c.block_size, max(1, c.stride),
+                                    wire.unpack(c.block_state, wire.UINT8, name="block_state").tolist(),
+                                    wire.unpack(c.ref_counts, wire.UINT8, name="ref_counts").tolist(),
+                                    c.free_blocks, c.owned_blocks, c.shared_blocks, c.cached_blocks, seqs,
+                                    c.running, c.waiting))
+    return PoolSnapshot(chains, r.time)

@@ -2,7 +2,10 @@
 (shared with the async client and the CLI) and are re-exported here."""
 from __future__ import annotations
 
+import threading
 import time
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from typing import Iterator, Sequence
 
 import grpc
@@ -11,58 +14,140 @@ from minipaged.tls import make_channel
 from minipaged.v1 import metadata_pb2 as pb
 from minipaged.v1 import metadata_pb2_grpc as pb_grpc
 
-from .errors import Unavailable, from_rpc_error
+from .errors import Cancelled, MiniPagedError, Unavailable, explain_unimplemented, from_rpc_error
 from .messages import (CHANNEL_OPTIONS, MAX_MESSAGE_BYTES, REQUEST_KEYS, TERMINAL_STATES,  # noqa: F401
-                       Deadline, GenerateResult, JobCollector, JobStatus, ResultAssembler, Stats, StreamChunk,
-                       Usage, build_generate_request, build_submit_request, chunk_from_proto, job_from_proto,
+                       Deadline, GenerateResult, JobCollector, JobStatus, PoolSnapshot, ResultAssembler, Stats,
+                       StreamChunk, Usage, batch_items, build_generate_request, build_submit_request,
+                       chunk_from_proto, job_from_proto, normalize_address, pool_snapshot_from_proto,
                        result_from_proto)
 
+# generate([...]) runs this many requests at once by default: each open stream holds one of the
+# service's RPC threads (128), so a large batch must not take them all.
+MAX_BATCH_CONCURRENCY = 32
+
+
 class Client:
-    """Blocking client of the metadata service. `timeout` is the default per-call deadline (s)."""
+    """Blocking client of the metadata service. `timeout` is the default per-call deadline (s).
+
+    `wait_ready=S`: calls that need a worker chain (generate, stream, submit) first wait up to S
+    seconds for one (the channel to connect, then Stats().ready), and fail with Unavailable, saying
+    why the service is not ready, only after that. `address` "HOST" means HOST:50051."""
 
     def __init__(self, address: str = "127.0.0.1:50051", token: str | None = None,
                  timeout: float | None = None, *, tls_ca: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None):
-        self.address, self.timeout = address, timeout
+                 tls_key: str | None = None, wait_ready: float | None = None):
+        self.address, self.timeout, self.wait_ready = normalize_address(address), timeout, wait_ready
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         # TLS when given the CA that signed the service's certificate (+ a client cert for mTLS)
-        self._channel = make_channel(address, CHANNEL_OPTIONS, tls_ca, tls_cert, tls_key)
+        self._channel = make_channel(self.address, CHANNEL_OPTIONS, tls_ca, tls_cert, tls_key)
         self._stub = pb_grpc.MetadataServiceStub(self._channel)
 
     def _kw(self, timeout: float | None) -> dict:
         return {"timeout": self.timeout if timeout is None else timeout, "metadata": self._metadata}
 
+    def _error(self, e: grpc.RpcError) -> MiniPagedError:
+        return explain_unimplemented(from_rpc_error(e), self.address, self._channel)
+
     def _unary(self, method, request, timeout):
         try:
             return method(request, **self._kw(timeout))
         except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
+            raise self._error(e) from None
+
+    def _await_ready(self, timeout: float | None) -> None:
+        """wait_ready: poll Stats until a chain is ready, within min(wait_ready, timeout)."""
+        if not self.wait_ready:
+            return
+        budget = self.wait_ready if timeout is None else min(self.wait_ready, timeout)
+        deadline, reason = Deadline(budget), "the service did not answer"
+        while True:
+            try:
+                st = self._stub.Stats(pb.StatsRequest(), timeout=max(0.05, deadline.left()),
+                                      metadata=self._metadata, wait_for_ready=True)
+                if st.ready:
+                    return
+                reason = st.not_ready_reason or "no worker chain is ready"
+            except grpc.RpcError as e:
+                err = self._error(e)
+                if not isinstance(err, (Unavailable,)) and err.code != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise err from None
+                reason = err.details or reason
+            if deadline.left() <= 0.0:
+                raise Unavailable(f"no ready worker chain at {self.address} after waiting {budget:g}s "
+                                  f"(wait_ready): {reason}")
+            time.sleep(min(0.2, deadline.left()))
 
     def stream(self, prompt: str | None = None, *, timeout: float | None = None,
                **params) -> Iterator[StreamChunk]:
         """Chunks as the service produces them; leaving the loop early cancels the request.
+        With n > 1, chunks of the choices interleave (`chunk.index`).
         `params`: prompt_token_ids, max_new_tokens, temperature, top_p, top_k, seed, stop,
-        stop_token_ids, ignore_eos, return_logprobs (see build_generate_request)."""
+        stop_token_ids, ignore_eos, logprobs (True or k alternatives; return_logprobs is an alias
+        of logprobs=True), n, best_of, min_new_tokens, repetition_penalty, presence_penalty,
+        frequency_penalty (see build_generate_request)."""
         request = build_generate_request(prompt, **params)
+        self._await_ready(timeout)
         call = self._stub.Generate(request, **self._kw(timeout))
         try:
             for chunk in call:
                 yield chunk_from_proto(chunk)
         except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
+            raise self._error(e) from None
         finally:
             call.cancel()  # no-op once finished; frees the sequence if the caller stopped early
 
-    def generate(self, prompt: str | None = None, *, timeout: float | None = None,
-                 **params) -> GenerateResult:
-        """One request, blocking: stream() collected into a GenerateResult."""
+    def generate(self, prompt: str | Sequence | None = None, *, timeout: float | None = None,
+                 max_concurrency: int = MAX_BATCH_CONCURRENCY, **params):
+        """One request, blocking: stream() collected into a GenerateResult (n > 1: `.choices`).
+        A list of prompts (str, token-id lists or request dicts), or prompt_token_ids=[[...], ...],
+        runs them concurrently and returns a list of GenerateResult in the same order; the first
+        failure cancels the rest and is raised."""
+        items = batch_items(prompt, params)
+        if items is not None:
+            return self._generate_batch(items, timeout, max_concurrency)
         acc = ResultAssembler()
         for chunk in self.stream(prompt, timeout=timeout, **params):
             acc.add(chunk)
         return acc.result()
 
+    def _generate_batch(self, items: list[dict], timeout, max_concurrency: int) -> list[GenerateResult]:
+        for item in items:  # every type error before any RPC
+            build_generate_request(**item)
+        if not items:
+            return []
+        failed = threading.Event()
+
+        def one(item: dict) -> GenerateResult:
+            acc = ResultAssembler()
+            if failed.is_set():
+                raise Cancelled("not started: another request of the batch failed")
+            for chunk in self.stream(timeout=timeout, **item):
+                if failed.is_set():  # leaving the loop cancels this request's stream
+                    raise Cancelled("cancelled: another request of the batch failed")
+                acc.add(chunk)
+            return acc.result()
+
+        with ThreadPoolExecutor(max_workers=max(1, min(max_concurrency, len(items)))) as pool:
+            futures = [pool.submit(one, item) for item in items]
+            try:
+                wait_futures(futures, return_when=FIRST_EXCEPTION)
+                first = next((f.exception() for f in futures if f.done() and f.exception()), None)
+                if first is not None:
+                    raise first
+                results = [f.result() for f in futures]
+            except BaseException:  # a failure, or Ctrl-C: the others stop at their next chunk
+                failed.set()
+                raise
+        for i, r in enumerate(results):
+            r.index = i
+            for c in r.choices or []:
+                c.index = i
+        return results
+
     def submit(self, requests: Sequence[dict], *, timeout: float | None = None) -> str:
-        return self._unary(self._stub.SubmitJob, build_submit_request(requests), timeout).job_id
+        request = build_submit_request(requests)
+        self._await_ready(timeout)
+        return self._unary(self._stub.SubmitJob, request, timeout).job_id
 
     def get_job(self, job_id: str, *, timeout: float | None = None) -> JobStatus:
         return job_from_proto(self._unary(self._stub.GetJob, pb.JobRequest(job_id=job_id), timeout))
@@ -70,8 +155,24 @@ class Client:
     def cancel(self, job_id: str, *, timeout: float | None = None) -> JobStatus:
         return job_from_proto(self._unary(self._stub.CancelJob, pb.JobRequest(job_id=job_id), timeout))
 
+    def list_jobs(self, limit: int = 100, state: str | None = None, *,
+                  timeout: float | None = None) -> list[JobStatus]:
+        """Newest first, without results; `state` filters ("queued", "running", "done", "cancelled")."""
+        reply = self._unary(self._stub.ListJobs, pb.ListJobsRequest(limit=int(limit), state=state or ""), timeout)
+        return [job_from_proto(j) for j in reply.jobs]
+
+    def delete_job(self, job_id: str, *, timeout: float | None = None) -> JobStatus:
+        """Cancel the job if unfinished, then forget it (its stored results too)."""
+        return job_from_proto(self._unary(self._stub.DeleteJob, pb.JobRequest(job_id=job_id), timeout))
+
     def stats(self, *, timeout: float | None = None) -> Stats:
         return Stats.from_proto(self._unary(self._stub.Stats, pb.StatsRequest(), timeout))
+
+    def pool_snapshot(self, max_blocks: int = 0, max_sequences: int = 0, *,
+                      timeout: float | None = None) -> PoolSnapshot:
+        """The block pool per chain, block by block (sampled with a stride past max_blocks)."""
+        request = pb.PoolSnapshotRequest(max_blocks=max_blocks, max_sequences=max_sequences)
+        return pool_snapshot_from_proto(self._unary(self._stub.PoolSnapshot, request, timeout))
 
     def wait(self, job_id: str, progress: bool = False, *,
              timeout: float | None = None) -> list[GenerateResult]:
@@ -88,7 +189,7 @@ class Client:
                         acc.update(job_from_proto(msg))
                     acc.update(self.get_job(job_id, timeout=deadline.left()))  # the stream may end early
                 except (grpc.RpcError, Unavailable) as e:
-                    err = from_rpc_error(e) if isinstance(e, grpc.RpcError) else e
+                    err = self._error(e) if isinstance(e, grpc.RpcError) else e
                     if not isinstance(err, Unavailable):
                         raise err from None
                     # the service restarted (jobs are durable): reconnect until the deadline
@@ -96,6 +197,8 @@ class Client:
                         raise err from None
                     time.sleep(0.5)
                     continue
+                finally:
+                    call.cancel()
                 if acc.state in TERMINAL_STATES:
                     return acc.ordered()
                 time.sleep(0.1)  # the watch ended before the job did: watch again, politely

@@ -18,10 +18,11 @@ from minipaged.tls import add_port, make_channel
 from minipaged.v1 import metadata_pb2, metadata_pb2_grpc
 
 from .api import MetadataServicer
-from .auth import TokenInterceptor
+from .auth import SurfaceInterceptor, TokenInterceptor, is_loopback
 from .engine import Engine
 from .job_store import JobStore
-from .workers import GRPC_OPTIONS, WorkerRegistry
+from .router import POLICIES
+from .workers import SERVER_OPTIONS, WorkerRegistry
 
 SERVICE_NAME = metadata_pb2.DESCRIPTOR.services_by_name["MetadataService"].full_name
 
@@ -36,44 +37,101 @@ def build_parser() -> argparse.ArgumentParser:
                         "any worker registers, for the block API alone)")
     p.add_argument("--db", default=os.path.join("data", "jobs.db"), help="SQLite job store (WAL)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="running sequences at most")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="running sequences per micro-batch")
+    p.add_argument("--micro-batches", type=int, default=0,
+                   help="micro-batches in flight per chain (0: stages + 1; one stage: 1, overlapped by "
+                        "async scheduling)")
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="schedule step k+1 only after step k's tokens are back (one-stage chains)")
+    p.add_argument("--router", choices=POLICIES, default="prefix",
+                   help="how new sequences pick a replica chain")
+    p.add_argument("--full-block-tables", action="store_true",
+                   help="send whole block tables every step instead of deltas (to compare wire costs)")
     p.add_argument("--max-model-len", type=int, default=0, help="default: the model's max_position_embeddings")
     p.add_argument("--max-waiting", type=int, default=4096, help="pending requests before RESOURCE_EXHAUSTED")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--no-block-api", action="store_true", help="switch the block API off (public ports)")
+    p.add_argument("--worker-port", type=int, default=-1,
+                   help="serve the internal surface (worker registration, heartbeats, block API) on this port "
+                        "of its own; leave it unpublished (default: the client port serves both; 0 picks one)")
+    p.add_argument("--worker-host", default="", help="interface of --worker-port (default: --host)")
     p.add_argument("--token", default=os.environ.get("MINIPAGED_TOKEN"), help="client token (Bearer)")
+    p.add_argument("--token-file", default="", help="read the client token from this file (a secret)")
     p.add_argument("--worker-token", default=os.environ.get("MINIPAGED_WORKER_TOKEN"),
-                   help="token workers present to register and this service presents to workers")
+                   help="token workers present to register and this service presents to workers; required "
+                        "whenever the internal surface is bound to a non-loopback address")
+    p.add_argument("--worker-token-file", default="", help="read the worker token from this file (a secret)")
     p.add_argument("--tls-cert", default="", help="serve TLS with this certificate (PEM)")
     p.add_argument("--tls-key", default="", help="private key of --tls-cert")
     p.add_argument("--tls-client-ca", default="", help="require client certificates signed by this CA (mTLS)")
     p.add_argument("--worker-tls-ca", default="", help="CA of the workers' certificates: talk TLS to workers")
     p.add_argument("--worker-tls-cert", default="", help="client certificate for the worker links (mTLS)")
     p.add_argument("--worker-tls-key", default="", help="key of --worker-tls-cert")
-    p.add_argument("--heartbeat-timeout", type=float, default=10.0, help="seconds without a heartbeat")
+    p.add_argument("--worker-lease", "--heartbeat-timeout", dest="worker_lease", type=float, default=4.0,
+                   help="seconds a worker may stay silent (no heartbeat) before its chain fails over")
     p.add_argument("--worker-wait", type=float, default=60.0,
                    help="seconds streams wait for a lost worker chain before failing with UNAVAILABLE")
     p.add_argument("--step-timeout", type=float, default=120.0)
     p.add_argument("--grace", type=float, default=10.0, help="shutdown grace period (SIGTERM)")
+    p.add_argument("--metrics-port", type=int, default=-1,
+                   help="serve Prometheus text on this port (vLLM's metric names; 0 picks one; default off)")
     p.add_argument("--log-level", default="INFO")
     return p
 
 
+def _read_secret(parser, path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError as e:
+        parser.error(f"cannot read {path}: {e}")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.token_file:
+        args.token = _read_secret(parser, args.token_file)
+    if args.worker_token_file:
+        args.worker_token = _read_secret(parser, args.worker_token_file)
+    args.worker_host = args.worker_host or args.host
+    internal = (args.worker_host, args.worker_port) if args.worker_port >= 0 else (args.host, args.port)
+    if not args.worker_token and not is_loopback(internal[0]):
+        parser.error(f"refusing to accept worker registration on {internal[0]}:{internal[1]} without a worker "
+                     f"token: anyone who can reach it could register a rogue worker (it would see prompts' "
+                     f"hidden states and choose every token). Set --worker-token / --worker-token-file "
+                     f"(workers get the same), or serve the internal surface on loopback with "
+                     f"--worker-port N --worker-host 127.0.0.1.")
+    return args
+
+
+def _serve(port_spec: str, servicer, interceptors, tls) -> tuple:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=128), interceptors=interceptors,
+                         options=SERVER_OPTIONS)
+    metadata_pb2_grpc.add_MetadataServiceServicer_to_server(servicer, server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    return server, add_port(server, port_spec, *tls), health_servicer
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     log = logging.getLogger("metadata_service")
     if os.path.dirname(args.db):
         os.makedirs(os.path.dirname(args.db), exist_ok=True)
 
-    registry = WorkerRegistry(args.heartbeat_timeout, channel_factory=lambda address, options: make_channel(
+    registry = WorkerRegistry(args.worker_lease, channel_factory=lambda address, options: make_channel(
         address, options, args.worker_tls_ca, args.worker_tls_cert, args.worker_tls_key))
     engine = Engine(block_size=args.block_size, num_blocks=args.num_blocks,
                     max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                     max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
                     worker_token=args.worker_token, step_timeout_s=args.step_timeout,
-                    worker_wait_s=args.worker_wait, registry=registry)
+                    worker_wait_s=args.worker_wait, registry=registry, micro_batches=args.micro_batches,
+                    async_scheduling=not args.no_async_scheduling, router=args.router,
+                    full_block_tables=args.full_block_tables)
     jobs_store = JobStore(args.db)
     # the model the stored jobs were admitted for: after a restart, only its workers may take them
     engine.model_fingerprint = jobs_store.get_meta("model_fingerprint") or ""
@@ -85,26 +143,49 @@ def main(argv=None) -> int:
     servicer = MetadataServicer(engine, jobs, max_waiting=args.max_waiting,
                                 block_api_enabled=not args.no_block_api)
 
-    interceptors = [DecodeGuardInterceptor()]
-    if args.token or args.worker_token:
-        interceptors.insert(0, TokenInterceptor(args.token, args.worker_token))
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=128), interceptors=interceptors,
-                         options=GRPC_OPTIONS)
-    metadata_pb2_grpc.add_MetadataServiceServicer_to_server(servicer, server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = add_port(server, f"{args.host}:{args.port}", args.tls_cert, args.tls_key, args.tls_client_ca)
-    if port == 0:
-        log.error("cannot bind %s:%d", args.host, args.port)
-        return 1
+    auth = [TokenInterceptor(args.token, args.worker_token)] if args.token or args.worker_token else []
+    tls = (args.tls_cert, args.tls_key, args.tls_client_ca)
+    split = args.worker_port >= 0
+    ports: dict[str, int] = {}  # filled once bound: each port's refusals name the other one
+    surfaces = [("client", f"{args.host}:{args.port}")] + ([("internal", f"{args.worker_host}:{args.worker_port}")]
+                                                           if split else [])
+    servers, healths = [], []
+    for surface, spec in surfaces:
+        guard = [SurfaceInterceptor(surface, ports)] if split else []
+        server, bound, h = _serve(spec, servicer, auth + guard + [DecodeGuardInterceptor()], tls)
+        if bound == 0:
+            log.error("cannot serve on %s: the port is taken (or the address is not this machine's)", spec)
+            print(f"error: cannot serve on {spec}: the port is taken or the address is not this machine's",
+                  file=sys.stderr, flush=True)
+            return 1
+        ports[surface] = bound
+        servers.append(server)
+        healths.append(h)
+    port = ports["client"]
+    # Health "" is liveness; the named service is readiness: SERVING only while a chain is ready.
+    for h in healths:
+        h.set("", health_pb2.HealthCheckResponse.SERVING)
+        h.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+    engine.on_ready_changed.append(lambda ok: [h.set(
+        SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for h in healths])
+    if args.metrics_port >= 0:
+        from .metrics import ServiceMetrics
+        try:
+            mport = ServiceMetrics(engine).serve(args.metrics_port, args.host)
+            print(f"metrics on http://{args.host}:{mport}/metrics", file=sys.stderr, flush=True)
+        except OSError as e:
+            print(f"error: cannot serve metrics on {args.host}:{args.metrics_port}: {e}", file=sys.stderr, flush=True)
+            return 1
     engine.start()
     jobs.resume()
-    server.start()
-    for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("metadata service listening on %s:%d (block size %d, db %s)", args.host, port, args.block_size, args.db)
-    print(f"LISTENING {args.host}:{port}", flush=True)
+    for srv in servers:
+        srv.start()
+    log.info("metadata service listening on %s:%d%s (block size %d, db %s)", args.host, port,
+             f", internal surface on {args.worker_host}:{ports.get('internal')}" if split else "",
+             args.block_size, args.db)
+    print(f"LISTENING {args.host}:{port}" + (f" internal {args.worker_host}:{ports['internal']}" if split else ""),
+          flush=True)
 
     stopping = threading.Event()
 
@@ -115,8 +196,12 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     stopping.wait()
     log.info("shutting down: health NOT_SERVING, %.0fs grace", args.grace)
-    health_servicer.enter_graceful_shutdown()
-    server.stop(args.grace).wait()
+    for h in healths:
+        h.enter_graceful_shutdown()
+    for srv in servers:
+        srv.stop(args.grace)
+    for srv in servers:
+        srv.stop(args.grace).wait()
     engine.stop()
     jobs_store.close()
     return 0

@@ -1,19 +1,23 @@
 """MetadataService: the gRPC face of the metadata plane.
 
-Generation and jobs go to the Engine and JobManager; the block API goes to BlockApi over the same
-KVBlockManager; workers register here. Every handler validates before it changes anything."""
+Generation and jobs go to the Engine and JobManager; the block API goes to BlockApi over a pool of
+its own (block ids are chain-local, so it cannot share a replica's); workers register here. Every
+handler validates before it changes anything."""
 from __future__ import annotations
 
 import queue
 import threading
+import time
 
 import grpc
+import numpy as np
 
 from minipaged.tokenizer import IncrementalDetokenizer
 from minipaged.v1 import metadata_pb2, metadata_pb2_grpc
 from minipaged.wire import FLOAT32, INT32, pack
 
 from .block_api import BlockApi
+from .block_manager import KVBlockManager
 from .jobs import JobManager
 from .requests import RequestError, final_text, normalize, to_sequence, usage
 from .workers import WorkerRejected, clip
@@ -25,13 +29,30 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
         self.jobs = jobs
         self.max_waiting = max_waiting
         self.block_api_enabled = block_api_enabled
-        self.block_api = BlockApi(engine.manager, engine.lock)
-        engine.on_manager_replaced.append(lambda m: setattr(self.block_api, "manager", m))
+        self.block_api = BlockApi(engine.default_manager, threading.Lock())
+        engine.on_chain_started.append(self._size_block_api_pool)
         self._pending = 0                 # admitted, unfinished requests (for --max-waiting)
         self._pending_lock = threading.Lock()
 
+    def _size_block_api_pool(self, chain) -> None:
+        """The block API's pool takes the size of a chain's while it holds nothing (so a client of the
+        seed's API sees the capacity the workers really have)."""
+        with self.block_api.lock:
+            m = self.block_api.manager
+            if not m.sequences and m.num_physical_blocks != chain.manager.num_physical_blocks:
+                self.block_api.manager = self.engine.default_manager = KVBlockManager(
+                    chain.manager.num_physical_blocks, m.block_size, enable_prefix_caching=m.enable_prefix_caching)
+
     # ------------------------------------------------------------------ admission
     def _admit(self, reqs, context) -> list:
+        if not self.engine.model_known.is_set():
+            # Before the first chain the model (tokenizer, limits) is unknown: wait for it up to the
+            # call's deadline (gRPC wait_for_ready semantics), at most --worker-wait seconds.
+            left = context.time_remaining()
+            wait = self.engine.worker_wait_s if left is None else min(left - 0.2, self.engine.worker_wait_s)
+            if not self.engine.model_known.wait(max(0.0, wait)):
+                context.abort(grpc.StatusCode.UNAVAILABLE,
+                              f"no worker chain is ready ({self.engine.not_ready_reason}); waited {max(0.0, wait):.1f}s")
         try:
             normed = [normalize(r, self.engine) for r in reqs]
         except RequestError as e:
@@ -50,35 +71,50 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
 
     # ------------------------------------------------------------------ generation
     def Generate(self, request, context):
+        if request.best_of > max(1, request.n):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"best_of ({request.best_of}) > n ({max(1, request.n)}) cannot be streamed: which choices "
+                          f"win is known only at the end; submit it as a job")
         req = self._admit([request], context)[0]
         events: queue.SimpleQueue = queue.SimpleQueue()
-        seq = to_sequence(req, self.engine, sink=lambda s, ev: events.put(ev))
+        seq = to_sequence(req, self.engine, sink=lambda s, ev: events.put((s, ev)))
         context.add_callback(lambda: seq.status.value != "finished" and self.engine.abort(seq))
         self.engine.add(seq)
-        detok = IncrementalDetokenizer(self.engine)
+        grouped = seq.group is not None
         hold = max((len(s) for s in seq.params.stop), default=1) - 1  # never stream a stop string
-        sent = 0
+        choices: dict[int, list] = {}                                  # choice -> [detokenizer, chars sent]
         try:
             while True:
                 try:
-                    ev = events.get(timeout=0.5)
+                    s, ev = events.get(timeout=0.5)
                 except queue.Empty:
                     if not context.is_active():
                         return
                     continue
+                if ev.error:
+                    context.abort(grpc.StatusCode[ev.error_code or "UNAVAILABLE"], ev.error)
+                if ev.finished and ev.finish_reason == "group":
+                    return                                             # every choice has ended
+                state = choices.setdefault(s.choice, [IncrementalDetokenizer(self.engine), 0])
+                detok, sent = state
                 detok.push(ev.new_token_ids)
-                lp = pack(ev.new_logprobs, FLOAT32) if seq.params.return_logprobs else b""
+                chunk = metadata_pb2.GenerateChunk(token_ids=pack(ev.new_token_ids, INT32), index=s.choice,
+                                                   logprobs=pack(ev.new_logprobs, FLOAT32)
+                                                   if seq.params.show_logprobs else b"")
+                if ev.new_top:
+                    chunk.top_logprob_ids = pack(np.concatenate([t[0] for t in ev.new_top]))
+                    chunk.top_logprobs = pack(np.concatenate([t[1] for t in ev.new_top]), FLOAT32)
                 if ev.finished:
-                    if ev.error:
-                        context.abort(grpc.StatusCode[ev.error_code or "UNAVAILABLE"], ev.error)
-                    text = final_text(seq, self.engine)
-                    yield metadata_pb2.GenerateChunk(token_ids=pack(ev.new_token_ids, INT32), text=text[sent:],
-                                                     finish_reason=ev.finish_reason, usage=usage(seq), logprobs=lp)
-                    return
-                visible = detok.emitted[:len(detok.emitted) - hold] if hold else detok.emitted
-                delta = visible[sent:] if len(visible) > sent else ""
-                sent += len(delta)
-                yield metadata_pb2.GenerateChunk(token_ids=pack(ev.new_token_ids, INT32), text=delta, logprobs=lp)
+                    chunk.text, chunk.finish_reason = final_text(s, self.engine)[sent:], ev.finish_reason
+                    chunk.usage.CopyFrom(usage(s))
+                    yield chunk
+                    if not grouped:
+                        return
+                    continue
+                visible = detok.emitted[:max(0, len(detok.emitted) - hold)] if hold else detok.emitted
+                chunk.text = visible[sent:] if len(visible) > sent else ""
+                state[1] = sent + len(chunk.text)
+                yield chunk
         finally:
             self._done()
 
@@ -118,6 +154,21 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
         with job.cond:
             return job.proto(with_results=True)
 
+    def ListJobs(self, request, context):
+        if request.limit < 0 or request.limit > 10000:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"limit must be in [0, 10000], got {request.limit}")
+        if request.state not in ("", "queued", "running", "done", "cancelled"):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"state {clip(request.state)} is not one of queued, running, done, cancelled")
+        return metadata_pb2.JobList(jobs=self.jobs.list(request.limit or 100, request.state))
+
+    def DeleteJob(self, request, context):
+        job = self.jobs.delete(request.job_id)
+        if job is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown job id {clip(request.job_id)}")
+        with job.cond:
+            return job.proto(with_results=False)
+
     def WatchJob(self, request, context):
         job = self._job(request.job_id, context)
         sent = 0
@@ -127,7 +178,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
                 new = [job.results[i] for i in job.order[sent:]]
                 sent += len(new)
                 final = self._settled(job) and sent == len(job.order)
-                msg = metadata_pb2.JobProgress(job_id=job.job_id, state=job.state, total=job.total,
+                msg = metadata_pb2.JobProgress(job_id=job.job_id, state=job.visible_state, total=job.total,
                                                completed=len(job.results), new_results=new)
             if new or final:
                 yield msg
@@ -143,17 +194,39 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
     def Stats(self, request, context):
         st = self.engine.stats()
         q, h = st.get("prefix_cache_queries", 0), st.get("prefix_cache_hits", 0)
+        with self.block_api.lock:
+            api = self.block_api.manager
+            api_live, api_ok = len(api.sequences), api.invariants_ok()
+        chains = [metadata_pb2.ChainStats(
+            chain_id=c["chain_id"], ready=c["ready"], num_blocks=c["num_blocks"], used_blocks=c["used_blocks"],
+            free_blocks=c["free_blocks"], cached_blocks=c["cached_blocks"], shared_blocks=c["shared_blocks"],
+            running=c["running"], waiting=c["waiting"], prefix_cache_queries=c["prefix_cache_queries"],
+            prefix_cache_hits=c["prefix_cache_hits"], steps=c["steps"], steps_per_second=c["steps_per_second"],
+            tokens_per_second=c["tokens_per_second"], cache_epoch=c["cache_epoch"], micro_batches=c["micro_batches"],
+            group=c["group"], generated_tokens=c["generated_tokens"], invariants_ok=c["invariants_ok"],
+            stages=[metadata_pb2.StageStats(**stage) for stage in c["stages"]]) for c in st["chains"]]
         return metadata_pb2.StatsReply(
             num_blocks=st["num_blocks"], block_size=st["block_size"], used_blocks=st["used_blocks"],
-            free_blocks=st["free_blocks"], cached_blocks=st.get("cached_blocks", 0),
+            free_blocks=st["free_blocks"], cached_blocks=st["cached_blocks"], shared_blocks=st["shared_blocks"],
             internal_fragmentation_tokens=st["internal_fragmentation_tokens"],
-            kv_utilization=st.get("kv_utilization", 1.0), running=st["running"], waiting=st["waiting"],
+            kv_utilization=st["kv_utilization"], running=st["running"], waiting=st["waiting"],
             preemptions=st["preemptions"], prefix_cache_queries=q, prefix_cache_hits=h,
-            prefix_cache_hit_rate=h / q if q else 0.0, invariants_ok=st["invariants_ok"], steps=st["steps"],
-            generated_tokens=st["generated_tokens"], prompt_tokens=st["prompt_tokens"],
+            prefix_cache_hit_rate=h / q if q else 0.0, invariants_ok=st["invariants_ok"] and api_ok,
+            steps=st["steps"], generated_tokens=st["generated_tokens"], prompt_tokens=st["prompt_tokens"],
             tokens_per_second=st["tokens_per_second"], metadata_ms_per_step=st["metadata_ms_per_step"],
             num_workers=st["num_workers"], ready=st["ready"], cache_epoch=st["cache_epoch"],
-            live_sequences=st.get("live_sequences", 0))
+            live_sequences=st["live_sequences"] + api_live, not_ready_reason=st["not_ready_reason"],
+            chains=chains, num_chains=st["num_chains"], standby_workers=st["standby_workers"],
+            metadata_cpu_seconds=time.process_time(), model=self.engine.model_name,
+            max_model_len=self.engine.max_model_len)
+
+    def PoolSnapshot(self, request, context):
+        max_blocks = request.max_blocks if request.max_blocks > 0 else 4096
+        max_seqs = request.max_sequences if request.max_sequences > 0 else 64
+        if max_blocks > 1 << 20 or max_seqs > 4096:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "max_blocks <= 1048576 and max_sequences <= 4096")
+        return metadata_pb2.PoolSnapshotReply(
+            chains=[c.snapshot(max_blocks, max_seqs) for c in self.engine.pools()], time=time.time())
 
     # ------------------------------------------------------------------ block API
     def _block(self, name, request, context):
@@ -183,8 +256,9 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
         except WorkerRejected as e:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         self.engine.notify_workers_changed()
-        return metadata_pb2.RegisterWorkerReply(
-            worker_id=handle.worker_id, heartbeat_interval_ms=int(self.engine.registry.heartbeat_timeout_s * 100))
+        lease = self.engine.registry.lease_s
+        return metadata_pb2.RegisterWorkerReply(  # four heartbeats per lease: one late one is no failure
+            worker_id=handle.worker_id, heartbeat_interval_ms=max(50, int(lease * 250)), lease_ms=int(lease * 1000))
 
     def Heartbeat(self, request, context):
         return metadata_pb2.HeartbeatReply(known=self.engine.registry.heartbeat(request.worker_id))

@@ -42,8 +42,8 @@ def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
 
 
 def kv_utilization(used_tokens: int, reserved_tokens: int) -> float:
-    """Used slots / reserved slots (the seed's 300 of 4096 -> 7.3%)."""
-    return used_tokens / reserved_tokens if reserved_tokens else 1.0
+    """Used slots / reserved slots (the seed's 300 of 4096 -> 7.3%); 0 when nothing is reserved."""
+    return used_tokens / reserved_tokens if reserved_tokens else 0.0
 
 
 @dataclass
@@ -282,7 +282,8 @@ class KVBlockManager:
         return np.concatenate(out) if out else _EMPTY
 
     def slot_mapping_for_append(self, sequence_ids, token_ids=None) -> np.ndarray:
-        """One decode step for a batch: one token each, vectorized; all or nothing."""
+        """One decode step for a batch: one token each, vectorized; all or nothing. A token id of -1
+        is not known yet (async scheduling): fill_tokens gives it once it is sampled."""
         rows = self._rows(sequence_ids)
         toks = self._tokens(token_ids, len(rows))
         B = self.block_size
@@ -348,6 +349,9 @@ class KVBlockManager:
 
     def _record_decode(self, rows, lens, off, toks) -> None:
         if toks is not None:
+            known = toks >= 0                        # -1: sampled later, given by fill_tokens
+            if not known.all():
+                rows, lens, off, toks = rows[known], lens[known], off[known], toks[known]
             self._tail[rows, off] = toks
         else:
             inprompt = lens < self._prompt_len[rows]
@@ -360,6 +364,30 @@ class KVBlockManager:
                 block = int(self._tables[r, L // self.block_size])
                 self._last_hash[r] = self.pool.cache.register(
                     block, self._last_hash[r], tuple(self._tail[r].tolist()))
+
+    def fill_tokens(self, sequence_ids, token_ids) -> None:
+        """The token of each sequence's last appended position, appended earlier as -1 (the engine
+        scheduled the step that reads it before the step that samples it came back): record it,
+        and hash the block if it is now full."""
+        rows = self._rows(sequence_ids)
+        if not self.enable_prefix_caching:
+            return
+        lens = self._lens[rows] - 1
+        self._record_decode(rows, lens, lens % self.block_size, self._tokens(token_ids, len(rows)))
+
+    def block_table_delta(self, sequence_ids, known_blocks) -> tuple[np.ndarray, np.ndarray]:
+        """For block tables sent as deltas: each sequence's blocks past the first known_blocks[i]
+        (what the data plane already holds). Returns (counts int32 [B], blocks int32 [sum]); the work
+        is proportional to the new blocks, not to the tables' length."""
+        rows = self._rows(sequence_ids, unique=False)
+        base = np.asarray(known_blocks, dtype=np.int64)
+        counts = np.maximum(self._nblocks[rows] - base, 0)
+        total = int(counts.sum())
+        if total == 0:
+            return counts.astype(np.int32), _EMPTY
+        first = np.repeat(np.cumsum(counts) - counts, counts)
+        cols = np.repeat(base, counts) + (np.arange(total) - first)
+        return counts.astype(np.int32), self._tables[np.repeat(rows, counts), cols]
 
     # ------------------------------------------------------------------ fork / release
     def fork(self, parent_id: int, child_id: int) -> list[tuple[int, int]]:
@@ -459,6 +487,8 @@ class KVBlockManager:
         return dict(num_blocks=self.num_physical_blocks, block_size=self.block_size,
                     used_blocks=self.num_physical_blocks - free, free_blocks=free,
                     cached_blocks=self.pool.num_cached_free,
+                    shared_blocks=int(np.count_nonzero(self.pool.ref_count > 1)),
+                    kv_used_tokens=used, kv_allocated_tokens=allocated,
                     internal_fragmentation_tokens=allocated - used,
                     kv_utilization=kv_utilization(used, allocated),
                     prefix_cache_queries=self.prefix_cache_queries,

@@ -56,6 +56,14 @@ class BlockPool:
         self.cache = PrefixCache(block_size, hash_fn)
 
     # ------------------------------------------------------------------ counts
+    def block_states(self) -> np.ndarray:
+        """uint8 per block: 0 free, 1 owned (one table), 2 shared (several), 3 cached-free (an
+        unreferenced block holding a reusable prefix): the dashboard's colours."""
+        st = np.minimum(self.ref_count, 2).astype(np.uint8)
+        if self._lru:
+            st[np.fromiter(self._lru, dtype=np.int64, count=len(self._lru))] = 3
+        return st
+
     @property
     def num_free(self) -> int:
         """Blocks that can be handed out now: free + cached-free."""
@@ -140,18 +148,19 @@ class BlockPool:
     def check(self) -> list[str]:
         """Pool-local invariant violations (empty list = fine)."""
         errs = []
-        free = self._free[:self._n_free].tolist()
-        lru = list(self._lru)
-        allfree = free + lru
-        if len(set(allfree)) != len(allfree):
+        free = self._free[:self._n_free]
+        lru = np.fromiter(self._lru, dtype=np.int64, count=len(self._lru))
+        allfree = np.concatenate([free.astype(np.int64), lru])   # vectorized: pools can be millions of blocks
+        if np.unique(allfree).size != allfree.size:
             errs.append("a block is free twice")
-        if any(self.ref_count[b] != 0 for b in allfree):
+        if (self.ref_count[allfree] != 0).any():
             errs.append("a free block has a reference")
-        if int((self.ref_count > 0).sum()) + len(allfree) != self.num_blocks:
+        if int((self.ref_count > 0).sum()) + allfree.size != self.num_blocks:
             errs.append("referenced + free != all blocks (a block was lost)")
         if (self.ref_count < 0).any():
             errs.append("negative ref count")
-        if any(b not in self.cache for b in lru) or any(b in self.cache for b in free):
+        cached = np.fromiter(self.cache.hash_of, dtype=np.int64, count=len(self.cache.hash_of))
+        if not np.isin(lru, cached).all() or np.isin(free, cached).any():
             errs.append("cached-free / free split disagrees with the prefix cache")
         c = self.cache
         if any(c.block_of.get(h) != b for b, h in c.hash_of.items()) or len(c.block_of) != len(c.hash_of):

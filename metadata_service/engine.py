@@ -1,73 +1,88 @@
-"""The engine thread: keeps a worker chain initialised, runs one Step per iteration, applies outputs.
+"""The Engine: the front door for sequences, the router, and the upkeep of replica chains.
 
-Only this thread touches the Scheduler and Sequences. RPC threads talk to it through `add()` and
-`abort()` (an inbox drained at each step boundary) and hear back through each Sequence's sink. The
-block manager is shared with the block API under `self.lock`."""
+Requests come in on RPC threads (`add`, `abort`); `add` routes each new sequence to a ready chain
+(metadata_service/router.py) and hands it to that chain's thread (metadata_service/chain.py), which
+runs it to the end. With no chain ready, sequences are parked until one forms.
+
+The upkeep thread keeps the chains: workers whose lease ran out are dropped and their chains
+stopped; free workers (new, standby, or the survivors of a lost chain) are formed into chains
+(metadata_service/workers.py), each initialised with a fresh cache epoch (last stage first) and
+started. A chain that is lost hands its sequences back here: they are routed again and recompute
+from their tokens on the other chains, exactly (sampling is a pure function of seed and position).
+
+Sinks (Generate streams, jobs) hear about tokens and endings from whichever thread applies them."""
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import secrets
 import threading
 import time
+from collections import deque
 
 import grpc
-import numpy as np
 
 from minipaged.tokenizer import ByteTokenizer, load_tokenizer
 from minipaged.v1 import worker_pb2
-from minipaged.wire import FLOAT32, INT32, INT64, pack, unpack
+from minipaged.wire import INT32, unpack
 
 from .block_manager import KVBlockManager
-from .scheduler import ScheduledBatch, Scheduler
-from .sequence import SAMPLING_ROW, SeqEvent, Sequence, SeqStatus
+from .chain import ChainConfig, ChainRunner
+from .router import Router
+from .sequence import SeqEvent, Sequence, SeqStatus
 from .workers import WorkerRegistry
 
 log = logging.getLogger("metadata_service.engine")
 
 
 class Engine:
-    def __init__(self, *, block_size=16, num_blocks=0, default_num_blocks=1024, max_num_batched_tokens=2048,
-                 max_num_seqs=256, max_model_len=0, enable_prefix_caching=True, worker_token=None,
-                 step_timeout_s=120.0, worker_wait_s=60.0, registry: WorkerRegistry | None = None):
+    def __init__(self, *, block_size=16, num_blocks=0, max_num_batched_tokens=2048, max_num_seqs=256,
+                 max_model_len=0, enable_prefix_caching=True, worker_token=None, step_timeout_s=120.0,
+                 worker_wait_s=60.0, registry: WorkerRegistry | None = None, micro_batches=0,
+                 async_scheduling=True, router="prefix", full_block_tables=False, init_timeout_s=30.0,
+                 default_num_blocks=1024):
         self.block_size = block_size
-        self.num_blocks_cap = num_blocks            # --num-blocks: an upper bound on the pool
+        self.num_blocks_cap = num_blocks            # --num-blocks: an upper bound on each chain's pool
         self.max_model_len_flag = max_model_len
         self.max_model_len = max_model_len or 0
-        self.enable_prefix_caching = enable_prefix_caching
         self.worker_token = worker_token
-        self.step_timeout_s = step_timeout_s
-        self.worker_wait_s = worker_wait_s
+        self.step_timeout_s, self.worker_wait_s, self.init_timeout_s = step_timeout_s, worker_wait_s, init_timeout_s
+        self.cfg = ChainConfig(block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
+                               max_num_seqs=max_num_seqs, micro_batches=micro_batches,
+                               async_scheduling=async_scheduling, enable_prefix_caching=enable_prefix_caching,
+                               full_block_tables=full_block_tables, worker_token=worker_token or "")
         self.registry = registry if registry is not None else WorkerRegistry()  # (an empty one is falsy)
-        self.lock = threading.RLock()
-        self.manager = KVBlockManager(num_blocks or default_num_blocks, block_size,
-                                      enable_prefix_caching=enable_prefix_caching)
-        self.scheduler = Scheduler(self.manager, max_num_batched_tokens, max_num_seqs)
-        self.on_manager_replaced = []              # callbacks(manager): the block API follows
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.registry.pinned = self._pinned_model
+        self.router = Router(router, block_size)
+        self.chains: dict[int, ChainRunner] = {}
+        self._chain_ids = itertools.count(1)
+        self.route_lock = threading.RLock()        # chains, router and parked change under it
+        self.parked: deque[Sequence] = deque()     # admitted, waiting for a chain
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
-        # chain state
-        self.chain = []
-        self.chain_version = -1
-        self.cache_epoch = 0
-        self.ready = False
+        self.model_known = threading.Event()       # a chain registered once: tokenizer and limits known
+        self.ready_event = threading.Event()       # some chain is ready now
         self.unready_since = time.monotonic()
+        self.not_ready_reason = "no worker has registered"
         self.tokenizer = ByteTokenizer()
         self.model_name = ""
         self.model_fingerprint = ""                # of the last chain; kept while it is down
         self.model_label = ""                      # its name, for messages (also known after a restart)
         self.on_model_changed = []                 # callbacks(fingerprint, name): the job store records it
-        self.registry.pinned = self._pinned_model
+        self.on_ready_changed = []                 # callbacks(bool): health readiness follows
+        self.on_sequence_finished = []             # callbacks(seq): metrics
+        self.on_chain_started = []                 # callbacks(chain): the block API sizes its pool
         self.eos_ids: set[int] = set()
         self.vocab_size = 0
-        # counters for Stats
-        self.steps = 0
-        self.generated_tokens = 0
         self.prompt_tokens = 0
-        self.busy_s = 0.0
-        self.metadata_s = 0.0
+        self.lost_chains = 0
+        self.max_pool_blocks = 0                   # the largest chain pool seen (admission bound)
+        # the pool the block API serves (and Stats reports) before any chain exists
+        self.default_manager = KVBlockManager(num_blocks or default_num_blocks, block_size,
+                                              enable_prefix_caching=enable_prefix_caching)
 
     # ------------------------------------------------------------------ public (any thread)
     def start(self) -> None:
@@ -77,23 +92,44 @@ class Engine:
         self._stop.set()
         self._wakeup.set()
         self._thread.join(timeout=5)
+        for c in list(self.chains.values()):
+            c.stop("shutting down")
+
+    @property
+    def ready(self) -> bool:
+        return self.ready_event.is_set()
 
     def add(self, seq: Sequence) -> None:
-        self._inbox.put(("add", seq))
-        self._wakeup.set()
+        self.prompt_tokens += seq.num_prompt_tokens
+        seq.admitted_at = time.monotonic()
+        self._route([seq])
 
     def abort(self, seq: Sequence) -> None:
-        self._inbox.put(("abort", seq))
-        self._wakeup.set()
+        if seq.group is not None:             # a request with several choices: all of them
+            for member in seq.group.abort():
+                self._abort_one(member)
+            return
+        self._abort_one(seq)
 
-    def _pinned_model(self):
-        """While admitted requests are pending, only workers of their model may join."""
-        pending = self.scheduler.has_work() or not self._inbox.empty()
-        return (self.model_fingerprint, self.model_label or "the previous model") \
-            if pending and self.model_fingerprint else None
+    def _abort_one(self, seq: Sequence) -> None:
+        seq.abort_requested = True
+        with self.route_lock:
+            if seq in self.parked:
+                self.parked.remove(seq)
+                parked = True
+            else:
+                parked = False
+            chain = seq.chain
+        if parked:
+            self.finish(seq, "cancelled")
+        elif chain is not None:
+            chain.abort(seq)
 
     def notify_workers_changed(self) -> None:
         self._wakeup.set()
+
+    def wait_ready(self, timeout: float | None) -> bool:
+        return self.ready_event.wait(timeout)
 
     # the model's tokenizer, whichever chain is current (stop checkers and results use these)
     def encode(self, text: str) -> list[int]:
@@ -102,176 +138,146 @@ class Engine:
     def decode(self, ids) -> str:
         return self.tokenizer.decode(ids)
 
-    # ------------------------------------------------------------------ loop
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self._drain_inbox()
-                self._maintain_chain()
-                if not (self.ready and self.scheduler.has_work()):
-                    self._wakeup.wait(0.05)
-                    self._wakeup.clear()
-                    continue
-                self._step()
-            except Exception:  # never let the engine thread die silently
-                log.exception("engine iteration failed")
-                time.sleep(0.1)
+    def _pinned_model(self):
+        """While admitted requests are pending, only workers of their model may join."""
+        pending = bool(self.parked) or any(c.load() for c in list(self.chains.values()))
+        return (self.model_fingerprint, self.model_label or "the previous model") \
+            if pending and self.model_fingerprint else None
 
-    def _drain_inbox(self) -> None:
-        while True:
-            try:
-                kind, seq = self._inbox.get_nowait()
-            except queue.Empty:
+    # ------------------------------------------------------------------ sinks (any thread)
+    def stream_tokens(self, seq: Sequence, tokens: list[int], logprobs: list[float], top=()) -> None:
+        seq.sink(seq, SeqEvent(tokens, logprobs, new_top=list(top)))
+
+    def finish(self, seq: Sequence, reason: str, error: str = "", code: str = "UNAVAILABLE") -> None:
+        """Exactly once per sequence, from whichever thread ends it."""
+        with self.route_lock:
+            if seq.finish_reason:
                 return
-            if kind == "add":
-                self.prompt_tokens += seq.num_prompt_tokens
-                self.scheduler.add(seq)
-            elif seq.status is not SeqStatus.FINISHED:
-                with self.lock:
-                    self.scheduler.remove(seq)
-                self._finish(seq, "cancelled")
-
-    def _step(self) -> None:
-        t0 = time.perf_counter()
-        with self.lock:
-            batch = self.scheduler.schedule()
-        if batch is None:
-            return
-        req = self._step_request(batch)
-        t1 = time.perf_counter()
-        try:
-            reply = self.chain[0].stub.Step(req, timeout=self.step_timeout_s, metadata=self._auth())
-        except grpc.RpcError as e:
-            if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL,
-                            grpc.StatusCode.UNKNOWN, grpc.StatusCode.RESOURCE_EXHAUSTED):
-                # the worker refused or broke on this batch: recomputing would only repeat it
-                self._fail_batch(batch, f"worker rejected the step: {e.code().name}: {e.details()}")
-            else:  # UNAVAILABLE, FAILED_PRECONDITION (epoch), DEADLINE_EXCEEDED: the chain's state
-                self._on_chain_failure(f"Step failed: {e.code().name}: {e.details()}")
-            return
-        t2 = time.perf_counter()
-        self._apply(batch, reply)
-        t3 = time.perf_counter()
-        self.steps += 1
-        self.metadata_s += (t1 - t0) + (t3 - t2)
-        self.busy_s += t3 - t0
-
-    def _step_request(self, b: ScheduledBatch) -> worker_pb2.StepRequest:
-        seqs = b.seqs
-        rows = np.frombuffer(b"".join([s.sampling_row for s in seqs]), dtype=SAMPLING_ROW)
-        return worker_pb2.StepRequest(
-            step_id=self.steps, cache_epoch=self.cache_epoch,
-            sequence_ids=pack([s.seq_id for s in seqs], INT64),
-            input_ids=pack(b.input_ids), positions=pack(b.positions), slot_mapping=pack(b.slot_mapping),
-            query_start_loc=pack(b.query_start_loc), seq_lens=pack(b.seq_lens),
-            block_tables=pack(b.block_tables), max_blocks_per_seq=b.block_tables.shape[1],
-            do_sample=b.do_sample.tobytes(),
-            temperature=rows["temperature"].tobytes(), top_p=rows["top_p"].tobytes(),
-            top_k=rows["top_k"].tobytes(), seeds=rows["seed"].tobytes(),
-            sample_offsets=pack([len(s.output_token_ids) for s in seqs], INT32),
-            return_logprobs=any(s.params.return_logprobs for s in seqs))
-
-    def _apply(self, b: ScheduledBatch, reply: worker_pb2.StepReply) -> None:
-        """Append each sampled token and apply the stop rules (hot: one pass, locals only)."""
-        tokens = unpack(reply.sampled_token_ids, INT32).tolist()
-        logprobs = unpack(reply.logprobs, FLOAT32).tolist() if reply.logprobs else None
-        sampled = b.seqs if b.do_sample.all() else [s for s, d in zip(b.seqs, b.do_sample.tolist()) if d]
-        eos, finished_status = self.eos_ids, SeqStatus.FINISHED
-        finished = []
-        for j, (seq, tok) in enumerate(zip(sampled, tokens)):
-            if seq.status is finished_status:  # aborted while the step ran
-                continue
-            seq.output_token_ids.append(tok)
-            seq.num_tokens += 1
-            if logprobs is not None:
-                seq.output_logprobs.append(logprobs[j])
-            p = seq.params
-            if (tok in eos and not p.ignore_eos) or tok in p.stop_token_ids:
-                finished.append((seq, "stop"))
-            elif seq.stop_checker is not None and seq.stop_checker.push(tok):
-                finished.append((seq, "stop"))
-            elif len(seq.output_token_ids) >= p.max_new_tokens:
-                finished.append((seq, "length"))
-            elif seq.sink is not None and seq.tag is None:  # streams hear every token
-                seq.sink(seq, SeqEvent([tok], [logprobs[j]] if logprobs else []))
-        self.generated_tokens += len(tokens)
-        if finished:
-            with self.lock:
-                for seq, _ in finished:
-                    self.scheduler.remove(seq)
-            for seq, reason in finished:
-                self._finish(seq, reason)
-
-    def _fail_batch(self, batch: ScheduledBatch, error: str) -> None:
-        log.error("%s; failing %d sequences", error, len(batch.seqs))
-        with self.lock:
-            for seq in batch.seqs:
-                self.scheduler.remove(seq)
-        for seq in batch.seqs:
-            self._finish(seq, "error", error=error, code="INTERNAL")
-
-    def _finish(self, seq: Sequence, reason: str, error: str = "", code: str = "UNAVAILABLE") -> None:
-        seq.status = SeqStatus.FINISHED
-        seq.finish_reason = reason
+            seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
+            chain = seq.chain
+            if chain is not None:
+                self.router.done(chain.chain_id, seq.route_load)
+        for cb in self.on_sequence_finished:
+            cb(seq)
         if seq.sink is not None:
             new = seq.output_token_ids[-1:] if reason in ("stop", "length") and seq.tag is None else []
             lp = seq.output_logprobs[-1:] if new and seq.output_logprobs else []
+            top = seq.output_top[-1:] if new and seq.output_top else []
             seq.sink(seq, SeqEvent(new, lp, finished=True, finish_reason=reason, error=error,
-                                   error_code=code if error else ""))
+                                   error_code=code if error else "", new_top=top))
 
-    # ------------------------------------------------------------------ chain
-    def _auth(self):
-        return (("authorization", f"Bearer {self.worker_token}"),) if self.worker_token else None
+    # ------------------------------------------------------------------ routing
+    def _route(self, seqs: list[Sequence]) -> None:
+        with self.route_lock:
+            live = [c for c in self.chains.values() if c.alive]
+            if not live:
+                self.parked.extend(s for s in seqs if not s.abort_requested)
+                cancelled = [s for s in seqs if s.abort_requested]
+            else:
+                cancelled = []
+                ids = [c.chain_id for c in live]
+                for s in seqs:
+                    cid, load = self.router.choose(ids, s.all_token_ids, s.params.max_new_tokens)
+                    s.chain, s.route_load = self.chains[cid], load
+                    s.chain.add(s)
+        for s in cancelled:
+            self.finish(s, "cancelled")
 
-    def _maintain_chain(self) -> None:
-        expired = self.registry.expired()
+    def on_chain_lost(self, chain: ChainRunner, seqs: list[Sequence], why: str) -> None:
+        """From the chain's thread: its sequences recompute elsewhere; upkeep re-forms chains."""
+        with self.route_lock:
+            self.chains.pop(chain.chain_id, None)
+            self.router.remove_chain(chain.chain_id)
+            self.lost_chains += 1
+            for s in seqs:
+                s.chain = None
+        self._events.put(("lost", chain))
+        live = [s for s in seqs if s.status is not SeqStatus.FINISHED]
+        for s in live:
+            s.status = SeqStatus.WAITING
+        self._route(live)
+        self._refresh_ready()
+        self._wakeup.set()
+
+    # ------------------------------------------------------------------ upkeep
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._maintain()
+            except Exception:  # never let the upkeep thread die silently
+                log.exception("engine upkeep failed")
+                time.sleep(0.1)
+            self._wakeup.wait(0.05)
+            self._wakeup.clear()
+
+    def _maintain(self) -> None:
+        while True:
+            try:
+                kind, chain = self._events.get_nowait()
+            except queue.Empty:
+                break
+            chain.join(1.0)
+            self.registry.drop([w.worker_id for w in chain.stages if not self._alive(w)])
+        expired = set(self.registry.expired())
         if expired:
+            for c in list(self.chains.values()):
+                silent = [w.address for w in c.stages if w.worker_id in expired]
+                if silent:
+                    c.stop(f"worker {', '.join(silent)} missed its heartbeat lease "
+                           f"({self.registry.lease_s:.1f}s): hung or gone")
             self.registry.drop(expired)
-        if self.ready and self.registry.version == self.chain_version:
-            return
-        if self.ready:  # membership changed: re-form only if a chain stage is gone
-            ids = {w.worker_id for w in self.registry.workers.values()}
-            if all(w.worker_id in ids for w in self.chain):
-                self.chain_version = self.registry.version
-                return
-            self._on_chain_failure("a worker of the chain left")
-        chain = self.registry.form_chain()
-        if chain is None:
-            self._fail_streams_if_waited_too_long()
-            return
-        self._init_chain(chain)
+        known = {w.worker_id for w in self.registry.workers.values()}
+        for c in list(self.chains.values()):  # a stage that re-registered (restarted) voids its chain
+            if c.alive and any(w.worker_id not in known for w in c.stages):
+                c.stop("a worker of the chain left or restarted")
+        busy = {w.worker_id for c in self.chains.values() for w in c.stages}
+        for stages in self.registry.form_chains(busy):
+            self._start_chain(stages)
+        busy = {w.worker_id for c in self.chains.values() for w in c.stages}
+        with self.route_lock:
+            self.not_ready_reason = "" if self.chains else (self.registry.explain(busy) or "no chain is ready")
+            parked = list(self.parked) if self.chains else []
+            self.parked.clear() if parked else None
+        if parked:
+            self._route(parked)
+        self._refresh_ready()
+        self._fail_streams_if_waited_too_long()
 
-    def _init_chain(self, chain) -> None:
-        version = self.registry.version
-        cap = min(w.capacity_blocks(self.block_size) for w in chain)
+    def _start_chain(self, stages) -> None:
+        cap = min(w.capacity_blocks(self.block_size) for w in stages)
         if self.num_blocks_cap:
             cap = min(cap, self.num_blocks_cap)
+        label = " -> ".join(w.address for w in stages)
         if cap < 1:
-            log.error("worker chain can hold no block of size %d", self.block_size)
+            log.error("chain %s can hold no block of size %d", label, self.block_size)
             return
         epoch = secrets.randbits(62) + 1
         try:
-            for i in reversed(range(len(chain))):
-                nxt = chain[i + 1].address if i + 1 < len(chain) else ""
-                reply = chain[i].connect(self.registry.channel_factory).InitCache(worker_pb2.InitCacheRequest(
+            for i in reversed(range(len(stages))):
+                nxt = stages[i + 1].address if i + 1 < len(stages) else ""
+                reply = stages[i].connect(self.registry.channel_factory).InitCache(worker_pb2.InitCacheRequest(
                     num_blocks=cap, block_size=self.block_size, next_stage_address=nxt,
                     next_stage_token=self.worker_token or "", cache_epoch=epoch),
-                    timeout=60, metadata=self._auth())
+                    timeout=self.init_timeout_s, metadata=self._auth())
             epoch = reply.cache_epoch  # stage 0's word is what Steps must carry
         except grpc.RpcError as e:
-            log.warning("InitCache failed: %s %s", e.code().name, e.details())
-            self.registry.drop([w.worker_id for w in chain if not self._alive(w)])
+            log.warning("InitCache on chain %s failed: %s %s", label, e.code().name, e.details())
+            self.registry.drop([w.worker_id for w in stages if not self._alive(w)])
             return
-        with self.lock:
-            self.scheduler.requeue_all()
-            if self.manager.num_physical_blocks != cap and not self.manager.sequences:
-                self.manager = KVBlockManager(cap, self.block_size, enable_prefix_caching=self.enable_prefix_caching)
-                self.scheduler.manager = self.manager
-                for cb in self.on_manager_replaced:
-                    cb(self.manager)
-            else:
-                self.manager.reset_prefix_cache()
-        info = chain[0].info
+        self._adopt_model(stages)
+        self.max_pool_blocks = max(cap, self.max_pool_blocks if self.chains else 0)
+        chain = ChainRunner(next(self._chain_ids), stages, cap, epoch, self.cfg, self, stages[0].info.replica_group)
+        with self.route_lock:
+            self.chains[chain.chain_id] = chain
+            self.router.add_chain(chain.chain_id, cap)
+        chain.start()
+        for cb in self.on_chain_started:
+            cb(chain)
+        log.info("chain %d ready: %s, %d blocks of %d tokens, %d micro-batches, epoch %d", chain.chain_id,
+                 label, cap, self.block_size, chain.micro_batches, epoch)
+
+    def _adopt_model(self, stages) -> None:
+        info = stages[0].info
         if info.model_fingerprint != self.model_fingerprint or info.model_name != self.model_name:
             self.tokenizer = load_tokenizer(info.model_name)
             self.model_name = self.model_label = info.model_name
@@ -279,48 +285,66 @@ class Engine:
                 self.model_fingerprint = info.model_fingerprint
                 for cb in self.on_model_changed:
                     cb(info.model_fingerprint, info.model_name)
-        self.eos_ids = set(unpack(chain[-1].info.eos_token_ids, INT32).tolist())
+        self.eos_ids = set(unpack(stages[-1].info.eos_token_ids, INT32).tolist())
         self.vocab_size = info.vocab_size
         self.max_model_len = self.max_model_len_flag or info.max_position_embeddings
-        self.chain, self.cache_epoch, self.chain_version, self.ready = chain, epoch, version, True
-        log.info("chain ready: %s, %d blocks of %d tokens, epoch %d",
-                 " -> ".join(w.address for w in chain), cap, self.block_size, epoch)
+        self.model_known.set()
+
+    def _refresh_ready(self) -> None:
+        ready = any(c.alive for c in list(self.chains.values()))
+        if ready != self.ready_event.is_set():
+            (self.ready_event.set if ready else self.ready_event.clear)()
+            if not ready:
+                self.unready_since = time.monotonic()
+            for cb in self.on_ready_changed:
+                cb(ready)
+
+    def _auth(self):
+        return (("authorization", f"Bearer {self.worker_token}"),) if self.worker_token else None
 
     def _alive(self, w) -> bool:
         try:
-            w.connect(self.registry.channel_factory).Health(worker_pb2.WorkerHealthRequest(), timeout=2, metadata=self._auth())
+            w.connect(self.registry.channel_factory).Health(worker_pb2.WorkerHealthRequest(), timeout=2,
+                                                            metadata=self._auth())
             return True
         except grpc.RpcError:
             return False
 
-    def _on_chain_failure(self, why: str) -> None:
-        """KV content is lost or unreachable: requeue everything for recompute, re-form the chain."""
-        log.warning("chain failure: %s", why)
-        self.registry.drop([w.worker_id for w in self.chain if not self._alive(w)])
-        with self.lock:
-            self.scheduler.requeue_all()
-            self.manager.reset_prefix_cache()
-        self.ready = False
-        self.chain = []
-        self.unready_since = time.monotonic()
-
     def _fail_streams_if_waited_too_long(self) -> None:
-        if time.monotonic() - self.unready_since < self.worker_wait_s or not self.scheduler.has_work():
+        """Interactive streams do not wait forever for a chain; jobs do (they are durable)."""
+        if self.ready or time.monotonic() - self.unready_since < self.worker_wait_s:
             return
-        msg = f"no worker chain for {self.worker_wait_s:.0f}s"
-        for seq in [s for s in list(self.scheduler.waiting) + self.scheduler.running if s.tag is None]:
-            with self.lock:
-                self.scheduler.remove(seq)
-            self._finish(seq, "error", error=msg)
+        with self.route_lock:
+            doomed = [s for s in self.parked if s.tag is None]
+            for s in doomed:
+                self.parked.remove(s)
+        msg = f"no worker chain for {self.worker_wait_s:.0f}s: {self.not_ready_reason}"
+        for s in doomed:
+            self.finish(s, "error", error=msg)
+
+    # ------------------------------------------------------------------ figures
+    def pools(self) -> list:
+        with self.route_lock:
+            return [c for c in self.chains.values() if c.alive]
 
     def stats(self) -> dict:
-        with self.lock:
-            st = dict(self.manager.stats())
-            st["invariants_ok"] = bool(self.manager.invariants_ok())
-        st.update(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
-                  preemptions=self.scheduler.num_preemptions, steps=self.steps,
-                  generated_tokens=self.generated_tokens, prompt_tokens=self.prompt_tokens,
-                  tokens_per_second=self.generated_tokens / self.busy_s if self.busy_s else 0.0,
-                  metadata_ms_per_step=1000 * self.metadata_s / self.steps if self.steps else 0.0,
-                  num_workers=len(self.registry), ready=self.ready, cache_epoch=self.cache_epoch)
+        chains = [c.stats() for c in self.pools()]
+        keys = ("num_blocks", "used_blocks", "free_blocks", "cached_blocks", "shared_blocks",
+                "internal_fragmentation_tokens", "prefix_cache_queries", "prefix_cache_hits", "live_sequences",
+                "running", "waiting", "preemptions", "steps", "generated_tokens")
+        st = {k: sum(c.get(k, 0) for c in chains) for k in keys}
+        if not chains:
+            st.update({k: v for k, v in self.default_manager.stats().items() if k in keys})
+        used = sum(c["kv_used_tokens"] for c in chains)
+        alloc = sum(c["kv_allocated_tokens"] for c in chains)
+        meta_s = sum(c["metadata_s"] for c in chains)
+        busy = max((time.monotonic() - min(c_.started for c_ in self.pools())) if chains else 0.0, 1e-9)
+        st.update(block_size=self.block_size, kv_utilization=used / alloc if alloc else 0.0,
+                  invariants_ok=all(c["invariants_ok"] for c in chains), waiting=st["waiting"] + len(self.parked),
+                  tokens_per_second=st["generated_tokens"] / busy if chains else 0.0,
+                  metadata_ms_per_step=1e3 * meta_s / st["steps"] if st["steps"] else 0.0,
+                  num_workers=len(self.registry), ready=self.ready, num_chains=len(chains),
+                  cache_epoch=chains[0]["cache_epoch"] if chains else 0, chains=chains,
+                  standby_workers=len(self.registry) - sum(len(c["stages"]) for c in chains),
+                  not_ready_reason="" if chains else self.not_ready_reason, prompt_tokens=self.prompt_tokens)
         return st

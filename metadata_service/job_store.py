@@ -60,6 +60,27 @@ class JobStore:
         results = {i: metadata_pb2.GenerationResult.FromString(b) for i, b in rows}
         return row[0], row[1], results
 
+    def list_jobs(self, limit: int, state: str = ""):
+        """[(job_id, created, state, total, completed)], newest first."""
+        q = ("SELECT j.job_id, j.created, j.state, j.total, "
+             "(SELECT COUNT(*) FROM requests r WHERE r.job_id = j.job_id AND r.result IS NOT NULL) "
+             "FROM jobs j" + (" WHERE j.state = ?" if state else "") + " ORDER BY j.created DESC LIMIT ?")
+        with self._lock:
+            return self._db.execute(q, ((state,) if state else ()) + (limit,)).fetchall()
+
+    def delete(self, job_id: str) -> bool:
+        with self._lock:
+            self._db.execute("BEGIN")
+            cur = self._db.execute("DELETE FROM jobs WHERE job_id = ?", (job_id,))
+            self._db.execute("DELETE FROM requests WHERE job_id = ?", (job_id,))
+            self._db.execute("COMMIT")
+            return cur.rowcount == 1
+
+    def created(self, job_id: str) -> float:
+        with self._lock:
+            row = self._db.execute("SELECT created FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
+        return row[0] if row else 0.0
+
     def unfinished(self):
         """[(job_id, [(idx, GenerateRequest)])] for every job that was not done or cancelled."""
         with self._lock:

@@ -7,10 +7,10 @@ import uuid
 from dataclasses import dataclass, field
 
 from minipaged.v1 import metadata_pb2
-from minipaged.wire import FLOAT32, INT32, pack
 
 from .job_store import JobStore
-from .requests import final_text, to_sequence, usage
+from .requests import result as make_result
+from .requests import to_sequence
 from .sequence import Sequence
 
 log = logging.getLogger("metadata_service.jobs")
@@ -25,9 +25,18 @@ class JobState:
     order: list = field(default_factory=list)       # indices in finishing order (WatchJob)
     seqs: dict = field(default_factory=dict)        # index -> live Sequence
     cond: threading.Condition = field(default_factory=threading.Condition)
+    created: float = 0.0
+
+    @property
+    def visible_state(self) -> str:
+        """'queued' only until a chain has started one of its requests."""
+        if self.state == "queued" and any(s.num_computed_tokens or s.output_token_ids for s in self.seqs.values()):
+            return "running"
+        return self.state
 
     def proto(self, with_results: bool) -> metadata_pb2.Job:
-        job = metadata_pb2.Job(job_id=self.job_id, state=self.state, total=self.total, completed=len(self.results))
+        job = metadata_pb2.Job(job_id=self.job_id, state=self.visible_state, total=self.total,
+                               completed=len(self.results), created=self.created)
         if with_results:
             job.results.extend(self.results[i] for i in sorted(self.results))
         return job
@@ -59,7 +68,8 @@ class JobManager:
         return n
 
     def _start(self, job_id, total, results, pending) -> None:
-        job = JobState(job_id, total, results=dict(results), order=sorted(results))
+        job = JobState(job_id, total, results=dict(results), order=sorted(results),
+                       created=self.store.created(job_id))
         job.state = "done" if len(results) == total else ("running" if results else "queued")
         with self.lock:
             self.jobs[job_id] = job
@@ -74,10 +84,7 @@ class JobManager:
     def _on_finish(self, seq: Sequence, event) -> None:
         """Engine thread: a job's sequence ended (finished, cancelled or failed)."""
         job, idx = seq.tag
-        result = metadata_pb2.GenerationResult(
-            index=idx, token_ids=pack(seq.output_token_ids, INT32), text=final_text(seq, self.engine),
-            finish_reason=event.finish_reason, usage=usage(seq), error=event.error,
-            logprobs=pack(seq.output_logprobs, FLOAT32) if seq.params.return_logprobs else b"")
+        result = make_result(seq, event, idx, self.engine)
         self.store.save_result(job.job_id, result)
         with job.cond:
             job.seqs.pop(idx, None)
@@ -100,7 +107,31 @@ class JobManager:
         if row is None:
             return None
         state, total, results = row
-        return JobState(job_id, total, state=state, results=results, order=sorted(results))
+        return JobState(job_id, total, state=state, results=results, order=sorted(results),
+                        created=self.store.created(job_id))
+
+    def list(self, limit: int, state: str = "") -> list[metadata_pb2.Job]:
+        out = []
+        for job_id, created, st, total, completed in self.store.list_jobs(limit, state):
+            with self.lock:
+                live = self.jobs.get(job_id)
+            if live is not None:
+                with live.cond:
+                    out.append(live.proto(with_results=False))
+            else:
+                out.append(metadata_pb2.Job(job_id=job_id, state=st, total=total, completed=completed,
+                                            created=created))
+        return out
+
+    def delete(self, job_id: str) -> JobState | None:
+        """Cancel it if unfinished, then forget it (memory and store)."""
+        job = self.cancel(job_id)
+        if job is None:
+            return None
+        with self.lock:
+            self.jobs.pop(job_id, None)
+        self.store.delete(job_id)
+        return job
 
     def cancel(self, job_id: str) -> JobState | None:
         job = self.get(job_id)

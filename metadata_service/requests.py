@@ -10,10 +10,16 @@ import secrets
 import grpc
 
 from minipaged.v1 import metadata_pb2
-from minipaged.wire import INT32, WireError, pack, unpack
+import numpy as np
+
+from minipaged.wire import FLOAT32, INT32, WireError, pack, unpack
 
 from .sequence import SamplingParams, Sequence
 from .stop import StopChecker
+
+
+MAX_CHOICES = 16          # n and best_of
+MAX_TOP_LOGPROBS = 20     # OpenAI's limit for alternatives per token
 
 
 class RequestError(Exception):
@@ -29,6 +35,8 @@ def normalize(req: metadata_pb2.GenerateRequest, engine) -> metadata_pb2.Generat
         raise RequestError(grpc.StatusCode.UNAVAILABLE,
                            "no worker chain has registered yet: the model (and its tokenizer and limits) "
                            "is unknown; retry when Stats().ready is true")
+    if req.prompt and req.prompt_token_ids:
+        raise RequestError(bad, "give prompt or prompt_token_ids, not both")
     out = metadata_pb2.GenerateRequest()
     out.CopyFrom(req)
     try:
@@ -50,18 +58,34 @@ def normalize(req: metadata_pb2.GenerateRequest, engine) -> metadata_pb2.Generat
         raise RequestError(bad, f"max_new_tokens must be >= 1, got {req.max_new_tokens}")
     if not math.isfinite(req.temperature) or req.temperature < 0:
         raise RequestError(bad, f"temperature must be a finite number >= 0, got {req.temperature}")
-    if not math.isfinite(req.top_p) or not 0 <= req.top_p <= 1:
-        raise RequestError(bad, f"top_p must be in [0, 1], got {req.top_p}")
+    if req.HasField("top_p") and (not math.isfinite(req.top_p) or not 0 < req.top_p <= 1):
+        raise RequestError(bad, f"top_p must be in (0, 1] (leave it unset for no nucleus filtering), got {req.top_p}")
     if req.top_k < 0:
         raise RequestError(bad, f"top_k must be >= 0, got {req.top_k}")
+    n, best_of = max(1, req.n), req.best_of or max(1, req.n)
+    if not 1 <= n <= MAX_CHOICES or req.n < 0:
+        raise RequestError(bad, f"n must be in [1, {MAX_CHOICES}], got {req.n}")
+    if not n <= best_of <= MAX_CHOICES:
+        raise RequestError(bad, f"best_of must be in [n, {MAX_CHOICES}] (n = {n}), got {req.best_of}")
+    if not 0 <= req.min_new_tokens <= req.max_new_tokens:
+        raise RequestError(bad, f"min_new_tokens must be in [0, max_new_tokens = {req.max_new_tokens}], "
+                                f"got {req.min_new_tokens}")
+    if not math.isfinite(req.repetition_penalty) or req.repetition_penalty < 0:
+        raise RequestError(bad, f"repetition_penalty must be > 0 (1 or unset = off), got {req.repetition_penalty}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(req, name)
+        if not math.isfinite(v) or not -2.0 <= v <= 2.0:
+            raise RequestError(bad, f"{name} must be in [-2, 2], got {v}")
+    if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise RequestError(bad, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}")
     if len(req.stop) > 16 or any(len(s) > 256 for s in req.stop):
         raise RequestError(bad, "at most 16 stop strings of at most 256 characters each")
     total = len(ids) + req.max_new_tokens
     if total > engine.max_model_len:
         raise RequestError(bad, f"prompt ({len(ids)} tokens) + max_new_tokens ({req.max_new_tokens}) = {total} "
                                 f"exceeds max_model_len {engine.max_model_len}")
-    need = -(-total // engine.block_size)
-    pool = engine.manager.num_physical_blocks
+    need = -(-total // engine.block_size) * best_of   # at worst every choice holds its own copy
+    pool = engine.max_pool_blocks  # a sequence lives in one chain's pool: the largest one bounds it
     if need > pool:
         raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                            f"this request needs {need} blocks of {engine.block_size} tokens but the whole pool "
@@ -75,15 +99,33 @@ def normalize(req: metadata_pb2.GenerateRequest, engine) -> metadata_pb2.Generat
 
 def to_sequence(req: metadata_pb2.GenerateRequest, engine, sink=None, tag=None) -> Sequence:
     """A normalised request -> a Sequence ready for the engine."""
+    n = max(1, req.n)
     params = SamplingParams(
         max_new_tokens=req.max_new_tokens, temperature=req.temperature,
-        top_p=req.top_p if req.top_p > 0 else 1.0, top_k=req.top_k, seed=req.seed & (2**63 - 1),
+        top_p=req.top_p if req.HasField("top_p") else 1.0, top_k=req.top_k, seed=req.seed & (2**63 - 1),
         stop=tuple(req.stop), stop_token_ids=tuple(unpack(req.stop_token_ids, INT32).tolist()),
-        ignore_eos=req.ignore_eos, return_logprobs=req.return_logprobs)
+        ignore_eos=req.ignore_eos, return_logprobs=req.return_logprobs or req.top_logprobs > 0,
+        n=n, best_of=req.best_of or n, min_new_tokens=req.min_new_tokens,
+        repetition_penalty=req.repetition_penalty or 1.0, presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty, top_logprobs=req.top_logprobs,
+        show_logprobs=req.return_logprobs or req.top_logprobs > 0)
+    if params.best_of > params.n:   # choosing the best needs every candidate's logprobs
+        params.return_logprobs = True
     seq = Sequence(unpack(req.prompt_token_ids, INT32).tolist(), params, sink=sink, tag=tag)
-    if params.stop:
-        seq.stop_checker = StopChecker(engine, params.stop)
+    prepare(seq, engine)
+    if params.best_of > 1:
+        from .groups import SequenceGroup
+        seq.group = SequenceGroup(seq, engine)
     return seq
+
+
+def prepare(seq: Sequence, engine) -> None:
+    """What each sequence of a request needs of its own (a forked child gets its own too)."""
+    p = seq.params
+    if p.stop:
+        seq.stop_checker = StopChecker(engine, p.stop)
+    if p.min_new_tokens:
+        seq.suppress_ids = tuple(sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(engine.eos_ids))))
 
 
 def final_text(seq: Sequence, engine) -> str:
@@ -95,3 +137,33 @@ def final_text(seq: Sequence, engine) -> str:
 def usage(seq: Sequence) -> metadata_pb2.Usage:
     return metadata_pb2.Usage(prompt_tokens=seq.num_prompt_tokens, completion_tokens=len(seq.output_token_ids),
                               cached_tokens=seq.num_cached_tokens, preemptions=seq.preemptions)
+
+
+def result(seq: Sequence, event, index: int, engine) -> metadata_pb2.GenerationResult:
+    """A job's result for one request: its sequence, or with n / best_of every chosen choice (the
+    top-level fields are the first one's; usage counts every token generated, as OpenAI's does)."""
+    members = seq.group.chosen() if seq.group is not None else [seq]
+    choices = [_choice(m, engine, seq.group.ended[m.choice].finish_reason if seq.group else event.finish_reason)
+               for m in members]
+    out = metadata_pb2.GenerationResult()
+    out.CopyFrom(choices[0] if choices else _choice(seq, engine, event.finish_reason))
+    out.index, out.error = index, event.error
+    if seq.group is not None:
+        out.choices.extend(choices)
+        for i, c in enumerate(out.choices):
+            c.choice = i
+        everyone = seq.group.members
+        out.usage.completion_tokens = sum(len(m.output_token_ids) for m in everyone)
+        out.usage.preemptions = sum(m.preemptions for m in everyone)
+    return out
+
+
+def _choice(seq: Sequence, engine, finish_reason: str) -> metadata_pb2.GenerationResult:
+    r = metadata_pb2.GenerationResult(
+        token_ids=pack(seq.output_token_ids, INT32), text=final_text(seq, engine), finish_reason=finish_reason,
+        usage=usage(seq), cumulative_logprob=float(sum(seq.output_logprobs)),
+        logprobs=pack(seq.output_logprobs, FLOAT32) if seq.params.show_logprobs else b"")
+    if seq.output_top:
+        r.top_logprob_ids = pack(np.concatenate([t[0] for t in seq.output_top]))
+        r.top_logprobs = pack(np.concatenate([t[1] for t in seq.output_top]), FLOAT32)
+    return r

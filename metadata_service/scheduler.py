@@ -1,17 +1,27 @@
-"""Continuous batching under a token budget (vLLM v1 style).
+"""Continuous batching under a token budget (vLLM v1 style), for one chain, in micro-batches.
 
-Each step: running sequences first (decodes as one vectorized block-manager call, then the next
-chunk of any prefill still in flight), then waiting sequences, their prefills chunked to fit the
-budget, so prefill chunks and decodes share a step. When a decode cannot get a block, the most
-recently admitted running sequence is preempted: its blocks are freed and it goes back to the
-front of the queue to be recomputed (its full blocks usually come back from the prefix cache).
+Each step serves one micro-batch (a `slot`): its running sequences first (decodes as one vectorized
+block-manager call, then the next chunk of any prefill still in flight), then waiting sequences,
+admitted into this slot, their prefills chunked to fit the budget, so prefill chunks and decodes
+share a step. A sequence belongs to one slot; `max_num_seqs` and the token budget are per micro-
+batch, so an N-stage chain holds N+1 micro-batches of the size one worker would run.
 
-The scheduler owns sequence progress; the KVBlockManager owns blocks. Only the engine thread calls
-it, holding the block-manager lock."""
+Steps may be scheduled while earlier ones are in flight:
+- known tokens never wait: the next prefill chunk goes out while the previous one is computing;
+- with `overlap` (async scheduling), a sequence whose sampled token is still in flight decodes
+  anyway, with input id -1 ("the token you just sampled", filled in by stage 0). At most one such
+  token per sequence; if it turns out to end the sequence, the extra token is computed and dropped.
+When a decode cannot get a block, the newest running sequence of the slot is preempted: its blocks
+are freed and it goes back to the front of the queue for recompute (`gen` goes up, so whatever of it
+is still in flight is ignored). Freeing blocks that an in-flight step still writes is safe because
+every stage runs steps in the order they were sent.
+
+The scheduler owns sequence progress; the KVBlockManager owns blocks. Only the chain's thread calls
+it, holding the chain's lock."""
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -22,13 +32,20 @@ from .sequence import SeqStatus, Sequence
 @dataclass
 class ScheduledBatch:
     seqs: list[Sequence]
-    input_ids: np.ndarray        # int32 [T]
+    gens: list[int]              # each sequence's gen when scheduled (a later change voids its result)
+    input_ids: np.ndarray        # int32 [T], -1 = the token sampled for it by the step before
     positions: np.ndarray        # int32 [T]
     slot_mapping: np.ndarray     # int32 [T]
     query_start_loc: np.ndarray  # int32 [B+1]
     seq_lens: np.ndarray         # int32 [B]
-    block_tables: np.ndarray     # int32 [B, max_blocks]
     do_sample: np.ndarray        # uint8 [B]
+    table_base: np.ndarray       # int32 [B] blocks the workers already hold (delta tables)
+    new_block_counts: np.ndarray  # int32 [B]
+    new_blocks: np.ndarray       # int32 [sum]
+    slot: int = 0
+    deferred: list[Sequence] = field(default_factory=list)  # sequences whose input is -1
+    block_tables: np.ndarray | None = None   # int32 [B, max_blocks], only when sending full tables
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) before the step
 
     @property
     def num_tokens(self) -> int:
@@ -36,12 +53,19 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, manager: KVBlockManager, max_num_batched_tokens: int, max_num_seqs: int):
+    def __init__(self, manager: KVBlockManager, max_num_batched_tokens: int, max_num_seqs: int,
+                 micro_batches: int = 1, overlap: bool = False, full_tables: bool = False):
         self.manager = manager
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_num_seqs = max_num_seqs
+        self.max_num_seqs = max_num_seqs          # per micro-batch
+        self.micro_batches = micro_batches
+        self.overlap = overlap
+        self.full_tables = full_tables            # send whole block tables every step (for comparison)
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []   # admission order: the last is preempted first
+        self.running: list[Sequence] = []         # admission order: the newest is preempted first
+        self.slot_sizes = [0] * micro_batches
+        self.released: list[int] = []             # ids whose worker-side state can be dropped
+        self.copies: list[tuple[int, int]] = []   # forks' copy-on-write, for the next step to carry
         self.num_preemptions = 0
 
     # ------------------------------------------------------------------ queue
@@ -51,14 +75,23 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _forget(self, seq: Sequence) -> None:
+        """Its blocks go back to the pool and the workers may drop what they remember of it."""
+        if seq.seq_id in self.manager.sequences:
+            self.manager.release_sequence(seq.seq_id)
+        if seq.blocks_sent or seq.inflight or seq.deferred:
+            self.released.append(seq.seq_id)
+        seq.gen += 1
+        seq.inflight, seq.deferred, seq.blocks_sent = 0, False, 0
+
     def remove(self, seq: Sequence) -> None:
         """Drop a sequence wherever it is (finished or aborted) and free its blocks."""
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
+            self.slot_sizes[seq.slot] -= 1
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        if seq.seq_id in self.manager.sequences:
-            self.manager.release_sequence(seq.seq_id)
+        self._forget(seq)
         seq.status = SeqStatus.FINISHED
 
     def requeue_all(self) -> None:
@@ -67,9 +100,20 @@ class Scheduler:
             self._preempt(seq, count=False)
         self.running = []
 
+    def drain(self) -> list[Sequence]:
+        """Every unfinished sequence, running ones reset for recompute (a lost chain hands them on)."""
+        self.requeue_all()
+        out = list(self.waiting)
+        self.waiting.clear()
+        for s in out:
+            self._forget(s)
+        self.released.clear()
+        return out
+
     def _preempt(self, seq: Sequence, count: bool = True) -> None:
-        if seq.seq_id in self.manager.sequences:
-            self.manager.release_sequence(seq.seq_id)
+        if seq.status is SeqStatus.RUNNING:
+            self.slot_sizes[seq.slot] -= 1
+        self._forget(seq)
         seq.num_computed_tokens = 0
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
@@ -83,42 +127,89 @@ class Scheduler:
         slack = len(st.block_table) * self.manager.block_size - st.sequence_length
         return slack + self.manager.num_free_blocks * self.manager.block_size
 
+    def _preempt_newest(self, slot: int, exclude=()) -> Sequence | None:
+        for i in range(len(self.running) - 1, -1, -1):
+            s = self.running[i]
+            if s.slot == slot and s not in exclude:
+                del self.running[i]
+                self._preempt(s)
+                return s
+        return None
+
+    # ------------------------------------------------------------------ forks (n / best_of)
+    @staticmethod
+    def _todo(s: Sequence) -> int:
+        """Known tokens it may compute now: a request with several choices stops its prefill one
+        token short, where it forks (each choice then computes that last token itself)."""
+        g = s.group
+        if g is not None and not g.forked and g.parent is s:
+            return g.prefill_target() - s.num_computed_tokens
+        return s.num_tokens - s.num_computed_tokens
+
+    def _fork_ready(self, slot: int) -> bool:
+        forked = False
+        for s in list(self.running):
+            g = s.group
+            if s.slot != slot or g is None or g.forked or g.parent is not s or self._todo(s) != 0:
+                continue
+            partial = s.num_computed_tokens % self.manager.block_size != 0
+            if partial and self.manager.num_free_blocks < g.size - 1:
+                continue                              # no room for the copies yet: try again later
+            for c in g.fork():
+                self.copies += self.manager.fork(s.seq_id, c.seq_id)
+                c.status = SeqStatus.RUNNING
+                self.running.append(c)
+                self.slot_sizes[slot] += 1
+            forked = True
+        return forked
+
     # ------------------------------------------------------------------ schedule
-    def schedule(self) -> ScheduledBatch | None:
+    def schedule(self, slot: int = 0) -> ScheduledBatch | None:
         budget = self.max_num_batched_tokens
-        chosen: list[tuple[Sequence, int]] = []
-        slots: list[np.ndarray] = []
+        forked = self._fork_ready(slot)
+        decodes, chunks = [], []
+        for s in self.running:
+            if s.slot != slot:
+                continue
+            known = self._todo(s)
+            grouped = s.group is not None and not s.group.forked
+            if not grouped and (known == 1 or (known == 0 and self.overlap and s.inflight == 1 and not s.deferred
+                                               and s.pending_sample and not s.params.penalized)):
+                decodes.append(s)
+            elif known > 1 or (grouped and known > 0):
+                chunks.append(s)
+        del decodes[budget:]
 
         # 1. Decodes: one token each, one all-or-nothing block-manager call; preempt on shortage.
-        decodes, prefilling = [], []
-        for s in self.running:
-            (decodes if s.num_tokens - s.num_computed_tokens == 1 else prefilling).append(s)
-        del decodes[budget:]
+        slots = []
         while decodes:
+            toks = [s.last_token if s.num_tokens > s.num_computed_tokens else -1 for s in decodes]
             try:
-                slots.append(self.manager.slot_mapping_for_append([s.seq_id for s in decodes],
-                                                                  [s.last_token for s in decodes]))
+                slots.append(self.manager.slot_mapping_for_append([s.seq_id for s in decodes], toks))
                 break
             except OutOfBlocksError:
-                victim = self.running.pop()
-                self._preempt(victim)
-                for group in (decodes, prefilling):
+                victim = self._preempt_newest(slot)
+                if victim is None:
+                    return None
+                for group in (decodes, chunks):
                     if victim in group:
                         group.remove(victim)
-        chosen.extend((s, 1) for s in decodes)
+        chosen: list[tuple[Sequence, int]] = [(s, 1) for s in decodes]
         num_decodes = len(decodes)
         budget -= num_decodes
 
-        # 2. Running prefills still in flight (chunked prefill), then 3. admissions.
-        for s in prefilling:
+        # 2. Running prefills still in flight (chunked prefill), then 3. admissions into this slot.
+        for s in chunks:
             if budget <= 0:
                 break
-            n = min(s.num_tokens - s.num_computed_tokens, budget, self._room(s))
+            n = min(self._todo(s), budget, self._room(s))
             if n > 0:
                 slots.append(self._append(s, n))
                 chosen.append((s, n))
                 budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        # a fair share per micro-batch, so a few requests still spread over every pipeline slot
+        share = min(self.max_num_seqs, -(-(len(self.running) + len(self.waiting)) // self.micro_batches))
+        while self.waiting and budget > 0 and self.slot_sizes[slot] < share:
             s = self.waiting[0]
             created = s.seq_id not in self.manager.sequences
             if created:
@@ -126,65 +217,99 @@ class Scheduler:
                 s.num_computed_tokens = cached
                 if s.preemptions == 0:
                     s.num_cached_tokens = cached
-            n = min(s.num_tokens - s.num_computed_tokens, budget, self._room(s))
-            if n <= 0:
+            todo = self._todo(s)
+            n = min(todo, budget, self._room(s))
+            if n <= 0 and todo > 0:
                 if created:
                     self.manager.release_sequence(s.seq_id)
                     s.num_computed_tokens = 0
                 break
             self.waiting.popleft()
-            s.status = SeqStatus.RUNNING
+            s.status, s.slot = SeqStatus.RUNNING, slot
             self.running.append(s)
-            slots.append(self._append(s, n))
-            chosen.append((s, n))
-            budget -= n
+            self.slot_sizes[slot] += 1
+            if n > 0:
+                slots.append(self._append(s, n))
+                chosen.append((s, n))
+                budget -= n
+        forked = self._fork_ready(slot) or forked
 
         if not chosen:
-            if self.running:  # everything stuck on blocks (only prefills): free the newest
-                self._preempt(self.running.pop())
+            if forked:
+                return self.schedule(slot)            # the new choices decode right away
+            if not any(s.inflight for s in self.running if s.slot == slot):
+                self._preempt_newest(slot)  # everything stuck on blocks (only prefills): free the newest
             return None
-        return self._build(chosen, slots, num_decodes)
+        return self._build(chosen, slots, num_decodes, slot)
 
     def _append(self, s: Sequence, n: int) -> np.ndarray:
         start = s.num_computed_tokens
         return self.manager.append_tokens(s.seq_id, n, s.token_slice(start, start + n))
 
-    def _build(self, chosen: list[tuple[Sequence, int]], slots: list[np.ndarray],
-               num_decodes: int) -> ScheduledBatch:
+    def _build(self, chosen: list[tuple[Sequence, int]], slots: list[np.ndarray], num_decodes: int,
+               slot: int) -> ScheduledBatch:
         """Pack the step's arrays. `chosen` lists the decodes first; they need no per-token work."""
         seqs = [s for s, _ in chosen]
         ids = [s.seq_id for s in seqs]
         seq_lens = np.asarray(self.manager.get_seq_lens_tensor(ids), dtype=np.int32)  # after the appends
         B = len(seqs)
         do_sample = np.ones(B, dtype=np.uint8)
+        deferred = [s for s in seqs[:num_decodes] if s.num_tokens == s.num_computed_tokens]
         if num_decodes == B:  # the steady state: one token per sequence, no per-token work
             num_new = np.ones(B, dtype=np.int32)
-            input_ids = np.fromiter((s.last_token for s in seqs), dtype=np.int32, count=B)
+            input_ids = np.fromiter((s.last_token if s.num_tokens > s.num_computed_tokens else -1 for s in seqs),
+                                    dtype=np.int32, count=B)
             positions = seq_lens - 1
             for s in seqs:
                 s.num_computed_tokens += 1
         else:
             num_new = np.fromiter((n for _, n in chosen), dtype=np.int32, count=B)
             starts = seq_lens - num_new
-            input_ids = np.concatenate([np.asarray(s.token_slice(int(a), int(a) + int(n)), dtype=np.int32)
-                                        for s, a, n in zip(seqs, starts, num_new)])
+            input_ids = np.concatenate(
+                [np.asarray([s.last_token if s.num_tokens > s.num_computed_tokens else -1], dtype=np.int32)
+                 for s in seqs[:num_decodes]]
+                + [np.asarray(s.token_slice(int(a), int(a) + int(n)), dtype=np.int32)
+                   for s, a, n in zip(seqs[num_decodes:], starts[num_decodes:], num_new[num_decodes:])])
             # positions: each chunk's start repeated, plus the offset inside the chunk
             ends = np.cumsum(num_new)
             offsets = np.arange(int(ends[-1]), dtype=np.int32) - np.repeat(ends - num_new, num_new)
             positions = np.repeat(starts, num_new) + offsets
             for s, n in chosen:
                 s.num_computed_tokens += n
-            # a prefill chunk samples only once it reaches the last known token
-            do_sample[num_decodes:] = [s.num_computed_tokens == s.num_tokens for s in seqs[num_decodes:]]
+            # a prefill chunk samples only once it reaches the last known token (a request with
+            # several choices never samples before its fork)
+            do_sample[num_decodes:] = [s.num_computed_tokens == s.num_tokens and not (s.group and not s.group.forked)
+                                       for s in seqs[num_decodes:]]
+        for s, d in zip(seqs, do_sample.tolist()):
+            s.inflight += 1
+            s.pending_sample = bool(d)
+        for s in deferred:
+            s.deferred = True
         qsl = np.zeros(B + 1, dtype=np.int32)
         np.cumsum(num_new, out=qsl[1:])
+        base = np.fromiter((s.blocks_sent for s in seqs), dtype=np.int32, count=B)
+        tables = None
+        if self.full_tables:
+            tables = np.asarray(self.manager.get_block_table_tensor(ids), dtype=np.int32)
+            counts, new_blocks = np.zeros(B, dtype=np.int32), np.zeros(0, dtype=np.int32)
+        else:
+            counts, new_blocks = self.manager.block_table_delta(ids, base)
+            for s, c in zip(seqs, counts.tolist()):
+                s.blocks_sent += c
         return ScheduledBatch(
-            seqs=seqs,
-            input_ids=input_ids,
+            seqs=seqs, gens=[s.gen for s in seqs], input_ids=input_ids,
             positions=positions.astype(np.int32, copy=False),
             slot_mapping=(slots[0] if len(slots) == 1 else np.concatenate(slots)).astype(np.int32, copy=False),
-            query_start_loc=qsl,
-            seq_lens=seq_lens,
-            block_tables=np.asarray(self.manager.get_block_table_tensor(ids), dtype=np.int32),
-            do_sample=do_sample,
-        )
+            query_start_loc=qsl, seq_lens=seq_lens, do_sample=do_sample,
+            table_base=base, new_block_counts=counts, new_blocks=new_blocks.astype(np.int32, copy=False),
+            slot=slot, deferred=deferred, block_tables=tables, copies=self._take_copies())
+
+    def _take_copies(self) -> list[tuple[int, int]]:
+        copies, self.copies = self.copies, []
+        return copies
+
+    def step_done(self, batch: ScheduledBatch) -> None:
+        """The step came back (applied or failed): its sequences are one step less in flight."""
+        for s, g in zip(batch.seqs, batch.gens):
+            if s.gen == g and s.inflight:
+                s.inflight -= 1

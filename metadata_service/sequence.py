@@ -37,6 +37,23 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     return_logprobs: bool = False
+    n: int = 1                               # choices returned
+    best_of: int = 1                         # choices generated (forked from one prefill)
+    min_new_tokens: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    top_logprobs: int = 0
+    show_logprobs: bool = False              # the caller asked for them (best_of computes them anyway)
+
+    @property
+    def penalized(self) -> bool:
+        """Its next sample depends on every token so far (so it never decodes a pending token)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def extras(self) -> bool:
+        return self.penalized or self.min_new_tokens > 0 or self.top_logprobs > 0
 
 
 @dataclass
@@ -48,6 +65,7 @@ class SeqEvent:
     finish_reason: str = ""
     error: str = ""
     error_code: str = ""                     # a grpc.StatusCode name when error is set
+    new_top: list = field(default_factory=list)  # per new token: (ids [k], logprobs [k]) alternatives
 
 
 @dataclass(eq=False)  # identity semantics: sequences live in lists and sets
@@ -67,6 +85,23 @@ class Sequence:
     stop_checker: object = None              # StopChecker when the request has stop strings
 
     num_tokens: int = 0                      # prompt + output, kept as a field: read every step
+
+    # Where it runs and what is in flight (the owning chain's thread alone writes these).
+    chain: object = None                     # the ChainRunner it was routed to
+    slot: int = 0                            # micro-batch it belongs to on that chain
+    gen: int = 0                             # bumped when it loses its blocks: in-flight results are void
+    inflight: int = 0                        # steps in flight that contain it
+    deferred: bool = False                   # its last appended position's token is still being sampled
+    pending_sample: bool = False             # the newest in-flight step containing it samples for it
+    blocks_sent: int = 0                     # leading blocks of its table the chain's workers hold
+    abort_requested: bool = False            # set by any thread; the owning chain finishes it
+    route_load: float = 0.0                  # what the router charged its chain (given back at the end)
+    admitted_at: float = 0.0                 # time.monotonic() of admission (TTFT)
+    first_token_at: float = 0.0
+    group: object = None                     # SequenceGroup when the request asked for n / best_of > 1
+    choice: int = 0                          # this sequence's index in its group
+    output_top: list = field(default_factory=list)   # per output token: (ids int32 [k], logprobs float32 [k])
+    suppress_ids: tuple = ()                 # EOS + stop ids, masked while output < min_new_tokens
 
     sampling_row: bytes = b""                # the params packed once, for the per-step Step arrays
 

@@ -1,9 +1,13 @@
-"""Registered workers and the stage chain that serves layers [0, L).
+"""Registered workers, and how they form chains that serve layers [0, L).
 
-Workers register themselves (address, layer range, model fingerprint, capacity). The engine asks
-`WorkerRegistry.form_chain()` for a set of stages that tile the layers contiguously; all stages
-use the smallest capacity any of them can hold, because one block id names the same slots in every
-layer of every stage."""
+Workers register themselves (address, layer range, model fingerprint, capacity, replica group) and
+then heartbeat; one silent for longer than the lease is dropped. The rule for chains: within a
+replica group, as many disjoint chains as the free workers allow, each a set of stages that tile
+the layers contiguously, fewest stages first (so four workers serving all layers are four replicas;
+two 0:2 and two 2:4 are two 2-stage chains). Workers left over are standbys: when a chain loses a
+stage, its surviving workers and the standbys form new chains. A chain's stages all use the smallest
+capacity any of them can hold, because one block id names the same slots in every layer of every
+stage."""
 from __future__ import annotations
 
 import logging
@@ -20,6 +24,8 @@ log = logging.getLogger("metadata_service.workers")
 
 GRPC_OPTIONS = [("grpc.max_send_message_length", 256 << 20),
                 ("grpc.max_receive_message_length", 256 << 20)]
+# Our servers: the same caps, and a port already taken is a start error, never a shared port.
+SERVER_OPTIONS = GRPC_OPTIONS + [("grpc.so_reuseport", 0)]
 
 
 def clip(text: str, limit: int = 64) -> str:
@@ -63,8 +69,8 @@ class WorkerHandle:
 
 
 class WorkerRegistry:
-    def __init__(self, heartbeat_timeout_s: float = 10.0, channel_factory=None):
-        self.heartbeat_timeout_s = heartbeat_timeout_s
+    def __init__(self, lease_s: float = 4.0, channel_factory=None):
+        self.lease_s = lease_s
         # (address, options) -> channel: plain text unless the service was given a worker CA
         self.channel_factory = channel_factory or (lambda a, o: grpc.insecure_channel(a, options=o))
         # () -> (fingerprint, model name) that every worker must serve, or None: the engine pins
@@ -123,28 +129,82 @@ class WorkerRegistry:
     def expired(self) -> list[str]:
         now = time.monotonic()
         with self.lock:
-            return [w.worker_id for w in self.workers.values()
-                    if now - w.last_seen > self.heartbeat_timeout_s]
+            return [w.worker_id for w in self.workers.values() if now - w.last_seen > self.lease_s]
 
-    def form_chain(self) -> list[WorkerHandle] | None:
-        """Stages covering [0, L) contiguously, preferring the most recently registered worker for
-        each start layer. None while the layers are not covered."""
+    def form_chains(self, busy: set[str]) -> list[list[WorkerHandle]]:
+        """New chains from the workers not in `busy` (ids of workers already in a chain)."""
         with self.lock:
-            workers = sorted(self.workers.values(), key=lambda w: w.last_seen, reverse=True)
-        if not workers:
-            return None
-        num_layers = workers[0].info.num_layers
-        by_start: dict[int, WorkerHandle] = {}
-        for w in workers:
-            by_start.setdefault(w.info.layer_start, w)
-        chain, layer = [], 0
-        while layer < num_layers:
-            w = by_start.get(layer)
-            if w is None:
-                return None
-            chain.append(w)
-            layer = w.info.layer_end
-        return chain
+            free = [w for w in self.workers.values() if w.worker_id not in busy]
+        groups: dict[str, list[WorkerHandle]] = {}
+        for w in sorted(free, key=lambda w: w.info.address):
+            groups.setdefault(w.info.replica_group, []).append(w)
+        chains = []
+        for members in groups.values():
+            while True:
+                chain = shortest_chain(members)
+                if chain is None:
+                    break
+                chains.append(chain)
+                members = [w for w in members if w not in chain]
+        return chains
+
+    def explain(self, busy: set[str]) -> str:
+        """Why the free workers form no chain, in words ("layers 2:4 have no worker")."""
+        with self.lock:
+            free = [w for w in self.workers.values() if w.worker_id not in busy]
+        if not self.workers:
+            return "no worker has registered"
+        if not free:
+            return ""
+        return coverage_gaps(free)
 
     def __len__(self) -> int:
         return len(self.workers)
+
+
+
+def shortest_chain(workers: list[WorkerHandle]) -> list[WorkerHandle] | None:
+    """Fewest stages tiling [0, L) (breadth-first over layer boundaries), or None."""
+    if not workers:
+        return None
+    num_layers = workers[0].info.num_layers
+    by_start: dict[int, list[WorkerHandle]] = {}
+    for w in workers:
+        by_start.setdefault(w.info.layer_start, []).append(w)
+    paths: dict[int, list[WorkerHandle]] = {0: []}
+    frontier = [0]
+    while frontier:
+        nxt = []
+        for layer in frontier:
+            for w in by_start.get(layer, []):
+                end = w.info.layer_end
+                if end not in paths:
+                    paths[end] = paths[layer] + [w]
+                    nxt.append(end)
+        if num_layers in paths:
+            return paths[num_layers]
+        frontier = nxt
+    return None
+
+
+def coverage_gaps(workers: list[WorkerHandle]) -> str:
+    num_layers = workers[0].info.num_layers
+    reach, frontier = {0}, [0]
+    while frontier:
+        layer = frontier.pop()
+        for w in workers:
+            if w.info.layer_start == layer and w.info.layer_end not in reach:
+                reach.add(w.info.layer_end)
+                frontier.append(w.info.layer_end)
+    r = max(reach)
+    starts = sorted({w.info.layer_start for w in workers if w.info.layer_start > r})
+    gap_end = starts[0] if starts else num_layers
+    parts = [f"layers {r}:{gap_end} have no worker"]
+    for w in workers:
+        a, b = w.info.layer_start, w.info.layer_end
+        if a not in reach and a < r + 1 and any(x.info.layer_start < a < x.info.layer_end for x in workers):
+            other = next(x for x in workers if x.info.layer_start < a < x.info.layer_end)
+            parts.append(f"worker {w.address} serves {a}:{b}, overlapping {other.info.layer_start}:"
+                         f"{other.info.layer_end} ({other.address})")
+    served = ", ".join(f"{w.info.layer_start}:{w.info.layer_end} at {w.address}" for w in workers)
+    return "; ".join(parts) + f" (free workers: {served})"

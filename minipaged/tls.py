@@ -17,11 +17,14 @@ def add_port(server: grpc.Server, address: str, cert: str | None = None, key: st
              client_ca: str | None = None) -> int:
     """Bind with TLS when cert+key are given; `client_ca` also requires clients to present a
     certificate it signed (mutual TLS). Returns the bound port (0 on failure)."""
-    if not cert:
-        return server.add_insecure_port(address)
-    creds = grpc.ssl_server_credentials([(_read(key), _read(cert))], root_certificates=_read(client_ca),
-                                        require_client_auth=bool(client_ca))
-    return server.add_secure_port(address, creds)
+    try:
+        if not cert:
+            return server.add_insecure_port(address)
+        creds = grpc.ssl_server_credentials([(_read(key), _read(cert))], root_certificates=_read(client_ca),
+                                            require_client_auth=bool(client_ca))
+        return server.add_secure_port(address, creds)
+    except RuntimeError:  # grpcio raises when the port is taken (so_reuseport off) or not ours
+        return 0
 
 
 def channel_credentials(ca: str | None, cert: str | None = None, key: str | None = None):

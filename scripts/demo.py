@@ -1,13 +1,17 @@
-"""`make demo`: a two-stage cluster on this CPU, one job of 32 prompts through the SDK, then the stats.
+"""`make demo`: a two-stage cluster on this CPU with the HTTP gateway, one streamed request, one job
+of 32 prompts through the SDK, one OpenAI-style HTTP request, then the stats.
 
 Several prompts share a long common prefix (a "system prompt"), so once the first of them has run
-its full KV blocks are reused from the prefix cache instead of being recomputed."""
+its full KV blocks are reused from the prefix cache instead of being recomputed. The two stages keep
+three micro-batches in flight, so both are busy at once."""
 from __future__ import annotations
 
+import json
 import os
 import random
 import sys
 import time
+import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -36,11 +40,11 @@ def make_prompts(n: int = 32, seed: int = 0) -> list[dict]:
 
 def main() -> int:
     t0 = time.time()
-    print("starting LocalCluster(model='tiny', workers=2, dtype='float32') ...", flush=True)
-    with LocalCluster(model="tiny", workers=2, dtype="float32") as cluster:
+    print("starting LocalCluster(model='tiny', workers=2, dtype='float32', http=True) ...", flush=True)
+    with LocalCluster(model="tiny", workers=2, dtype="float32", http=True) as cluster:
         c = cluster.client
-        print(f"ready at {cluster.address} in {time.time() - t0:.1f}s "
-              f"(service + {len(cluster.processes) - 1} workers, logs in {cluster.log_dir})\n")
+        print(f"ready at {cluster.address} (gRPC) and {cluster.http_url} (OpenAI API, dashboard at /) in "
+              f"{time.time() - t0:.1f}s (service, {len(cluster.layers)} workers, gateway; logs in {cluster.log_dir})\n")
 
         # One streamed request first: it also puts the shared prefix into the prefix cache.
         # (tiny has random weights: its text is noise, so the token ids are shown too.)
@@ -60,7 +64,19 @@ def main() -> int:
             head = item["prompt"][-40:] if item["prompt"].startswith(SYSTEM) else item["prompt"][:40]
             print(f"  [{r.index:2d}] {head!r:44} -> {r.text[:12]!r:16} {r.token_ids[:4]}... "
                   f"{len(r.token_ids):2d} tok, {r.finish_reason}, {r.usage.cached_tokens} cached")
-        print("\n" + c.stats().table())
+        # The same model through the OpenAI-compatible HTTP API (what the `openai` client sends).
+        body = {"model": "tiny", "prompt": SYSTEM + "Q: what is a block table?", "max_tokens": 8, "temperature": 0}
+        req = urllib.request.Request(f"{cluster.http_url}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            out = json.load(resp)
+        print(f"\nPOST {cluster.http_url}/v1/completions -> finish_reason={out['choices'][0]['finish_reason']!r}, "
+              f"usage={out['usage']}")
+        st = c.stats()
+        print("\n" + st.table())
+        for ch in st.chains:
+            busy = ", ".join(f"{s['layer_start']}:{s['layer_end']} {float(s['busy_fraction']):.0%}" for s in ch["stages"])
+            print(f"chain {ch['chain_id']}: {ch['micro_batches']} micro-batches in flight, stage busy {busy}")
     print(f"\nshut down; total {time.time() - t0:.1f}s")
     return 0
 

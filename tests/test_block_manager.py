@@ -119,8 +119,9 @@ def test_stats_keys():
     s = m.stats()
     assert set(s) == {"num_blocks", "block_size", "used_blocks", "free_blocks", "cached_blocks",
                       "internal_fragmentation_tokens", "kv_utilization", "prefix_cache_queries",
-                      "prefix_cache_hits", "live_sequences"}
-    assert s["kv_utilization"] == 1.0 and s["free_blocks"] == 8
+                      "prefix_cache_hits", "live_sequences", "shared_blocks", "kv_used_tokens",
+                      "kv_allocated_tokens"}
+    assert s["kv_utilization"] == 0.0 and s["free_blocks"] == 8  # nothing reserved: nothing used
 
 
 def test_tables_grow():

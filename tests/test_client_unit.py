@@ -126,6 +126,9 @@ class FakeService(pb_grpc.MetadataServiceServicer):
 
     def __init__(self):
         self.requests, self.metadata, self.jobs = [], [], {}
+        self.slow_jobs = {}
+        self.ready_after = 0  # Stats says ready from this call on
+        self.stats_calls = 0
         self.stream_cancelled = threading.Event()
 
     def _check(self, context):
@@ -142,14 +145,23 @@ class FakeService(pb_grpc.MetadataServiceServicer):
         if req.prompt == "slow":
             time.sleep(1.0)
         context.add_callback(self.stream_cancelled.set)
+        if req.prompt == "forever":  # streams until the client goes away (Ctrl-C tests)
+            while context.is_active():
+                yield pb.GenerateChunk(token_ids=wire.pack([120]), text="x")
+                time.sleep(0.05)
+            return
         r = _result(0, req)
         toks = wire.unpack(r.token_ids).tolist()
         for k, t in enumerate(toks):
             last = k == len(toks) - 1
-            yield pb.GenerateChunk(token_ids=wire.pack([t]), text=chr(t),
-                                   finish_reason="length" if last else "",
-                                   usage=r.usage if last else None,
-                                   logprobs=wire.pack([-0.5], wire.FLOAT32) if req.return_logprobs else b"")
+            for choice in range(max(1, req.n)):  # choices interleave, token by token
+                K = req.top_logprobs
+                yield pb.GenerateChunk(token_ids=wire.pack([t + choice]), text=chr(t + choice),
+                                       finish_reason="length" if last else "",
+                                       usage=r.usage if last else None, index=choice,
+                                       logprobs=wire.pack([-0.5], wire.FLOAT32) if req.return_logprobs else b"",
+                                       top_logprob_ids=wire.pack([t + choice + j for j in range(K)]) if K else b"",
+                                       top_logprobs=wire.pack([-0.5 - j for j in range(K)], wire.FLOAT32) if K else b"")
             if req.prompt == "long":
                 time.sleep(0.05)
 
@@ -157,7 +169,18 @@ class FakeService(pb_grpc.MetadataServiceServicer):
         self._check(context)
         job_id = f"job-{len(self.jobs)}"
         self.jobs[job_id] = [_result(i, r) for i, r in enumerate(req.requests)]
+        self.slow_jobs[job_id] = req.requests[0].prompt == "slow-job"
         return pb.SubmitJobReply(job_id=job_id)
+
+    def ListJobs(self, req, context):
+        ids = [j for j in reversed(list(self.jobs)) if not req.state or req.state == "done"][:req.limit or 100]
+        return pb.JobList(jobs=[pb.Job(job_id=j, state="done", total=len(self.jobs[j]), completed=len(self.jobs[j]),
+                                       created=1.5e9) for j in ids])
+
+    def DeleteJob(self, req, context):
+        res = self._job(req.job_id, context)
+        del self.jobs[req.job_id]
+        return pb.Job(job_id=req.job_id, state="done", total=len(res), completed=len(res))
 
     def _job(self, job_id, context):
         if job_id not in self.jobs:
@@ -170,6 +193,11 @@ class FakeService(pb_grpc.MetadataServiceServicer):
 
     def WatchJob(self, req, context):
         res = self._job(req.job_id, context)
+        if self.slow_jobs.get(req.job_id):  # never finishes (Ctrl-C tests)
+            while context.is_active():
+                yield pb.JobProgress(job_id=req.job_id, state="running", total=len(res), completed=0)
+                time.sleep(0.2)
+            return
         yield pb.JobProgress(job_id=req.job_id, state="running", total=len(res), completed=0)
         # Out of order, and the last result is only in GetJob: the client must merge both.
         for k, r in enumerate(reversed(res[:-1])):
@@ -183,7 +211,10 @@ class FakeService(pb_grpc.MetadataServiceServicer):
 
     def Stats(self, req, context):
         self._check(context)
-        return pb.StatsReply(num_blocks=8, block_size=16, free_blocks=8, invariants_ok=True, ready=True)
+        self.stats_calls += 1
+        ready = self.stats_calls > self.ready_after
+        return pb.StatsReply(num_blocks=8, block_size=16, free_blocks=8, invariants_ok=True, ready=ready,
+                             not_ready_reason="" if ready else "layers 2:4 have no worker")
 
 
 @pytest.fixture(scope="module")
@@ -300,7 +331,8 @@ class S(pb_grpc.MetadataServiceServicer):
         layers.update(range(req.info.layer_start, req.info.layer_end))
         return pb.RegisterWorkerReply(worker_id=str(len(layers)))
     def Stats(self, req, ctx):
-        return pb.StatsReply(ready=layers == set(range(4)), num_workers=len(layers) // 2)
+        ready = layers == set(range(4))
+        return pb.StatsReply(ready=ready, num_workers=len(layers) // 2, num_chains=int(ready))
 server = grpc.server(futures.ThreadPoolExecutor(4))
 pb_grpc.add_MetadataServiceServicer_to_server(S(), server)
 server.add_insecure_port(f"{a.host}:{a.port}")
@@ -316,6 +348,7 @@ from minipaged.v1 import metadata_pb2 as pb, metadata_pb2_grpc as pb_grpc, worke
 ap = argparse.ArgumentParser()
 for f in ("--metadata", "--host", "--port", "--model", "--layers", "--dtype", "--device"):
     ap.add_argument(f, required=True)
+ap.add_argument("--threads")
 a = ap.parse_args()
 if os.environ.get("FAKE_FAIL") and a.layers != "0:2":
     sys.exit("boom: cannot load layers " + a.layers)
@@ -363,3 +396,165 @@ def test_local_cluster_startup_failure_shows_logs(fake_root):
                      startup_timeout=60, grace=2)
     assert "worker1 exited before the cluster was ready" in str(info.value)
     shutil.rmtree(str(info.value).split("logs in ")[1].split()[0])  # kept for the user; not for us
+
+
+# ---------------------------------------------------------------- issue 9: request options, jobs, CLI manners
+
+def test_generate_request_new_fields():
+    from client.messages import normalize_address
+    req = build_generate_request(prompt="x", n=3, best_of=5, min_new_tokens=2, repetition_penalty=1.3,
+                                 presence_penalty=0.5, frequency_penalty=-0.5, logprobs=4)
+    assert (req.n, req.best_of, req.min_new_tokens, req.top_logprobs) == (3, 5, 2, 4) and req.return_logprobs
+    assert req.repetition_penalty == pytest.approx(1.3) and req.frequency_penalty == -0.5
+    assert not req.HasField("top_p")  # unset = 1 (off)
+    assert build_generate_request(prompt="x", top_p=0.5).top_p == 0.5
+    assert build_generate_request(prompt="x", logprobs=True).return_logprobs
+    assert build_generate_request(prompt="x", logprobs=True).top_logprobs == 0
+    assert build_generate_request(prompt="x", return_logprobs=True).return_logprobs  # the older name
+    with pytest.raises(client.InvalidArgument, match=r"top_p must be in \(0, 1\]"):
+        build_generate_request(prompt="x", top_p=0)
+    with pytest.raises(client.InvalidArgument, match="give prompt or prompt_token_ids, not both"):
+        build_generate_request(prompt="hi", prompt_token_ids=[1, 2])
+    with pytest.raises(client.InvalidArgument, match="logprobs"):
+        build_generate_request(prompt="x", logprobs=-1)
+    assert build_submit_request([{"prompt": "a", "n": 2, "logprobs": 1}]).requests[0].top_logprobs == 1
+    assert normalize_address("myhost") == "myhost:50051" and normalize_address("h:7") == "h:7"
+    assert normalize_address("::1") == "[::1]:50051" and normalize_address("[::1]:9") == "[::1]:9"
+    assert normalize_address("unix:/tmp/s") == "unix:/tmp/s"
+
+
+def test_n_choices_top_logprobs_batches_and_jobs(fake):
+    service, address = fake
+    with Client(address) as c:
+        r = c.generate(prompt_token_ids=[1, 2], max_new_tokens=3, n=2, logprobs=2)
+        assert [ch.choice for ch in r.choices] == [0, 1] and r.token_ids == r.choices[0].token_ids == [100, 101, 102]
+        assert r.choices[1].token_ids == [101, 102, 103] and r.choices[1].text == "efg"
+        assert r.top_logprobs == [{100: -0.5, 101: -1.5}, {101: -0.5, 102: -1.5}, {102: -0.5, 103: -1.5}]
+        assert r.cumulative_logprob == pytest.approx(-1.5)
+        assert service.requests[-1].n == 2 and service.requests[-1].top_logprobs == 2
+
+        batch = c.generate(["ab", {"prompt": "cd", "max_new_tokens": 1}, [1, 2]], max_new_tokens=2)
+        assert [b.text for b in batch] == ["no", "r", "de"] and [b.index for b in batch] == [0, 1, 2]
+        assert [b.token_ids for b in c.generate(prompt_token_ids=[[1, 2], [3]], max_new_tokens=1)] == [[100], [100]]
+        with pytest.raises(client.InvalidArgument):  # one bad request fails the batch
+            c.generate(["ok", "bad"], max_new_tokens=0)
+        with pytest.raises(TypeError):
+            c.generate([1.5])
+
+        job = c.submit([{"prompt": "a", "max_new_tokens": 1}])
+        listed = c.list_jobs(limit=5)
+        assert listed[0].job_id == job and listed[0].created == 1.5e9 and listed[0].done
+        assert c.delete_job(job).job_id == job
+        with pytest.raises(client.NotFound):
+            c.get_job(job)
+
+    async def go():
+        async with AsyncClient(address) as ac:
+            rs = await ac.generate(["ab", "cd"], max_new_tokens=2)
+            assert [x.text for x in rs] == ["no", "rs"]
+            r = await ac.generate(prompt="ab", max_new_tokens=2, n=3)
+            assert len(r.choices) == 3
+            assert (await ac.list_jobs())[0].state == "done"
+    asyncio.run(go())
+
+
+def test_wait_ready(fake):
+    service, address = fake
+    service.stats_calls, service.ready_after = 0, 3  # not ready for the first three Stats calls
+    with Client(address, wait_ready=30) as c:
+        assert c.generate("ab", max_new_tokens=1).text == "n"
+    assert service.stats_calls > 3
+    service.stats_calls, service.ready_after = 0, 10**9
+    with Client(address, wait_ready=0.5) as c, pytest.raises(client.Unavailable, match="layers 2:4 have no worker"):
+        c.generate("ab", max_new_tokens=1)
+    with Client("127.0.0.1:1", wait_ready=0.5) as c, pytest.raises(client.Unavailable, match="wait_ready"):
+        c.submit([{"prompt": "a"}])
+    service.ready_after = 0
+
+
+@pytest.fixture
+def worker_like():
+    """A server that looks like one of our workers: health says WorkerService, nothing else."""
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    hs = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+    hs.set("minipaged.v1.WorkerService", health_pb2.HealthCheckResponse.SERVING)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield f"127.0.0.1:{port}"
+    server.stop(0)
+
+
+def test_pointing_at_a_worker_says_so(worker_like, capsys):
+    with Client(worker_like) as c, pytest.raises(client.Unimplemented, match="is a MiniPaged worker") as info:
+        c.stats()
+    assert "not the metadata service" in str(info.value)
+
+    async def go():
+        async with AsyncClient(worker_like) as ac:
+            with pytest.raises(client.Unimplemented, match="is a MiniPaged worker"):
+                await ac.generate("x", max_new_tokens=1)
+    asyncio.run(go())
+    assert cli_main(["stats", "--address", worker_like]) == 1
+    assert "is a MiniPaged worker (minipaged.v1.WorkerService), not the metadata service" in capsys.readouterr().err
+
+
+def test_cli_help_jobs_and_new_options(fake, capsys, monkeypatch):
+    _, address = fake
+    monkeypatch.setenv("COLUMNS", "200")  # one help line per option
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--help"])
+    out = capsys.readouterr().out
+    assert "(default: 32)" in out and "HOST alone means port 50051" in out and "--logprobs [K]" in out
+    a = build_parser().parse_args(["generate", "--prompt", "x", "--logprobs"])
+    assert a.logprobs == 0
+    assert build_parser().parse_args(["generate", "--prompt", "x", "--logprobs", "3"]).logprobs == 3
+    assert cli_main(["generate", "--address", address, "--prompt", "ab", "--prompt", "cd", "--max-new-tokens", "2"]) == 0
+    assert capsys.readouterr().out.split() == ["no", "rs"]
+    assert cli_main(["generate", "--address", address, "--prompt", "ab", "--max-new-tokens", "2", "--n", "2",
+                     "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["choices"]) == 2
+    assert cli_main(["jobs", "--address", address, "--json"]) == 0
+    jobs = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert jobs and set(jobs[0]) == {"job_id", "state", "total", "completed", "created"}
+    assert cli_main(["delete", "--address", address, jobs[0]["job_id"]]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[0])["job_id"] == jobs[0]["job_id"]
+    assert cli_main(["generate", "--address", address, "--prompt", "x", "--top-p", "0"]) == 1
+    assert "top_p must be in (0, 1]" in capsys.readouterr().err
+
+
+def _cli(address, *args, **kw):
+    import subprocess
+    import sys
+    return subprocess.Popen([sys.executable, "-m", "client", *args, "--address", address], cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": REPO}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            **kw)
+
+
+def test_cli_ctrl_c_and_broken_pipe(fake, tmp_path):
+    import signal
+    service, address = fake
+    p = _cli(address, "generate", "--prompt", "forever", "--stream")
+    assert p.stdout.read(1) == b"x"  # streaming has begun
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=30)
+    assert p.returncode == 130 and b"interrupted" in err and b"Traceback" not in err, err
+
+    job_file = tmp_path / "slow.jsonl"
+    job_file.write_text('{"prompt": "slow-job", "max_new_tokens": 1}\n')
+    p = _cli(address, "submit", "--file", str(job_file), "--wait", "--no-progress")
+    job_id = p.stdout.readline().decode().strip()
+    assert job_id.startswith("job-")
+    time.sleep(0.3)  # let it enter wait (a signal earlier is handled the same way)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=30)
+    assert p.returncode == 130 and b"Traceback" not in err, err
+    assert f"interrupted; job {job_id} keeps running: python -m client cancel {job_id}".encode() in err
+
+    # `| head`: the reader is gone before we write
+    p = _cli(address, "generate", "--prompt", "ab", "--max-new-tokens", "50", "--json")
+    p.stdout.close()
+    err = p.stderr.read()
+    p.wait(timeout=30)
+    assert b"Broken pipe" not in err and b"Traceback" not in err and p.returncode == 141, err

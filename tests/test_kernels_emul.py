@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from worker.attention_torch import TorchBackend
-from worker.kernels import source
+from worker.kernels import emulated, launch, source
 from worker.kernels.emulated import EmulatedBackend
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
@@ -137,7 +137,7 @@ def test_emul_decode_split_kv(emul, dtype, head_dim, num_heads):
     seq_lens = [900, 40]
     kc, vc, tables, lens = make_paged(seq_lens, 2, 16, head_dim, dtype, gen)
     q = torch.randn(2, num_heads, head_dim, generator=gen).to(dtype)
-    expected_splits = source.choose_num_splits(2, 2, tables.shape[1] * 16)
+    expected_splits = launch.choose_num_splits(2, 2, tables.shape[1] * 16)
     assert expected_splits > 1
     out = emul.paged_decode(q, kc, vc, tables, lens, head_dim ** -0.5)
     assert emul.last_num_splits == expected_splits
@@ -145,11 +145,11 @@ def test_emul_decode_split_kv(emul, dtype, head_dim, num_heads):
 
 
 def test_emul_planner():
-    assert source.choose_num_splits(256, 8, 512) == 1            # big batch: no split
-    assert source.choose_num_splits(1, 8, 200) == 1              # short context: no split
-    assert source.choose_num_splits(1, 8, 8192) == 32            # small batch, long context
-    assert source.choose_num_splits(16, 8, 8192) == 3            # ceil(264 / 128)
-    assert source.choose_num_splits(1, 8, 1024) == 4             # bounded by tokens per split
+    assert launch.choose_num_splits(256, 8, 512) == 1            # big batch: no split
+    assert launch.choose_num_splits(1, 8, 200) == 1              # short context: no split
+    assert launch.choose_num_splits(1, 8, 8192) == 32            # small batch, long context
+    assert launch.choose_num_splits(16, 8, 8192) == 3            # ceil(264 / 128)
+    assert launch.choose_num_splits(1, 8, 1024) == 4             # bounded by tokens per split
 
 
 # ------------------------------------------------------------------------------- prefill
@@ -311,6 +311,11 @@ SIMT_EMU_ENTRY(probe, int* out COMMA int mode, out COMMA mode)
 
 
 def test_emul_simt_primitives(tmp_path):
+    with emulated.schedule("forward"):   # "last block wins" below is the forward block order
+        _simt_primitives(tmp_path)
+
+
+def _simt_primitives(tmp_path):
     import ctypes
     import subprocess
     so = tmp_path / "probe.so"
@@ -318,6 +323,8 @@ def test_emul_simt_primitives(tmp_path):
     src.write_text("#define COMMA ,\n" + SIMT_PROBE)
     subprocess.run([source.GXX, *source.emulation_flags(), str(src), "-o", str(so)], check=True)
     lib = ctypes.CDLL(str(so))
+    lib.simt_set_schedule.argtypes = [ctypes.c_int, ctypes.c_uint64]
+    assert lib.simt_set_schedule(0, 0) == 0     # process-wide state, set through either library
     fn = lib.emu_probe
     fn.argtypes = [ctypes.c_uint] * 6 + [ctypes.c_void_p, ctypes.c_int]
     n = 96

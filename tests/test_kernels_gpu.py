@@ -4,6 +4,7 @@ scripts/gpu_check.sh (`pytest -m gpu`); skipped with a reason elsewhere."""
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import torch
@@ -146,3 +147,37 @@ def test_gpu_non_default_stream(gpu, ref):
     expect = ref.paged_decode(q0.double() * 2.0, kc.double(), vc.double(), tables, lens, 0.05)
     torch.cuda.synchronize()
     assert rel_err(out2, expect) < TOL[torch.bfloat16]
+
+
+def _in_thread(fn):
+    """fn() on a fresh thread; its result, or its exception raised here."""
+    box = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 (re-raised below)
+            box["error"] = e
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def test_gpu_backend_built_and_used_on_other_threads(ref):
+    """PyCUDA's context stack is per thread: the backend pushes the primary context only while it
+    is built, so one built on a worker thread launches from this thread, and from a fresh one."""
+    from worker.kernels.pycuda_backend import PyCudaBackend
+    be = _in_thread(lambda: PyCudaBackend("cuda"))
+    gen = torch.Generator().manual_seed(13)
+    kc, vc, tables, lens = make_paged([300, 20], 2, 16, 128, torch.bfloat16, gen)
+    q = torch.randn(2, 8, 128, generator=gen).bfloat16().cuda()
+    expect = ref.paged_decode(q.double(), kc.double(), vc.double(), tables, lens, 0.09)
+    here = be.paged_decode(q, kc, vc, tables, lens, 0.09)
+    there = _in_thread(lambda: (be.paged_decode(q, kc, vc, tables, lens, 0.09),
+                                torch.cuda.synchronize())[0])
+    torch.cuda.synchronize()
+    assert rel_err(here, expect) < TOL[torch.bfloat16]
+    assert torch.equal(here, there)

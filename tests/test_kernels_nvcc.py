@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from worker.kernels import source
+from worker.kernels import ptxas, source
 
 NVCC = shutil.which("nvcc") or (os.path.exists("/usr/local/cuda/bin/nvcc")
                                 and "/usr/local/cuda/bin/nvcc") or None
@@ -72,3 +72,32 @@ def test_nvcc_whole_module_compiles():
         assert not missing, f"entry points missing from the cubin: {missing}"
         with open(stamp, "w", encoding="utf-8") as f:
             f.write("ok\n")
+
+
+def test_ptxas_no_spills_on_sm_90():
+    """Every entry point, compiled as PyCUDA compiles it for sm_90: no register spills, no stack
+    frame (bench/kernels.py prints the same table with the CTAs per SM it allows)."""
+    report, _ = ptxas.ptxas_report("sm_90", NVCC)
+    assert sorted(r.name for r in report) == sorted(source.kernel_signatures())
+    bad = [r for r in report if r.spill_stores or r.spill_loads or r.stack]
+    assert not bad, "\n".join(ptxas.table(bad))
+
+
+def test_ptxas_parse_and_occupancy():
+    text = """ptxas info    : Compiling entry function 'paged_decode_bf16_d64' for 'sm_90'
+ptxas info    : Function properties for paged_decode_bf16_d64
+    8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads
+ptxas info    : Used 64 registers, used 1 barriers, 8 bytes cumulative stack size, 23744 bytes smem
+ptxas info    : Compiling entry function 'paged_decode_reduce_f32_d64' for 'sm_90'
+ptxas info    : Function properties for paged_decode_reduce_f32_d64
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 32 registers, used 0 barriers
+"""
+    a, b = ptxas.parse(text)
+    assert (a.name, a.registers, a.spill_stores, a.spill_loads, a.stack, a.smem) == \
+        ("paged_decode_bf16_d64", 64, 4, 4, 8, 23744)
+    assert a.ctas_per_sm() == (8, "registers")          # 64 x 128 x 8 = the whole register file
+    assert (b.threads, b.smem, b.ctas_per_sm()) == (64, 0, (32, "threads"))
+    assert ptxas.KernelResources("paged_prefill_f32_d128", 128, 0, 0, 0, 35712).ctas_per_sm() == \
+        (4, "registers")
+    assert ptxas.KernelResources("paged_decode_f16_d64", 40, 0, 0, 0, 44224).ctas_per_sm() == (5, "smem")

@@ -197,7 +197,7 @@ def test_greedy_generation_matches_hf_generate(checkpoints):
         args = pager.step({0: chunk})
         hidden = runner.execute(runner.make_batch(*args))
         one = np.ones(1)
-        ids, logprobs, logits = runner.sample(hidden, args[3], one, np.zeros(1, np.float32), one,
+        ids, logprobs, logits, _ = runner.sample(hidden, args[3], one, np.zeros(1, np.float32), one,
                                               np.zeros(1, np.int32), np.zeros(1, np.int64),
                                               np.array([len(tokens)], np.int32),
                                               return_logprobs=True, return_logits=True)
@@ -217,7 +217,7 @@ def test_sample_takes_last_query_row_of_flagged_sequences(checkpoints):
     hidden = runner.execute(runner.make_batch(*args))
     do = np.array([1, 0, 1], np.uint8)
     B = 3
-    ids, lp, logits = runner.sample(hidden, args[3], do, np.zeros(B, np.float32), np.ones(B, np.float32),
+    ids, lp, logits, _ = runner.sample(hidden, args[3], do, np.zeros(B, np.float32), np.ones(B, np.float32),
                                     np.zeros(B, np.int32), np.zeros(B, np.int64), np.zeros(B, np.int32),
                                     return_logits=True)
     want = runner.stage.compute_logits(hidden[torch.tensor([4, 15])])

@@ -28,9 +28,10 @@ def test_package_is_versioned():
     assert metadata_pb2.DESCRIPTOR.package == "minipaged.v1"
     assert set(metadata_pb2.DESCRIPTOR.services_by_name["MetadataService"].methods_by_name) >= {
         "Generate", "SubmitJob", "GetJob", "WatchJob", "CancelJob", "Stats", "CreateSequence", "AppendTokens",
-        "ForkSequence", "ReleaseSequence", "GetBlockTables", "RegisterWorker", "Heartbeat"}
+        "ForkSequence", "ReleaseSequence", "GetBlockTables", "RegisterWorker", "Heartbeat", "ListJobs", "DeleteJob",
+        "PoolSnapshot"}
     assert set(worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].methods_by_name) == {
-        "Info", "InitCache", "Step", "CopyBlocks", "Health"}
+        "Info", "InitCache", "Step", "StepStream", "CopyBlocks", "Health"}
 
 
 def test_integer_arrays_are_packed_bytes_not_repeated():

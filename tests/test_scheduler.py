@@ -1,5 +1,6 @@
 """Scheduler policy in process: token budget, chunked prefill, mixed steps, preemption order,
-prefix reuse, and that every step's arrays agree with the block manager (what a worker validates)."""
+prefix reuse, and that every step's arrays agree with the block manager (what a worker validates),
+with block tables sent as deltas and rebuilt by the worker's own SequenceStore."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,11 +8,29 @@ import numpy as np
 from metadata_service.block_manager import KVBlockManager
 from metadata_service.scheduler import Scheduler
 from metadata_service.sequence import SamplingParams, Sequence, SeqStatus
+from worker.step_state import SequenceStore
+
+WORKER = {}  # scheduler -> the SequenceStore a worker would keep for it
 
 
-def make(num_blocks=64, block_size=4, budget=16, max_seqs=8):
+def make(num_blocks=64, block_size=4, budget=16, max_seqs=8, **kw):
     m = KVBlockManager(num_blocks, block_size)
-    return m, Scheduler(m, budget, max_seqs)
+    sch = Scheduler(m, budget, max_seqs, **kw)
+    WORKER[id(sch)] = SequenceStore()
+    return m, sch
+
+
+def worker_tables(sch, b):
+    """What the worker rebuilds from the step's delta (and what it forgets first)."""
+    store = WORKER[id(sch)]
+    store.release(sch.released)
+    sch.released = []
+    ids = [s.seq_id for s in b.seqs]
+    if b.block_tables is not None:
+        return b.block_tables
+    tables = store.preview_tables(ids, b.table_base, b.new_block_counts, b.new_blocks)
+    store.commit_tables(ids, tables, b.table_base, b.new_block_counts)
+    return tables
 
 
 def seq(n_prompt, max_new=4, start=1):
@@ -22,28 +41,53 @@ def check_batch(m: KVBlockManager, b):
     """The invariants a worker's Step validation enforces, checked on the scheduler's output."""
     qlen = np.diff(b.query_start_loc)
     assert (qlen >= 1).all() and b.query_start_loc[-1] == b.input_ids.size == b.positions.size
+    tables = worker_tables(sch_of(m), b)
+    truth = m.get_block_table_tensor([s.seq_id for s in b.seqs])
     for i, s in enumerate(b.seqs):
+        n = int(m.sequences[s.seq_id].sequence_length + m.block_size - 1) // m.block_size
+        assert tables[i, :n].tolist() == truth[i, :n].tolist()
         lo, hi = b.query_start_loc[i], b.query_start_loc[i + 1]
         assert list(b.positions[lo:hi]) == list(range(b.seq_lens[i] - qlen[i], b.seq_lens[i]))
-        assert list(b.input_ids[lo:hi]) == s.all_token_ids[b.seq_lens[i] - qlen[i]:b.seq_lens[i]]
+        want = s.all_token_ids[b.seq_lens[i] - qlen[i]:b.seq_lens[i]]
+        got = list(b.input_ids[lo:hi])
+        if got[-1] == -1:  # async scheduling: the token still being sampled
+            assert s in b.deferred and len(want) == len(got) - 1
+            got = got[:-1]
+        assert got == want
         for pos, slot in zip(b.positions[lo:hi], b.slot_mapping[lo:hi]):
-            blk = b.block_tables[i, pos // m.block_size]
+            blk = tables[i, pos // m.block_size]
             assert slot == blk * m.block_size + pos % m.block_size
     assert m.invariants_ok()
 
 
+SCHEDULERS = {}
+
+
+def sch_of(m):
+    return SCHEDULERS[id(m)]
+
+
 def run_step(m, sch, token=7):
     """Schedule one step and feed back a token for every sampled sequence; finish at max_new_tokens."""
+    SCHEDULERS[id(m)] = sch
     b = sch.schedule()
     if b is None:
         return None
     check_batch(m, b)
-    for s, d in zip(b.seqs, b.do_sample):
-        if d:
+    apply(sch, b, token)
+    return b
+
+
+def apply(sch, b, token=7):
+    sch.step_done(b)
+    for s, g, d in zip(b.seqs, b.gens, b.do_sample):
+        if d and s.gen == g and s.status is not SeqStatus.FINISHED:
             s.append_output(token)
+            if s.deferred:
+                sch.manager.fill_tokens([s.seq_id], [token])
+                s.deferred = False
             if len(s.output_token_ids) >= s.params.max_new_tokens:
                 sch.remove(s)
-    return b
 
 
 def test_chunked_prefill_respects_the_budget_and_mixes_with_decodes():
@@ -105,3 +149,70 @@ def test_requeue_all_frees_every_block_and_keeps_outputs():
         assert run_step(m, sch).num_tokens <= 16
     assert [s.output_token_ids[:3] for s in seqs] == outs and all(len(s.output_token_ids) == 8 for s in seqs)
     assert m.num_free_blocks == m.num_physical_blocks and m.invariants_ok()
+
+
+def test_async_scheduling_reads_the_pending_token_and_drops_at_most_one():
+    """Step k+1 is scheduled before step k's tokens exist: its decodes read input -1, and a
+    sequence that ends at step k costs one extra token, computed and dropped."""
+    m, sch = make(budget=64, overlap=True)
+    SCHEDULERS[id(m)] = sch
+    a, b = seq(5, max_new=3), seq(9, max_new=6, start=30)
+    sch.add(a)
+    sch.add(b)
+    k = sch.schedule()                    # both prefills, each samples
+    check_batch(m, k)
+    k1 = sch.schedule()                   # scheduled before k is applied: two placeholders
+    check_batch(m, k1)
+    assert k1.input_ids.tolist() == [-1, -1] and set(k1.deferred) == {a, b}
+    assert sch.schedule() is None         # at most one token in flight unseen per sequence
+    apply(sch, k, token=11)
+    while sch.has_work():
+        nxt = sch.schedule()
+        check_batch(m, nxt)
+        apply(sch, k1, token=11)
+        k1 = nxt
+    apply(sch, k1, token=11)
+    assert len(a.output_token_ids) == 3 and len(b.output_token_ids) == 6
+    assert m.num_free_blocks == m.num_physical_blocks and m.invariants_ok()
+
+
+def test_micro_batches_are_disjoint():
+    m, sch = make(budget=64, micro_batches=3)
+    SCHEDULERS[id(m)] = sch
+    seqs = [seq(6, max_new=5, start=10 * i) for i in range(7)]
+    for s in seqs:
+        sch.add(s)
+    inflight = []
+    for slot in range(3):
+        b = sch.schedule(slot)
+        check_batch(m, b)
+        inflight.append(b)
+    members = [set(map(id, b.seqs)) for b in inflight]
+    assert not (members[0] & members[1]) and not (members[1] & members[2]) and not (members[0] & members[2])
+    assert sum(len(b.seqs) for b in inflight) == 7
+    while inflight:                        # round-robin: each slot's next step after its reply
+        b = inflight.pop(0)
+        apply(sch, b)
+        nxt = sch.schedule(b.slot)
+        if nxt is not None:
+            assert not any(s.inflight > 1 for s in nxt.seqs)
+            check_batch(m, nxt)
+            inflight.append(nxt)
+    assert all(len(s.output_token_ids) == 5 for s in seqs)
+    assert m.num_free_blocks == m.num_physical_blocks and m.invariants_ok()
+
+
+def test_delta_tables_do_not_grow_with_context():
+    """A decode step sends only new blocks: the same few bytes at 2k and at 32k tokens of context."""
+    sizes = {}
+    for ctx in (2048, 32768):
+        m, sch = make(num_blocks=64 * ctx // 16 + 64, block_size=16, budget=1 << 16, max_seqs=64)
+        SCHEDULERS[id(m)] = sch
+        seqs = [seq(ctx, max_new=40, start=1) for _ in range(4)]
+        for s in seqs:
+            sch.add(s)
+        while any(s.num_computed_tokens < ctx for s in seqs):
+            run_step(m, sch)
+        decode = [run_step(m, sch) for _ in range(32)]
+        sizes[ctx] = sum(b.new_blocks.nbytes + b.table_base.nbytes + b.new_block_counts.nbytes for b in decode)
+    assert sizes[2048] == sizes[32768]

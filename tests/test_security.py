@@ -97,7 +97,11 @@ def test_block_api_switched_off(secure_cluster):
     with pytest.raises(grpc.RpcError) as e:
         stub.CreateSequence(metadata_pb2.CreateSequenceRequest(sequence_id=1),
                             metadata=(("authorization", "Bearer client-secret"),), timeout=5)
-    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED   # the block API is internal: worker token
+    with pytest.raises(grpc.RpcError) as e:
+        stub.CreateSequence(metadata_pb2.CreateSequenceRequest(sequence_id=1),
+                            metadata=(("authorization", "Bearer worker-secret"),), timeout=5)
+    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED  # and switched off
     ch.close()
 
 
@@ -129,3 +133,73 @@ def test_nothing_but_the_service_can_drive_a_worker(secure_cluster):
 
 def test_permission_denied_maps_to_a_typed_error():
     assert issubclass(PermissionDenied, MiniPagedError)
+
+
+# ---------------------------------------------------------------- exposed deployments (issue 14)
+
+def _start(cmd, logs, name):
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=open(logs / f"{name}.log", "wb"), stderr=subprocess.STDOUT)
+
+
+def _wait_ready(client, procs, logs, names):
+    end = time.monotonic() + 90
+    while True:
+        try:
+            if client.stats(timeout=2).ready:
+                return
+        except MiniPagedError:
+            pass
+        assert time.monotonic() < end and all(p.poll() is None for p in procs), \
+            "\n".join((logs / f"{n}.log").read_text()[-2000:] for n in names)
+        time.sleep(0.2)
+
+
+def test_exposing_registration_without_a_worker_token_is_refused(tmp_path):
+    for extra in (["--host", "0.0.0.0"], ["--worker-port", "0", "--worker-host", "0.0.0.0"]):
+        p = subprocess.run([sys.executable, "-m", "metadata_service", "--port", str(free_port()),
+                            "--db", str(tmp_path / "x.db"), *extra], cwd=ROOT, capture_output=True, text=True,
+                           timeout=60)
+        assert p.returncode == 2 and "refusing to accept worker registration" in p.stderr, p.stderr
+        assert "--worker-token" in p.stderr
+
+
+def test_split_ports_and_rogue_workers(tmp_path):
+    """Client API on a published port, registration on an unpublished one with a worker token: the
+    client port refuses registration, and a worker without the token (or with another model) cannot
+    join; the right worker can."""
+    from tests.checkpoints import make_checkpoint
+    sport, iport = free_port(), free_port()
+    (tmp_path / "wtoken").write_text("s3cret\n")
+    service = [sys.executable, "-m", "metadata_service", "--host", "0.0.0.0", "--port", str(sport),
+               "--worker-host", "0.0.0.0", "--worker-port", str(iport), "--worker-token-file",
+               str(tmp_path / "wtoken"), "--db", str(tmp_path / "j.db")]
+    procs = [_start(service, tmp_path, "service")]
+    client = Client(f"127.0.0.1:{sport}")
+    try:
+        rogue = subprocess.run([sys.executable, "-m", "worker", "--metadata", f"127.0.0.1:{iport}",
+                                "--port", str(free_port()), "--model", "tiny", "--num-blocks", "32"],
+                               cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert rogue.returncode == 3 and "refused this worker" in rogue.stderr
+        with grpc.insecure_channel(f"127.0.0.1:{sport}") as ch:      # the published port: no registration
+            with pytest.raises(grpc.RpcError) as e:
+                metadata_pb2_grpc.MetadataServiceStub(ch).RegisterWorker(
+                    metadata_pb2.RegisterWorkerRequest(), metadata=(("authorization", "Bearer s3cret"),), timeout=5)
+            assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and str(iport) in e.value.details()
+        good = [sys.executable, "-m", "worker", "--metadata", f"127.0.0.1:{iport}", "--port", str(free_port()),
+                "--model", "tiny", "--num-blocks", "32", "--worker-token-file", str(tmp_path / "wtoken")]
+        procs.append(_start(good, tmp_path, "worker"))
+        _wait_ready(client, procs, tmp_path, ["service", "worker"])
+        assert len(client.generate(prompt="hi", max_new_tokens=3).token_ids) == 3
+        other = make_checkpoint(num_layers=4, hidden=64, heads=4, kv_heads=2, head_dim=16, tie=True, vocab=96,
+                                seed=3, directory=str(tmp_path / "other"))
+        wrong_model = subprocess.run([sys.executable, "-m", "worker", "--metadata", f"127.0.0.1:{iport}",
+                                      "--port", str(free_port()), "--model", other, "--num-blocks", "32",
+                                      "--worker-token", "s3cret"], cwd=ROOT, capture_output=True, text=True,
+                                     timeout=120)
+        assert wrong_model.returncode == 3 and "model mismatch" in wrong_model.stderr
+    finally:
+        client.close()
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=15)

@@ -123,7 +123,7 @@ def direct_tokens():
         a = arrays(PROMPTS if i == 0 else [[int(t)] for t in tok], [0] * 3 if i == 0 else [len(p) for p in PROMPTS], TABLES)
         h = r.execute(r.make_batch(a["input_ids"], a["positions"], a["slot_mapping"], a["query_start_loc"],
                                    a["seq_lens"], a["block_tables"]))
-        tok, _, _ = r.sample(h, a["query_start_loc"], a["do_sample"], a["temperature"], a["top_p"], a["top_k"],
+        tok, _, _, _ = r.sample(h, a["query_start_loc"], a["do_sample"], a["temperature"], a["top_p"], a["top_k"],
                              a["seeds"], a["sample_offsets"], False)
         out.append(np.asarray(tok).tolist())
     return out

@@ -68,8 +68,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-token", default=os.environ.get("MINIPAGED_WORKER_TOKEN", ""),
                    help="require 'authorization: Bearer TOKEN' on WorkerService calls "
                         "(default: $MINIPAGED_WORKER_TOKEN)")
+    p.add_argument("--worker-token-file", default="",
+                   help="read the worker token from this file (a compose/Kubernetes secret)")
     p.add_argument("--heartbeat-ms", type=int, default=1000,
                    help="heartbeat interval until the metadata service names its own")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch CPU threads for this worker (default: torch's own choice, all cores)")
+    p.add_argument("--replica-group", default="",
+                   help="chains form among workers of the same group (default: one group for all)")
+    p.add_argument("--simulate", default="", metavar="h200|PROFILE.json",
+                   help="a simulated worker: no weights, no compute; each step sleeps for a roofline timing "
+                        "model's time (worker/simulator.py) and returns deterministic pseudo-random tokens")
+    p.add_argument("--metrics-port", type=int, default=-1,
+                   help="serve Prometheus text on this port (0 picks one; default off)")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -99,33 +110,40 @@ def resolve_args(argv=None) -> argparse.Namespace:
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
     cuda = args.device.startswith("cuda")
+    if args.simulate:
+        from worker.simulator import load_profile
+        try:
+            args.profile = load_profile(args.simulate)
+        except (ValueError, OSError) as e:
+            parser.error(str(e))
+        cuda = True  # it stands in for a GPU: bfloat16 by default
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
     args.backend = args.backend or ("pycuda" if cuda else "torch")
     if args.num_blocks < 0:
         parser.error("--num-blocks must be > 0")
-    if args.kv_memory_fraction is not None and not 0 < args.kv_memory_fraction <= 1:
-        parser.error("--kv-memory-fraction must be in (0, 1]")
+    if args.kv_memory_fraction is not None and not 0 < args.kv_memory_fraction < 1:
+        parser.error("--kv-memory-fraction must be in (0, 1): activations need room beyond the cache")
     if args.kv_cache_bytes is not None and args.kv_cache_bytes <= 0:
         parser.error("--kv-cache-bytes must be > 0")
     if not 0 <= args.port < 65536:
         parser.error(f"--port {args.port} out of range")
+    if args.worker_token_file:
+        try:
+            with open(args.worker_token_file) as f:
+                args.worker_token = f.read().strip()
+        except OSError as e:
+            parser.error(f"--worker-token-file: {e}")
     return args
 
 
 def kv_budget_bytes(args) -> int:
-    """K/V byte budget once the weights are loaded (0 when --num-blocks fixes the capacity)."""
-    if args.num_blocks:
-        return 0
-    if args.kv_cache_bytes is not None and args.kv_memory_fraction is None:
-        return args.kv_cache_bytes
-    if args.device.startswith("cuda"):
-        import torch
-        free, total = torch.cuda.mem_get_info(torch.device(args.device))
-        frac = args.kv_memory_fraction or DEFAULT_GPU_MEMORY_FRACTION
-        return max(0, int(total * frac) - (total - free))  # vLLM-style: a share of the whole device
-    if args.kv_memory_fraction is not None:
-        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * args.kv_memory_fraction)
-    return DEFAULT_CPU_KV_BYTES
+    """K/V byte budget once the weights are loaded (0 when --num-blocks fixes the capacity).
+    Only this process's own device memory counts against --kv-memory-fraction (worker/memory.py)."""
+    from worker import memory
+    return memory.kv_budget_bytes(args.device, args.kv_memory_fraction, args.kv_cache_bytes, args.num_blocks,
+                                  default_gpu_fraction=DEFAULT_GPU_MEMORY_FRACTION,
+                                  default_cpu_bytes=DEFAULT_CPU_KV_BYTES,
+                                  baseline=getattr(args, "memory_baseline", None))
 
 
 def main(argv=None) -> int:
@@ -136,22 +154,50 @@ def main(argv=None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())
     keep_freed_memory()
-    from worker.model_runner import ModelRunner
+    if args.threads > 0:
+        import torch
+        torch.set_num_threads(args.threads)
     from worker.registration import Registration
     from minipaged.tls import make_channel
-    from worker.server import WorkerServicer, build_server
+    from worker.server import SERVICE_NAME, WorkerServicer, build_server
 
-    runner = ModelRunner(args.model, args.layer_start, args.layer_end, args.dtype, args.device, args.backend)
-    budget = kv_budget_bytes(args)
+    if args.simulate:  # the one substitution: a runner that sleeps instead of computing
+        from worker.simulator import SimRunner
+        runner = SimRunner(args.model, args.layer_start, args.layer_end, args.dtype, args.profile)
+        budget = 0 if args.num_blocks else (args.kv_cache_bytes or runner.timing.kv_budget_bytes())
+        device, backend = f"sim:{args.profile.name}", "simulated"
+    else:
+        from worker.model_runner import ModelRunner
+        if args.device.startswith("cuda"):  # what this process grows outside torch counts as its own
+            from worker import memory
+            args.memory_baseline = memory.take_baseline(args.device)
+        runner = ModelRunner(args.model, args.layer_start, args.layer_end, args.dtype, args.device, args.backend)
+        budget = kv_budget_bytes(args)
+        device, backend = args.device, args.backend
     if not args.num_blocks and budget <= 0:
         log.error("no memory left for the K/V cache on %s (use --kv-cache-bytes or --num-blocks)", args.device)
         return 2
-    servicer = WorkerServicer(runner, model_name=args.model, device=args.device, dtype=args.dtype,
-                              backend=args.backend, kv_cache_bytes=budget, fixed_num_blocks=args.num_blocks)
+    servicer = WorkerServicer(runner, model_name=args.model, device=device, dtype=args.dtype,
+                              backend=backend, kv_cache_bytes=budget, fixed_num_blocks=args.num_blocks,
+                              replica_group=args.replica_group, simulate=args.simulate)
     servicer.channel_factory = lambda address, options: make_channel(address, options, args.tls_ca,
                                                                      args.tls_cert, args.tls_key)
-    server, port, health_servicer = build_server(servicer, args.host, args.port, args.worker_token,
-                                                 tls=(args.tls_cert, args.tls_key, args.tls_client_ca))
+    try:
+        server, port, health_servicer = build_server(servicer, args.host, args.port, args.worker_token,
+                                                     tls=(args.tls_cert, args.tls_key, args.tls_client_ca),
+                                                     ready=not args.metadata)
+    except OSError as e:
+        log.error("cannot serve on %s:%d: %s", args.host, args.port, e)
+        print(f"error: cannot serve on {args.host}:{args.port}: {e}", file=sys.stderr, flush=True)
+        return 1
+    if args.metrics_port >= 0:
+        from worker import metrics
+        try:
+            mport = metrics.serve(servicer, args.metrics_port, args.host)
+            print(f"metrics on http://{args.host}:{mport}/metrics", file=sys.stderr, flush=True)
+        except OSError as e:
+            print(f"error: cannot serve metrics on {args.host}:{args.metrics_port}: {e}", file=sys.stderr, flush=True)
+            return 1
     host = args.host if args.host not in ("0.0.0.0", "::", "[::]") else socket.gethostname()
     servicer.address = args.advertise_address or f"{host}:{port}"
     log.info("worker serving layers [%d, %d) of %s on %s:%d (advertised %s), %s %s/%s, capacity %s",
@@ -161,9 +207,13 @@ def main(argv=None) -> int:
 
     registration, rejected = None, []
     if args.metadata:
+        from grpc_health.v1 import health_pb2
+        ready = lambda ok: health_servicer.set(  # noqa: E731 - readiness follows registration
+            SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING)
         registration = Registration(args.metadata, servicer.info, lambda: servicer.epoch,
                                     default_interval_ms=args.heartbeat_ms, token=args.worker_token,
                                     channel_factory=servicer.channel_factory,
+                                    steps_fn=lambda: servicer.steps_served, on_ready=ready,
                                     on_rejected=lambda why: (rejected.append(why), stop.set())).start()
 
     while not stop.wait(1.0):  # a timed wait keeps the main thread responsive to signals

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from minipaged.config import ModelConfig, load_model_config
-from worker import sampler
+from worker import logits_processors, sampler
 from worker.model import Qwen3Stage, StepBatch
 from worker.paged_cache import PagedKVCache, as_dtype, bytes_per_block
 from worker.weights import fingerprint, load_state_dict
@@ -85,6 +85,16 @@ class ModelRunner:
                                      block_size, self.config.head_dim, self.dtype, self.device)
         return self.kv_cache
 
+    # Hidden states between stages travel as raw bytes in the model dtype (bfloat16 has no numpy dtype).
+    def encode_hidden(self, hidden: torch.Tensor) -> tuple[bytes, str]:
+        h = hidden.detach().contiguous().cpu()
+        return h.view(torch.uint8).numpy().tobytes(), str(h.dtype).removeprefix("torch.")
+
+    def decode_hidden(self, data: bytes, dtype: str, num_tokens: int) -> torch.Tensor:
+        # bytearray: one copy into writable memory (the stage may compute in place)
+        h = torch.frombuffer(bytearray(data), dtype=as_dtype(dtype)).view(num_tokens, self.config.hidden_size)
+        return h.to(self.device, self.dtype)
+
     def make_batch(self, input_ids, positions, slot_mapping, query_start_loc, seq_lens,
                    block_tables) -> StepBatch:
         qsl = np.asarray(query_start_loc)
@@ -107,8 +117,10 @@ class ModelRunner:
         with torch.inference_mode():
             return self.stage(batch, self.kv_cache, hidden_states)
 
+    supports_extras = True  # penalties, min tokens, top logprobs (worker/logits_processors.py)
+
     def sample(self, hidden: torch.Tensor, query_start_loc, do_sample, temperature, top_p, top_k,
-               seeds, offsets, return_logprobs: bool = False, return_logits: bool = False):
+               seeds, offsets, return_logprobs: bool = False, return_logits: bool = False, extras=None):
         """Sample one token for each sequence with do_sample set, from its LAST query row.
 
         The sampling arrays are either per sequence ([B], the wire form; filtered by do_sample
@@ -122,7 +134,18 @@ class ModelRunner:
         with torch.inference_mode():
             idx = torch.as_tensor(rows, device=hidden.device)
             logits = self.stage.compute_logits(hidden[idx])
-            ids, logprobs = sampler.sample(logits, pick(temperature), pick(top_p), pick(top_k),
-                                           pick(seeds), pick(offsets), return_logprobs)
+            if extras is None:
+                ids, logprobs = sampler.sample(logits, pick(temperature), pick(top_p), pick(top_k),
+                                               pick(seeds), pick(offsets), return_logprobs)
+                top = None
+            else:  # min tokens, penalties, alternatives: logprobs stay those of the raw distribution
+                x = logits_processors.rows(extras, mask)
+                ids, _ = sampler.sample(logits_processors.apply(logits, x), pick(temperature), pick(top_p),
+                                        pick(top_k), pick(seeds), pick(offsets), False)
+                logprobs = None
+                if return_logprobs:
+                    lp = torch.log_softmax(logits, -1).gather(1, torch.as_tensor(ids, device=logits.device).long()[:, None])
+                    logprobs = lp.squeeze(1).to(torch.float32).cpu().numpy()
+                top = logits_processors.top_logprobs(logits, x.top_logprobs) if x.top_logprobs else None
             out_logits = logits.to(torch.float64).cpu().numpy() if return_logits else None
-        return ids, logprobs, out_logits
+        return ids, logprobs, out_logits, top

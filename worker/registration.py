@@ -25,11 +25,14 @@ class Registration:
     def __init__(self, metadata_address: str, info_fn: Callable[[], pb.WorkerInfo],
                  epoch_fn: Callable[[], int], *, default_interval_ms: int = 1000, rpc_timeout_s: float = 5.0,
                  backoff_s: float = 0.2, max_backoff_s: float = 5.0, token: str = "",
-                 channel_factory=None, on_rejected: Callable[[str], None] | None = None):
+                 channel_factory=None, on_rejected: Callable[[str], None] | None = None,
+                 steps_fn: Callable[[], int] | None = None, on_ready: Callable[[bool], None] | None = None):
         self.address, self.info_fn, self.epoch_fn = metadata_address, info_fn, epoch_fn
         self.metadata = (("authorization", f"Bearer {token}"),) if token else None  # --worker-token
         self.channel_factory = channel_factory  # (address, options) -> channel; None = plain text
         self.on_rejected = on_rejected          # the service refused us for good (another model)
+        self.on_ready = on_ready or (lambda ok: None)  # readiness follows registration
+        self.steps_fn = steps_fn or (lambda: 0)
         self.default_interval_ms = default_interval_ms  # when the reply names no interval
         self.rpc_timeout_s, self.backoff_s, self.max_backoff_s = rpc_timeout_s, backoff_s, max_backoff_s
         self.worker_id = ""
@@ -53,8 +56,10 @@ class Registration:
                 interval_s = self._register(stub)
                 if interval_s is None:
                     return  # stopped while retrying
+                self.on_ready(True)
                 self._heartbeat_until_lost(stub, interval_s)
                 self.registered.clear()
+                self.on_ready(False)
 
     def _register(self, stub) -> float | None:
         """Retry RegisterWorker until it answers; returns the heartbeat interval in seconds."""
@@ -68,7 +73,8 @@ class Registration:
                 log.info("registered with %s as %s", self.address, reply.worker_id)
                 return max(reply.heartbeat_interval_ms or self.default_interval_ms, 50) / 1000.0
             except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.FAILED_PRECONDITION and self.on_rejected is not None:
+                if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED,
+                                grpc.StatusCode.PERMISSION_DENIED) and self.on_rejected is not None:
                     log.error("the metadata service %s refused this worker: %s", self.address, e.details())
                     self.on_rejected(e.details() or "")
                     return None
@@ -82,7 +88,8 @@ class Registration:
         failures = 0
         while not self._stop.wait(interval_s):
             try:
-                reply = stub.Heartbeat(mpb.HeartbeatRequest(worker_id=self.worker_id, cache_epoch=self.epoch_fn()),
+                reply = stub.Heartbeat(mpb.HeartbeatRequest(worker_id=self.worker_id, cache_epoch=self.epoch_fn(),
+                                                            steps_served=self.steps_fn()),
                                        timeout=self.rpc_timeout_s, metadata=self.metadata)
             except grpc.RpcError as e:
                 failures += 1

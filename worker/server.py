@@ -1,31 +1,36 @@
-"""The WorkerService: one pipeline stage (a contiguous layer range) serving Step RPCs.
+"""The WorkerService: one pipeline stage (a contiguous layer range) serving Steps.
 
-Data flow: the metadata service calls Step on stage 0 only. Stage k runs its layers and forwards the
-hidden states to stage k+1 over that stage's own Step RPC (same metadata fields, input_ids dropped,
-hidden_states = raw bytes of the [T, hidden] tensor in its dtype, named by hidden_dtype). The last
-stage samples and its reply travels back up the chain, each stage prepending its StageTiming. So the
-metadata service only ever sees sampled tokens; hidden states go worker to worker.
+Data flow: the metadata service sends Steps to stage 0 only. Stage k runs its layers and forwards
+the hidden states to stage k+1 (same metadata fields, input_ids dropped, hidden_states = raw bytes
+of the [T, hidden] tensor, named by hidden_dtype). The last stage samples; its reply travels back
+up the chain, each stage prepending its StageTiming. So the metadata service only ever sees sampled
+tokens; hidden states go worker to worker.
 
-Epochs: every InitCache gives this stage a fresh cache_epoch: the one in the request when the
-metadata service picks a chain-wide epoch (it initialises the chain last stage first), else a random
-one. A forwarding stage sends the next stage the chain epoch, or, without one, the next stage's own
-epoch pinned at the first forward after InitCache (nothing was written down the chain in this epoch
-before that). Either way, if the next stage restarts or is re-initialised its epoch changes and the
-chain fails with FAILED_PRECONDITION instead of reading lost K/V.
+Two transports, one step function (`_process`):
+- `StepStream` (the metadata service's path): Steps arrive in order on one stream, several in
+  flight. A pump thread runs them one after another (so micro-batches keep their order on every
+  stage, which is what makes freeing and reusing blocks between micro-batches safe) and hands each
+  one to the next stage's stream without waiting for it; a relay thread passes replies back up.
+  Errors are in-band (StepReply.error_code) so one bad step does not end the stream.
+- `Step` (unary, for tools and tests): one step, forwarded with a unary call.
 
-No per-sequence state is kept: every Step carries the whole batch description."""
+Epochs: every InitCache gives this stage a fresh cache_epoch (the chain's, chosen by the metadata
+service, which initialises the chain last stage first). A Step carrying another epoch fails with
+FAILED_PRECONDITION instead of reading lost K/V; so does one that assumes remembered state this
+stage does not hold (worker/step_state.py)."""
 from __future__ import annotations
 
 import hmac
 import logging
+import queue
 import secrets
 import threading
 import time
 from concurrent import futures
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
-import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -34,16 +39,18 @@ from minipaged.rpc import DecodeGuardInterceptor
 from minipaged.tls import add_port
 from minipaged.v1 import worker_pb2 as pb
 from minipaged.v1 import worker_pb2_grpc as pb_grpc
-from worker.validation import StepLimits, StepValidationError, validate_step
+from worker.stage_link import StageLink
+from worker.step_state import SequenceStore
+from worker.validation import StepLimits, StepPrecondition, StepValidationError, validate_step
 
 log = logging.getLogger("worker.server")
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # a long prefill's hidden states fit with room to spare
 GRPC_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.so_reuseport", 0)]  # a second process on a taken port must fail, not share it
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WorkerService"].full_name
-TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64,
-                "bfloat16": torch.bfloat16, "float16": torch.float16}
-DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
+PLACEHOLDER_WAIT_S = 30.0
 
 
 def new_epoch() -> int:
@@ -56,24 +63,43 @@ def new_epoch() -> int:
 MAX_BLOCK_SIZE = 1024
 
 
+class StepError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+@dataclass
+class StepOutcome:
+    reply: pb.StepReply | None           # the last stage's answer
+    forward: pb.StepRequest | None       # or what goes to the next stage
+    timing: pb.StageTiming
+    sampled_ids: list[int]               # sequence ids this step samples (stage 0 tracks their tokens)
+    ready_at: float = 0.0                # time.monotonic() when the device has the results (see below)
+
+
 class WorkerServicer(pb_grpc.WorkerServiceServicer):
     def __init__(self, runner, *, model_name: str, address: str = "", device: str = "cpu",
                  dtype: str = "float32", backend: str = "torch", kv_cache_bytes: int = 0,
-                 fixed_num_blocks: int = 0, rpc_timeout_s: float = 120.0):
+                 fixed_num_blocks: int = 0, rpc_timeout_s: float = 120.0, replica_group: str = "",
+                 simulate: str = ""):
         if not kv_cache_bytes and not fixed_num_blocks:
             raise ValueError("a worker needs a K/V capacity: kv_cache_bytes or fixed_num_blocks")
         self.runner, self.cfg = runner, runner.config
         self.model_name, self.address, self.device, self.dtype = model_name, address, device, dtype
         self.backend, self.kv_cache_bytes, self.fixed_num_blocks = backend, kv_cache_bytes, fixed_num_blocks
-        self.rpc_timeout_s = rpc_timeout_s
-        self.dtype_bytes = torch.empty((), dtype=TORCH_DTYPES[dtype]).element_size()
+        self.rpc_timeout_s, self.replica_group, self.simulate = rpc_timeout_s, replica_group, simulate
+        self.dtype_bytes = DTYPE_BYTES[dtype]
         self.lock = threading.Lock()  # one model, one cache: Steps run one at a time
         self.epoch, self.num_blocks, self.block_size, self.steps_served = 0, 0, 0, 0
+        self.compute_s = 0.0
         self.limits: StepLimits | None = None
+        self.store = SequenceStore()  # remembered tables and sampled tokens, per cache epoch
         self.next_address, self.next_meta, self.next_stub, self.next_channel = "", (), None, None
         # how to reach the next stage: plain by default, TLS when the worker was given a CA
         self.channel_factory = lambda address, options: grpc.insecure_channel(address, options=options)
         self.next_epoch: int | None = None
+        self.streams: set = set()     # live StepStreams (InitCache ends them: their epoch is over)
 
     # ---- capacity / info -------------------------------------------------------------------------
     def max_blocks(self, block_size: int) -> int:
@@ -91,7 +117,9 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             max_position_embeddings=c.max_position_embeddings, eos_token_ids=wire.pack(c.eos_token_ids),
             kv_cache_bytes=0 if self.fixed_num_blocks else self.kv_cache_bytes,
             fixed_num_blocks=self.fixed_num_blocks, cache_epoch=self.epoch, num_blocks=self.num_blocks,
-            block_size=self.block_size, backend=self.backend, dtype_bytes=self.dtype_bytes)
+            block_size=self.block_size, backend=self.backend, dtype_bytes=self.dtype_bytes,
+            replica_group=self.replica_group, simulate=self.simulate,
+            weight_bytes=int(getattr(self.runner, "weight_bytes", 0)))
 
     def Info(self, request, context):
         return self.info()
@@ -111,12 +139,15 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                    f"{self.kv_cache_bytes} K/V bytes / {self.runner.kv_bytes_per_block(bs)} bytes per block")
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"num_blocks {nb} exceeds this stage's capacity of {limit} blocks of {bs} ({src})")
+        for stream in list(self.streams):  # steps of the old epoch must not reach the new cache
+            stream.cancel()
         with self.lock:
             # not ready while the old cache is dropped and the new one allocated
             self.epoch, self.num_blocks, self.block_size = 0, 0, 0
+            self.store.clear()
             try:
                 self.runner.init_cache(nb, bs)  # frees the old cache before allocating the new one
-            except (torch.OutOfMemoryError, RuntimeError, MemoryError) as e:  # CPU OOM is a RuntimeError
+            except (RuntimeError, MemoryError) as e:  # CPU OOM is a RuntimeError (torch's OOM is one too)
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"allocating {nb} blocks of {bs}: {e}")
             self._connect_next(request.next_stage_address, request.next_stage_token, request.cache_epoch)
             self.num_blocks, self.block_size = nb, bs
@@ -135,37 +166,32 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         self.next_channel = self.channel_factory(address, GRPC_OPTIONS) if address else None
         self.next_stub = pb_grpc.WorkerServiceStub(self.next_channel) if address else None
 
-    def _check_epoch(self, epoch: int, context) -> None:
-        if self.epoch == 0:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "worker cache is not initialised: call InitCache first")
-        if epoch != self.epoch:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"cache_epoch mismatch: request has {epoch}, this worker's cache is epoch {self.epoch} "
-                          f"(the cache was re-initialised; its content is gone)")
-
-    def _call_next(self, method: str, request, context):
-        """Call the next stage with its pinned epoch; map its failures to a status naming it."""
+    def _pin_next_epoch(self) -> int:
         if self.next_epoch is None:  # first forward since InitCache: pin the next stage's epoch
-            h = self._rpc_next("Health", pb.WorkerHealthRequest(), context)
+            try:
+                h = self.next_stub.Health(pb.WorkerHealthRequest(), metadata=self.next_meta, timeout=self.rpc_timeout_s)
+            except grpc.RpcError as e:
+                raise StepError(grpc.StatusCode.UNAVAILABLE, f"next stage {self.next_address}: {e.details()}") from None
             if not h.ready:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"next stage {self.next_address} has no cache: call InitCache on it")
+                raise StepError(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"next stage {self.next_address} has no cache: call InitCache on it")
             self.next_epoch = h.cache_epoch
-        request.cache_epoch = self.next_epoch
-        return self._rpc_next(method, request, context)
+        return self.next_epoch
 
-    def _rpc_next(self, method: str, request, context):
-        try:
-            return getattr(self.next_stub, method)(request, metadata=self.next_meta, timeout=self.rpc_timeout_s)
-        except grpc.RpcError as e:
-            code = e.code()
-            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                code = grpc.StatusCode.UNAVAILABLE
-            context.abort(code, f"next stage {self.next_address}: {e.details()}")
+    def _check_epoch(self, epoch: int) -> None:
+        if self.epoch == 0:
+            raise StepError(grpc.StatusCode.FAILED_PRECONDITION, "worker cache is not initialised: call InitCache first")
+        if epoch != self.epoch:
+            raise StepError(grpc.StatusCode.FAILED_PRECONDITION,
+                            f"cache_epoch mismatch: request has {epoch}, this worker's cache is epoch {self.epoch} "
+                            f"(the cache was re-initialised; its content is gone)")
 
     def CopyBlocks(self, request, context):
         with self.lock:
-            self._check_epoch(request.cache_epoch, context)
+            try:
+                self._check_epoch(request.cache_epoch)
+            except StepError as e:
+                context.abort(e.code, e.message)
             try:
                 src = wire.unpack(request.src_blocks, wire.INT32, name="src_blocks")
                 dst = wire.unpack(request.dst_blocks, wire.INT32, name="dst_blocks", count=src.size)
@@ -180,80 +206,226 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             if src.size:
                 self.runner.kv_cache.copy_blocks(src, dst)
             if self.next_stub is not None:
-                self._call_next("CopyBlocks", pb.CopyBlocksRequest(src_blocks=request.src_blocks,
-                                                                   dst_blocks=request.dst_blocks), context)
+                try:
+                    fwd = pb.CopyBlocksRequest(src_blocks=request.src_blocks, dst_blocks=request.dst_blocks,
+                                               cache_epoch=self._pin_next_epoch())
+                    self.next_stub.CopyBlocks(fwd, metadata=self.next_meta, timeout=self.rpc_timeout_s)
+                except StepError as e:
+                    context.abort(e.code, e.message)
+                except grpc.RpcError as e:
+                    context.abort(_upstream_code(e.code()), f"next stage {self.next_address}: {e.details()}")
         return pb.CopyBlocksReply(copied=int(src.size))
 
     # ---- step ------------------------------------------------------------------------------------
-    def Step(self, request, context):
+    def _process(self, request) -> StepOutcome:
+        """Validate, then run one step on this stage. Raises StepError; a rejected step leaves the
+        cache and the remembered state untouched."""
         with self.lock:
-            self._check_epoch(request.cache_epoch, context)
+            self._check_epoch(request.cache_epoch)
             try:
-                a = validate_step(request, self.limits)
+                a = validate_step(request, self.limits, self.store, PLACEHOLDER_WAIT_S)
             except StepValidationError as e:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {request.step_id}: {e}")
+                raise StepError(grpc.StatusCode.INVALID_ARGUMENT, f"step {request.step_id}: {e}") from None
+            except StepPrecondition as e:
+                raise StepError(grpc.StatusCode.FAILED_PRECONDITION, f"step {request.step_id}: {e}") from None
+            if a.extras is not None and not getattr(self.runner, "supports_extras", False):
+                raise StepError(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"step {request.step_id}: this worker's sampler has no penalties / min tokens / "
+                                f"top logprobs")
             t0 = time.perf_counter()
             try:
+                self.store.release(a.release_ids)
+                if a.table_delta is not None:
+                    self.store.commit_tables(a.seq_ids, a.block_tables, *a.table_delta)
+                if a.copy_src is not None and a.copy_src.size:
+                    self.runner.kv_cache.copy_blocks(a.copy_src, a.copy_dst)
                 out = self._compute(request, a)  # the sampled reply, or the request for the next stage
             except Exception as e:  # a bug or a device failure: say where, never hang the chain
                 log.exception("step %d failed", request.step_id)
-                code = (grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(e, torch.OutOfMemoryError)
+                code = (grpc.StatusCode.RESOURCE_EXHAUSTED if "out of memory" in str(e).lower()
                         else grpc.StatusCode.INTERNAL)
-                context.abort(code, f"step {request.step_id} on stage [{self.runner.layer_start}, "
-                                    f"{self.runner.layer_end}): {type(e).__name__}: {e}")
-            compute_ms = (time.perf_counter() - t0) * 1e3  # excludes the downstream stages
+                raise StepError(code, f"step {request.step_id} on stage [{self.runner.layer_start}, "
+                                      f"{self.runner.layer_end}): {type(e).__name__}: {e}") from None
+            # A runner may model an asynchronous device (the simulator does): the call returns at once,
+            # the results exist at `ready_at`, and the stage's busy time is the device's.
+            device_s = getattr(self.runner, "last_step_s", None)
             timing = pb.StageTiming(layer_start=self.runner.layer_start, layer_end=self.runner.layer_end,
-                                    compute_ms=compute_ms)
-            if not self.runner.is_last:
-                down = self._call_next("Step", out, context)
-                reply = pb.StepReply(step_id=request.step_id, sampled_token_ids=down.sampled_token_ids,
-                                     logprobs=down.logprobs, logits=down.logits, timings=[timing, *down.timings])
-            else:
-                reply = out
-                reply.timings.append(timing)
-            reply.cache_epoch = self.epoch
+                                    compute_ms=1e3 * (device_s if device_s is not None else time.perf_counter() - t0))
+            ready_at = getattr(self.runner, "ready_at", 0.0)
+            self.compute_s += timing.compute_ms / 1e3
+            sampled = [s for s, d in zip(a.seq_ids, a.do_sample.tolist()) if d] if a.seq_ids else []
             self.steps_served += 1
-            return reply
+            if self.runner.is_last:
+                out.timings.append(timing)
+                out.cache_epoch = self.epoch
+                if self.runner.is_first and sampled and out.sampled_token_ids:
+                    self.store.record_sampled(sampled, wire.unpack(out.sampled_token_ids), forwarded=False)
+                return StepOutcome(out, None, timing, sampled, ready_at)
+            out.cache_epoch = self._pin_next_epoch()
+            return StepOutcome(None, out, timing, sampled, ready_at)
 
     def _compute(self, request, a):
         hidden_in = None
         if a.hidden_states is not None:
-            # bytearray: one copy into writable memory (the runner may compute in place)
-            hidden_in = torch.frombuffer(bytearray(a.hidden_states), dtype=TORCH_DTYPES[a.hidden_dtype])
-            hidden_in = hidden_in.view(a.num_tokens, self.cfg.hidden_size).to(self.device, TORCH_DTYPES[self.dtype])
+            hidden_in = self.runner.decode_hidden(a.hidden_states, a.hidden_dtype, a.num_tokens)
         batch = self.runner.make_batch(a.input_ids, a.positions, a.slot_mapping, a.query_start_loc,
                                        a.seq_lens, a.block_tables)
         hidden = self.runner.execute(batch, hidden_in)
         return self._sample(request, a, hidden) if self.runner.is_last else self._forward_request(request, hidden)
 
-    def _forward_request(self, request, hidden: torch.Tensor) -> pb.StepRequest:
-        h = hidden.detach().contiguous().cpu()
+    def _forward_request(self, request, hidden) -> pb.StepRequest:
+        request.ClearField("hidden_states")  # (already decoded) not copied into the forward
         fwd = pb.StepRequest()
         fwd.CopyFrom(request)
         fwd.ClearField("input_ids")
-        fwd.hidden_states = h.view(torch.uint8).numpy().tobytes()  # raw bytes: works for bfloat16 too
-        fwd.hidden_dtype = DTYPE_NAMES[h.dtype]
+        fwd.hidden_states, fwd.hidden_dtype = self.runner.encode_hidden(hidden)
         return fwd
 
-    def _sample(self, request, a, hidden: torch.Tensor) -> pb.StepReply:
+    def _sample(self, request, a, hidden) -> pb.StepReply:
         reply = pb.StepReply(step_id=request.step_id)
         if not a.do_sample.any():
             return reply  # a prefill chunk that ends mid-prompt: nothing to sample
-        ids, logprobs, logits = self.runner.sample(
+        kw = {"extras": a.extras} if a.extras is not None else {}
+        ids, logprobs, logits, *top = self.runner.sample(
             hidden, a.query_start_loc, a.do_sample, a.temperature, a.top_p, a.top_k, a.seeds, a.sample_offsets,
-            request.return_logprobs, request.return_logits)
+            request.return_logprobs, request.return_logits, **kw)
         reply.sampled_token_ids = wire.pack(ids)
         if request.return_logprobs and logprobs is not None:
             reply.logprobs = wire.pack(logprobs, wire.FLOAT32)
         if request.return_logits and logits is not None:
-            if isinstance(logits, torch.Tensor):
-                logits = logits.detach().to(torch.float64).cpu().numpy()
-            reply.logits = wire.pack(logits, wire.FLOAT64)
+            reply.logits = wire.pack(np.asarray(logits, dtype=np.float64), wire.FLOAT64)
+        if top and top[0] is not None:
+            top_ids, top_lp = top[0]
+            reply.top_logprob_ids, reply.top_logprobs = wire.pack(top_ids), wire.pack(top_lp, wire.FLOAT32)
         return reply
 
+    def Step(self, request, context):
+        """Unary: one step, forwarded to the next stage with a unary call."""
+        try:
+            o = self._process(request)
+        except StepError as e:
+            context.abort(e.code, e.message)
+        _wait_until(o.ready_at)
+        if o.reply is not None:
+            return o.reply
+        first = self.runner.is_first and o.sampled_ids
+        if first:
+            self.store.note_forwarded(o.sampled_ids)
+        try:
+            down = self.next_stub.Step(o.forward, metadata=self.next_meta, timeout=self.rpc_timeout_s)
+        except grpc.RpcError as e:
+            if first:
+                self.store.record_sampled(o.sampled_ids, None, forwarded=True)
+            context.abort(_upstream_code(e.code()), f"next stage {self.next_address}: {e.details()}")
+        if first:
+            self.store.record_sampled(o.sampled_ids, wire.unpack(down.sampled_token_ids), forwarded=True)
+        return _relayed(down, o.timing, request.step_id, self.epoch)
+
+    def StepStream(self, request_iterator, context):
+        stream = _Stream(self)
+        context.add_callback(stream.cancel)
+        self.streams.add(stream)
+        threading.Thread(target=stream.pump, args=(request_iterator,), name="step-stream", daemon=True).start()
+        try:
+            while True:
+                item = stream.out.get()
+                if item is None:
+                    return
+                reply, ready_at = item
+                _wait_until(ready_at)  # an asynchronous device: not before its results exist
+                yield reply
+        finally:
+            self.streams.discard(stream)
+            stream.cancel()
+
     def close(self) -> None:
+        for stream in list(self.streams):
+            stream.cancel()
         if self.next_channel is not None:
             self.next_channel.close()
+
+
+def _wait_until(t: float) -> None:
+    delay = t - time.monotonic()
+    if delay > 0:
+        time.sleep(delay)
+
+
+def _upstream_code(code: grpc.StatusCode) -> grpc.StatusCode:
+    """A next stage that is down or too slow is UNAVAILABLE to whoever called us."""
+    return grpc.StatusCode.UNAVAILABLE if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                                   grpc.StatusCode.CANCELLED) else code
+
+
+def _relayed(down: pb.StepReply, timing: pb.StageTiming, step_id: int, epoch: int) -> pb.StepReply:
+    return pb.StepReply(step_id=step_id, sampled_token_ids=down.sampled_token_ids, logprobs=down.logprobs,
+                        logits=down.logits, timings=[timing, *down.timings], cache_epoch=epoch,
+                        error_code=down.error_code, error=down.error, top_logprob_ids=down.top_logprob_ids,
+                        top_logprobs=down.top_logprobs)
+
+
+class _Stream:
+    """One StepStream: runs its steps in order and keeps the replies in order."""
+
+    def __init__(self, servicer: WorkerServicer):
+        self.s = servicer
+        self.out: queue.SimpleQueue = queue.SimpleQueue()
+        self.link: StageLink | None = None
+        self.sent: dict[int, tuple[pb.StageTiming, list[int]]] = {}   # forwarded step -> (timing, sampled)
+        self.cancelled = threading.Event()
+
+    def pump(self, request_iterator) -> None:
+        try:
+            for request in request_iterator:
+                if self.cancelled.is_set():
+                    break
+                self._one(request)
+        except grpc.RpcError:
+            pass  # the caller went away
+        except Exception:  # never leave the caller waiting on a dead pump
+            log.exception("step stream failed")
+        finally:
+            if self.link is not None:
+                self.link.close(wait_s=self.s.rpc_timeout_s)  # relay what is still down the chain
+            self.out.put(None)
+
+    def _one(self, request) -> None:
+        try:
+            o = self.s._process(request)
+        except StepError as e:
+            self.out.put((pb.StepReply(step_id=request.step_id, error_code=e.code.value[0], error=e.message,
+                                       cache_epoch=self.s.epoch), 0.0))
+            return
+        if o.reply is not None:
+            self.out.put((o.reply, o.ready_at))
+            return
+        if self.link is None:
+            self.link = StageLink(self.s.next_stub, self.s.next_address, self.s.next_meta,
+                                  self._relay, self._failed)
+        first = self.s.runner.is_first and o.sampled_ids
+        self.sent[request.step_id] = (o.timing, o.sampled_ids if first else [])
+        if first:
+            self.s.store.note_forwarded(o.sampled_ids)
+        self.link.send(o.forward, o.ready_at)
+
+    def _relay(self, down: pb.StepReply) -> None:
+        timing, sampled = self.sent.pop(down.step_id, (pb.StageTiming(), []))
+        if sampled:
+            toks = wire.unpack(down.sampled_token_ids) if not down.error_code else None
+            self.s.store.record_sampled(sampled, toks, forwarded=True)
+        self.out.put((_relayed(down, timing, down.step_id, self.s.epoch), 0.0))
+
+    def _failed(self, step_id: int, code: grpc.StatusCode, message: str) -> None:
+        _, sampled = self.sent.pop(step_id, (None, []))
+        if sampled:
+            self.s.store.record_sampled(sampled, None, forwarded=True)
+        self.out.put((pb.StepReply(step_id=step_id, error_code=code.value[0], error=message,
+                                   cache_epoch=self.s.epoch), 0.0))
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+        if self.link is not None:
+            self.link.cancel()
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):
@@ -275,8 +447,10 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
 
 
 def build_server(servicer: WorkerServicer, host: str = "127.0.0.1", port: int = 0, token: str = "",
-                 max_workers: int = 8, tls=("", "", "")):
-    """A started grpc.Server with the WorkerService, grpc.health.v1 (SERVING) and reflection.
+                 max_workers: int = 16, tls=("", "", ""), ready: bool = True):
+    """A started grpc.Server with the WorkerService, grpc.health.v1 and reflection. Health "" is
+    liveness (SERVING once started); the named service is readiness: SERVING now when `ready`,
+    else when the caller says so (a worker that registers: once the metadata service took it).
 
     Returns (server, bound_port, health_servicer)."""
     interceptors = ([TokenAuthInterceptor(token)] if token else []) + [DecodeGuardInterceptor()]
@@ -290,8 +464,9 @@ def build_server(servicer: WorkerServicer, host: str = "127.0.0.1", port: int = 
     cert, key, client_ca = tls
     bound = add_port(server, f"{host}:{port}", cert, key, client_ca)
     if bound == 0:
-        raise OSError(f"could not bind {host}:{port}")
+        raise OSError(f"could not bind {host}:{port}: the port is taken or the address is not this machine's")
     server.start()
-    for name in ("", SERVICE_NAME):  # the model is loaded before the server is built
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)  # the model is loaded before this
+    health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING if ready
+                        else health_pb2.HealthCheckResponse.NOT_SERVING)
     return server, bound, health_servicer

@@ -1,17 +1,20 @@
 """Step request validation: decode every packed array and check it before the cache is touched.
 
-A worker keeps no per-sequence state, so it cannot trust the metadata plane blindly: one bad slot
-would silently overwrite another sequence's K/V. Every check here is vectorized numpy over the whole
-batch (no per-token Python loops), and every failure raises StepValidationError naming the field and
-the limit; the server turns it into INVALID_ARGUMENT with the cache untouched."""
+A worker cannot trust the metadata plane blindly: one bad slot would silently overwrite another
+sequence's K/V. Every check here is vectorized numpy over the whole batch (no per-token Python
+loops), and every failure raises StepValidationError naming the field and the limit; the server
+turns it into INVALID_ARGUMENT with the cache untouched. What the step assumes the stage remembers
+(delta block tables, placeholder input ids; worker/step_state.py) is checked against the stage's
+SequenceStore without changing it: a mismatch raises StepPrecondition (FAILED_PRECONDITION)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from minipaged import wire
 from minipaged.wire import WireError
+from worker.step_state import SequenceStore, StepPrecondition  # noqa: F401 (re-exported)
 
 # Element sizes of the hidden-state dtypes a previous stage may send (bfloat16 has no numpy dtype).
 HIDDEN_DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
@@ -51,6 +54,28 @@ class StepArrays:
     top_k: np.ndarray              # int32 [B]
     seeds: np.ndarray              # int64 [B]
     sample_offsets: np.ndarray     # int32 [B]
+    seq_ids: list[int] = field(default_factory=list)   # [B] (empty when the step sent none)
+    table_delta: tuple | None = None     # (base, counts) to commit into the SequenceStore
+    placeholders: np.ndarray | None = None  # token indexes whose input id was -1 (resolved)
+    release_ids: list[int] = field(default_factory=list)
+    copy_src: np.ndarray | None = None   # int32 [K] copy-on-write before the step
+    copy_dst: np.ndarray | None = None
+    extras: "SamplingExtras | None" = None
+
+
+@dataclass
+class SamplingExtras:
+    """Per-sequence sampling rules beyond temperature/top-p/top-k ([B] arrays; None = off)."""
+    suppress: np.ndarray | None = None          # bool [B]: mask suppress ids (EOS etc.) this step
+    suppress_counts: np.ndarray | None = None   # int32 [B] CSR
+    suppress_ids: np.ndarray | None = None      # int32 [sum]
+    repetition: np.ndarray | None = None        # float64 [B]
+    presence: np.ndarray | None = None
+    frequency: np.ndarray | None = None
+    penalty_counts: np.ndarray | None = None    # int32 [B] CSR over penalty_tokens
+    penalty_prompt_lens: np.ndarray | None = None
+    penalty_tokens: np.ndarray | None = None
+    top_logprobs: int = 0
 
 
 def _fail(msg: str):
@@ -65,15 +90,21 @@ def _range(name: str, arr: np.ndarray, lo, hi_excl) -> None:
         _fail(f"{name}[{', '.join(map(str, idx))}] = {arr[idx]} is out of range [{lo}, {hi_excl})")
 
 
-def validate_step(req, lim: StepLimits) -> StepArrays:
-    """Decode and check a StepRequest against this worker's limits. Raises StepValidationError."""
+MAX_TOP_LOGPROBS = 20
+
+
+def validate_step(req, lim: StepLimits, store: SequenceStore | None = None,
+                  placeholder_timeout_s: float = 30.0) -> StepArrays:
+    """Decode and check a StepRequest against this worker's limits (and, for delta tables and
+    placeholder inputs, its SequenceStore, read only). Raises StepValidationError or
+    StepPrecondition; changes nothing."""
     try:
-        return _validate(req, lim)
+        return _validate(req, lim, store, placeholder_timeout_s)
     except WireError as e:
         raise StepValidationError(str(e)) from None
 
 
-def _validate(req, lim: StepLimits) -> StepArrays:
+def _validate(req, lim: StepLimits, store, placeholder_timeout_s) -> StepArrays:
     qsl = wire.unpack(req.query_start_loc, wire.INT32, name="query_start_loc")
     if qsl.size < 2:
         _fail(f"query_start_loc: needs B+1 >= 2 entries (at least one sequence), got {qsl.size}")
@@ -88,10 +119,21 @@ def _validate(req, lim: StepLimits) -> StepArrays:
         b = int(np.argmax(qlen < 1))
         _fail(f"query_start_loc: sequence {b} has query length {qlen[b]} (must be >= 1, non-decreasing offsets)")
 
+    seq_ids: list[int] = []
+    if req.sequence_ids:
+        seq_ids = wire.unpack(req.sequence_ids, wire.INT64, name="sequence_ids", count=B).tolist()
+    stateful = req.delta_tables or req.release_sequence_ids
+    if stateful and store is None:
+        _fail("delta_tables / release_sequence_ids need a stage that keeps a SequenceStore")
+    if req.delta_tables and len(set(seq_ids)) != B:
+        _fail(f"sequence_ids: delta tables need {B} distinct sequence ids, got {len(set(seq_ids))}")
+
     # Token inputs: ids on stage 0, the previous stage's hidden states after that.
-    input_ids = hidden = None
+    input_ids = hidden = placeholders = None
     if lim.is_first:
         input_ids = wire.unpack(req.input_ids, wire.INT32, name="input_ids", count=T)
+        if (input_ids == -1).any():
+            input_ids, placeholders = _resolve_placeholders(input_ids, qsl, seq_ids, store, placeholder_timeout_s)
         _range("input_ids", input_ids, 0, lim.vocab_size)
     else:
         itemsize = HIDDEN_DTYPE_BYTES.get(req.hidden_dtype)
@@ -108,8 +150,6 @@ def _validate(req, lim: StepLimits) -> StepArrays:
     if (seq_lens < qlen).any():
         b = int(np.argmax(seq_lens < qlen))
         _fail(f"seq_lens[{b}] = {seq_lens[b]} is shorter than its query length {qlen[b]}")
-    if req.sequence_ids:
-        wire.unpack(req.sequence_ids, wire.INT64, name="sequence_ids", count=B)
 
     # Positions of sequence b's queries must be seq_lens[b]-qlen_b ... seq_lens[b]-1, in order.
     seq_of_token = np.repeat(np.arange(B), qlen)
@@ -121,10 +161,22 @@ def _validate(req, lim: StepLimits) -> StepArrays:
               f"{qlen[b]}) needs {expected[t]}: queries must be the last qlen positions of the context")
 
     # Block tables: ids in range, and every block the context uses is present.
-    M = req.max_blocks_per_seq
-    if M < 1:
-        _fail(f"max_blocks_per_seq = {M} must be >= 1")
-    tables = wire.unpack_2d(req.block_tables, B, M, wire.INT32, name="block_tables")
+    table_delta = None
+    if req.delta_tables:
+        base = wire.unpack(req.table_base, wire.INT32, name="table_base", count=B)
+        counts = wire.unpack(req.new_block_counts, wire.INT32, name="new_block_counts", count=B)
+        if (base < 0).any() or (counts < 0).any():
+            _fail("table_base and new_block_counts must be >= 0")
+        new_blocks = wire.unpack(req.new_blocks, wire.INT32, name="new_blocks", count=int(counts.sum()))
+        _range("new_blocks", new_blocks, 0, lim.num_blocks)
+        tables = store.preview_tables(seq_ids, base, counts, new_blocks)
+        M = tables.shape[1]
+        table_delta = (base, counts)
+    else:
+        M = req.max_blocks_per_seq
+        if M < 1:
+            _fail(f"max_blocks_per_seq = {M} must be >= 1")
+        tables = wire.unpack_2d(req.block_tables, B, M, wire.INT32, name="block_tables")
     _range("block_tables", tables, -1, lim.num_blocks)
     used = (seq_lens.astype(np.int64) + lim.block_size - 1) // lim.block_size
     if (used > M).any():
@@ -165,5 +217,77 @@ def _validate(req, lim: StepLimits) -> StepArrays:
     if (offsets < 0).any():
         _fail("sample_offsets: every value must be >= 0")
 
+    copy_src = copy_dst = None
+    if req.copy_src or req.copy_dst:
+        copy_src = wire.unpack(req.copy_src, wire.INT32, name="copy_src")
+        copy_dst = wire.unpack(req.copy_dst, wire.INT32, name="copy_dst", count=copy_src.size)
+        _range("copy_src", copy_src, 0, lim.num_blocks)
+        _range("copy_dst", copy_dst, 0, lim.num_blocks)
+        if np.unique(copy_dst).size != copy_dst.size:
+            _fail("copy_dst: duplicate destination blocks")
+    release = wire.unpack(req.release_sequence_ids, wire.INT64, name="release_sequence_ids").tolist()
+
     return StepArrays(B, T, input_ids, hidden, req.hidden_dtype, positions, slots, qsl, seq_lens,
-                      tables, do_sample.astype(bool), temperature, top_p, top_k, seeds, offsets)
+                      tables, do_sample.astype(bool), temperature, top_p, top_k, seeds, offsets,
+                      seq_ids=seq_ids, table_delta=table_delta, placeholders=placeholders,
+                      release_ids=release, copy_src=copy_src, copy_dst=copy_dst,
+                      extras=_extras(req, B, lim.vocab_size))
+
+
+def _resolve_placeholders(input_ids, qsl, seq_ids, store, timeout_s):
+    """-1 inputs (async scheduling) -> the token this stage saw sampled for that sequence last."""
+    holes = np.flatnonzero(input_ids == -1)
+    if store is None or not seq_ids:
+        _fail("input_ids: -1 (the previously sampled token) needs sequence_ids and a stage that keeps them")
+    last = qsl[1:] - 1                                          # each sequence's last query token
+    b = np.searchsorted(qsl, holes, side="right") - 1
+    if (last[b] != holes).any():
+        t = int(holes[np.argmax(last[b] != holes)])
+        _fail(f"input_ids[{t}] = -1 is not the last query token of its sequence (only that one may be pending)")
+    ids = input_ids.copy()
+    ids[holes] = store.resolve_placeholders([seq_ids[i] for i in b.tolist()], timeout_s)
+    return ids, holes
+
+
+def _extras(req, B: int, vocab: int) -> SamplingExtras | None:
+    """The optional per-sequence sampling rules; None when the batch uses none of them."""
+    if not (req.min_tokens_suppress or req.repetition_penalty or req.presence_penalty
+            or req.frequency_penalty or req.top_logprobs):
+        return None
+    x = SamplingExtras()
+    if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+        _fail(f"top_logprobs = {req.top_logprobs} must be in [0, {MAX_TOP_LOGPROBS}]")
+    x.top_logprobs = min(req.top_logprobs, vocab)
+    if req.min_tokens_suppress:
+        x.suppress = wire.unpack(req.min_tokens_suppress, wire.UINT8, name="min_tokens_suppress", count=B) > 0
+        x.suppress_counts = wire.unpack(req.suppress_counts, wire.INT32, name="suppress_counts", count=B)
+        if (x.suppress_counts < 0).any():
+            _fail("suppress_counts must be >= 0")
+        x.suppress_ids = wire.unpack(req.suppress_ids, wire.INT32, name="suppress_ids",
+                                     count=int(x.suppress_counts.sum()))
+        _range("suppress_ids", x.suppress_ids, 0, vocab)
+    if req.repetition_penalty or req.presence_penalty or req.frequency_penalty:
+        x.repetition = _floats(req.repetition_penalty, B, "repetition_penalty", 1.0)
+        x.presence = _floats(req.presence_penalty, B, "presence_penalty", 0.0)
+        x.frequency = _floats(req.frequency_penalty, B, "frequency_penalty", 0.0)
+        if (x.repetition <= 0).any():
+            _fail("repetition_penalty: every value must be > 0 (1 = off)")
+        x.penalty_counts = wire.unpack(req.penalty_counts, wire.INT32, name="penalty_counts", count=B)
+        x.penalty_prompt_lens = wire.unpack(req.penalty_prompt_lens, wire.INT32, name="penalty_prompt_lens",
+                                            count=B)
+        if (x.penalty_counts < 0).any() or (x.penalty_prompt_lens < 0).any() \
+                or (x.penalty_prompt_lens > x.penalty_counts).any():
+            _fail("penalty_counts / penalty_prompt_lens must be >= 0 and prompt lens <= counts")
+        x.penalty_tokens = wire.unpack(req.penalty_tokens, wire.INT32, name="penalty_tokens",
+                                       count=int(x.penalty_counts.sum()))
+        _range("penalty_tokens", x.penalty_tokens, 0, vocab)
+    return x
+
+
+def _floats(data: bytes, B: int, name: str, default: float) -> np.ndarray:
+    if not data:
+        return np.full(B, default, dtype=np.float64)
+    arr = wire.unpack(data, wire.FLOAT64, name=name, count=B)
+    if not np.isfinite(arr).all():
+        _fail(f"{name}: every value must be finite")
+    return arr

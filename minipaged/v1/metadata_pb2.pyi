@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "return_logprobs")
+    __slots__ = ("prompt", "prompt_token_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "return_logprobs", "n", "best_of", "min_new_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty", "top_logprobs")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,13 @@ class GenerateRequest(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
+    BEST_OF_FIELD_NUMBER: _ClassVar[int]
+    MIN_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: bytes
     max_new_tokens: int
@@ -31,7 +38,14 @@ class GenerateRequest(_message.Message):
     stop_token_ids: bytes
     ignore_eos: bool
     return_logprobs: bool
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[bytes] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[bytes] = ..., ignore_eos: _Optional[bool] = ..., return_logprobs: _Optional[bool] = ...) -> None: ...
+    n: int
+    best_of: int
+    min_new_tokens: int
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    top_logprobs: int
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[bytes] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[bytes] = ..., ignore_eos: _Optional[bool] = ..., return_logprobs: _Optional[bool] = ..., n: _Optional[int] = ..., best_of: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "preemptions")
@@ -46,21 +60,27 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
-    __slots__ = ("token_ids", "text", "finish_reason", "usage", "logprobs")
+    __slots__ = ("token_ids", "text", "finish_reason", "usage", "logprobs", "index", "top_logprob_ids", "top_logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROB_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: bytes
     text: str
     finish_reason: str
     usage: Usage
     logprobs: bytes
-    def __init__(self, token_ids: _Optional[bytes] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., logprobs: _Optional[bytes] = ...) -> None: ...
+    index: int
+    top_logprob_ids: bytes
+    top_logprobs: bytes
+    def __init__(self, token_ids: _Optional[bytes] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., logprobs: _Optional[bytes] = ..., index: _Optional[int] = ..., top_logprob_ids: _Optional[bytes] = ..., top_logprobs: _Optional[bytes] = ...) -> None: ...
 
 class GenerationResult(_message.Message):
-    __slots__ = ("index", "token_ids", "text", "finish_reason", "usage", "error", "logprobs")
+    __slots__ = ("index", "token_ids", "text", "finish_reason", "usage", "error", "logprobs", "choices", "top_logprob_ids", "top_logprobs", "choice", "cumulative_logprob")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +88,11 @@ class GenerationResult(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROB_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    CUMULATIVE_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     index: int
     token_ids: bytes
     text: str
@@ -75,7 +100,12 @@ class GenerationResult(_message.Message):
     usage: Usage
     error: str
     logprobs: bytes
-    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., error: _Optional[str] = ..., logprobs: _Optional[bytes] = ...) -> None: ...
+    choices: _containers.RepeatedCompositeFieldContainer[GenerationResult]
+    top_logprob_ids: bytes
+    top_logprobs: bytes
+    choice: int
+    cumulative_logprob: float
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., error: _Optional[str] = ..., logprobs: _Optional[bytes] = ..., choices: _Optional[_Iterable[_Union[GenerationResult, _Mapping]]] = ..., top_logprob_ids: _Optional[bytes] = ..., top_logprobs: _Optional[bytes] = ..., choice: _Optional[int] = ..., cumulative_logprob: _Optional[float] = ...) -> None: ...
 
 class SubmitJobRequest(_message.Message):
     __slots__ = ("requests",)
@@ -96,18 +126,34 @@ class JobRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("job_id", "state", "total", "completed", "results")
+    __slots__ = ("job_id", "state", "total", "completed", "results", "created")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_FIELD_NUMBER: _ClassVar[int]
     COMPLETED_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: str
     total: int
     completed: int
     results: _containers.RepeatedCompositeFieldContainer[GenerationResult]
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ..., total: _Optional[int] = ..., completed: _Optional[int] = ..., results: _Optional[_Iterable[_Union[GenerationResult, _Mapping]]] = ...) -> None: ...
+    created: float
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ..., total: _Optional[int] = ..., completed: _Optional[int] = ..., results: _Optional[_Iterable[_Union[GenerationResult, _Mapping]]] = ..., created: _Optional[float] = ...) -> None: ...
+
+class ListJobsRequest(_message.Message):
+    __slots__ = ("limit", "state")
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    limit: int
+    state: str
+    def __init__(self, limit: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
+
+class JobList(_message.Message):
+    __slots__ = ("jobs",)
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[Job]
+    def __init__(self, jobs: _Optional[_Iterable[_Union[Job, _Mapping]]] = ...) -> None: ...
 
 class JobProgress(_message.Message):
     __slots__ = ("job_id", "state", "total", "completed", "new_results")
@@ -128,7 +174,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("num_blocks", "block_size", "used_blocks", "free_blocks", "cached_blocks", "internal_fragmentation_tokens", "kv_utilization", "running", "waiting", "preemptions", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate", "invariants_ok", "steps", "generated_tokens", "prompt_tokens", "tokens_per_second", "metadata_ms_per_step", "num_workers", "ready", "cache_epoch", "live_sequences")
+    __slots__ = ("num_blocks", "block_size", "used_blocks", "free_blocks", "cached_blocks", "internal_fragmentation_tokens", "kv_utilization", "running", "waiting", "preemptions", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate", "invariants_ok", "steps", "generated_tokens", "prompt_tokens", "tokens_per_second", "metadata_ms_per_step", "num_workers", "ready", "cache_epoch", "live_sequences", "shared_blocks", "not_ready_reason", "chains", "num_chains", "standby_workers", "metadata_cpu_seconds", "model", "max_model_len")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +198,14 @@ class StatsReply(_message.Message):
     READY_FIELD_NUMBER: _ClassVar[int]
     CACHE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     LIVE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NOT_READY_REASON_FIELD_NUMBER: _ClassVar[int]
+    CHAINS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHAINS_FIELD_NUMBER: _ClassVar[int]
+    STANDBY_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    METADATA_CPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     block_size: int
     used_blocks: int
@@ -175,7 +229,137 @@ class StatsReply(_message.Message):
     ready: bool
     cache_epoch: int
     live_sequences: int
-    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., internal_fragmentation_tokens: _Optional[int] = ..., kv_utilization: _Optional[float] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., invariants_ok: _Optional[bool] = ..., steps: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., metadata_ms_per_step: _Optional[float] = ..., num_workers: _Optional[int] = ..., ready: _Optional[bool] = ..., cache_epoch: _Optional[int] = ..., live_sequences: _Optional[int] = ...) -> None: ...
+    shared_blocks: int
+    not_ready_reason: str
+    chains: _containers.RepeatedCompositeFieldContainer[ChainStats]
+    num_chains: int
+    standby_workers: int
+    metadata_cpu_seconds: float
+    model: str
+    max_model_len: int
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., internal_fragmentation_tokens: _Optional[int] = ..., kv_utilization: _Optional[float] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., invariants_ok: _Optional[bool] = ..., steps: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., metadata_ms_per_step: _Optional[float] = ..., num_workers: _Optional[int] = ..., ready: _Optional[bool] = ..., cache_epoch: _Optional[int] = ..., live_sequences: _Optional[int] = ..., shared_blocks: _Optional[int] = ..., not_ready_reason: _Optional[str] = ..., chains: _Optional[_Iterable[_Union[ChainStats, _Mapping]]] = ..., num_chains: _Optional[int] = ..., standby_workers: _Optional[int] = ..., metadata_cpu_seconds: _Optional[float] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+
+class StageStats(_message.Message):
+    __slots__ = ("address", "layer_start", "layer_end", "busy_fraction", "step_ms")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    BUSY_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    layer_start: int
+    layer_end: int
+    busy_fraction: float
+    step_ms: float
+    def __init__(self, address: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., busy_fraction: _Optional[float] = ..., step_ms: _Optional[float] = ...) -> None: ...
+
+class ChainStats(_message.Message):
+    __slots__ = ("chain_id", "ready", "num_blocks", "used_blocks", "free_blocks", "cached_blocks", "shared_blocks", "running", "waiting", "prefix_cache_queries", "prefix_cache_hits", "steps", "steps_per_second", "tokens_per_second", "stages", "cache_epoch", "micro_batches", "group", "generated_tokens", "invariants_ok")
+    CHAIN_ID_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INVARIANTS_OK_FIELD_NUMBER: _ClassVar[int]
+    chain_id: int
+    ready: bool
+    num_blocks: int
+    used_blocks: int
+    free_blocks: int
+    cached_blocks: int
+    shared_blocks: int
+    running: int
+    waiting: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    steps: int
+    steps_per_second: float
+    tokens_per_second: float
+    stages: _containers.RepeatedCompositeFieldContainer[StageStats]
+    cache_epoch: int
+    micro_batches: int
+    group: str
+    generated_tokens: int
+    invariants_ok: bool
+    def __init__(self, chain_id: _Optional[int] = ..., ready: _Optional[bool] = ..., num_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., shared_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., steps: _Optional[int] = ..., steps_per_second: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., stages: _Optional[_Iterable[_Union[StageStats, _Mapping]]] = ..., cache_epoch: _Optional[int] = ..., micro_batches: _Optional[int] = ..., group: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., invariants_ok: _Optional[bool] = ...) -> None: ...
+
+class PoolSnapshotRequest(_message.Message):
+    __slots__ = ("max_blocks", "max_sequences")
+    MAX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    max_blocks: int
+    max_sequences: int
+    def __init__(self, max_blocks: _Optional[int] = ..., max_sequences: _Optional[int] = ...) -> None: ...
+
+class SequenceSnapshot(_message.Message):
+    __slots__ = ("sequence_id", "state", "length", "num_blocks", "block_table", "num_cached_tokens", "label")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: int
+    state: str
+    length: int
+    num_blocks: int
+    block_table: bytes
+    num_cached_tokens: int
+    label: str
+    def __init__(self, sequence_id: _Optional[int] = ..., state: _Optional[str] = ..., length: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_table: _Optional[bytes] = ..., num_cached_tokens: _Optional[int] = ..., label: _Optional[str] = ...) -> None: ...
+
+class ChainSnapshot(_message.Message):
+    __slots__ = ("chain_id", "num_blocks", "block_size", "stride", "block_state", "ref_counts", "free_blocks", "owned_blocks", "shared_blocks", "cached_blocks", "sequences", "running", "waiting")
+    CHAIN_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STRIDE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_STATE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    OWNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    chain_id: int
+    num_blocks: int
+    block_size: int
+    stride: int
+    block_state: bytes
+    ref_counts: bytes
+    free_blocks: int
+    owned_blocks: int
+    shared_blocks: int
+    cached_blocks: int
+    sequences: _containers.RepeatedCompositeFieldContainer[SequenceSnapshot]
+    running: int
+    waiting: int
+    def __init__(self, chain_id: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., stride: _Optional[int] = ..., block_state: _Optional[bytes] = ..., ref_counts: _Optional[bytes] = ..., free_blocks: _Optional[int] = ..., owned_blocks: _Optional[int] = ..., shared_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[SequenceSnapshot, _Mapping]]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ...) -> None: ...
+
+class PoolSnapshotReply(_message.Message):
+    __slots__ = ("chains", "time")
+    CHAINS_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    chains: _containers.RepeatedCompositeFieldContainer[ChainSnapshot]
+    time: float
+    def __init__(self, chains: _Optional[_Iterable[_Union[ChainSnapshot, _Mapping]]] = ..., time: _Optional[float] = ...) -> None: ...
 
 class CreateSequenceRequest(_message.Message):
     __slots__ = ("sequence_id", "prompt_token_ids", "num_tokens")
@@ -268,20 +452,24 @@ class RegisterWorkerRequest(_message.Message):
     def __init__(self, info: _Optional[_Union[_worker_pb2.WorkerInfo, _Mapping]] = ...) -> None: ...
 
 class RegisterWorkerReply(_message.Message):
-    __slots__ = ("worker_id", "heartbeat_interval_ms")
+    __slots__ = ("worker_id", "heartbeat_interval_ms", "lease_ms")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     heartbeat_interval_ms: int
-    def __init__(self, worker_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
+    lease_ms: int
+    def __init__(self, worker_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ..., lease_ms: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "cache_epoch")
+    __slots__ = ("worker_id", "cache_epoch", "steps_served")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEPS_SERVED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     cache_epoch: int
-    def __init__(self, worker_id: _Optional[str] = ..., cache_epoch: _Optional[int] = ...) -> None: ...
+    steps_served: int
+    def __init__(self, worker_id: _Optional[str] = ..., cache_epoch: _Optional[int] = ..., steps_served: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("known",)

@@ -64,6 +64,21 @@ class MetadataServiceStub:
                 request_serializer=minipaged_dot_v1_dot_metadata__pb2.StatsRequest.SerializeToString,
                 response_deserializer=minipaged_dot_v1_dot_metadata__pb2.StatsReply.FromString,
                 _registered_method=True)
+        self.ListJobs = channel.unary_unary(
+                '/minipaged.v1.MetadataService/ListJobs',
+                request_serializer=minipaged_dot_v1_dot_metadata__pb2.ListJobsRequest.SerializeToString,
+                response_deserializer=minipaged_dot_v1_dot_metadata__pb2.JobList.FromString,
+                _registered_method=True)
+        self.DeleteJob = channel.unary_unary(
+                '/minipaged.v1.MetadataService/DeleteJob',
+                request_serializer=minipaged_dot_v1_dot_metadata__pb2.JobRequest.SerializeToString,
+                response_deserializer=minipaged_dot_v1_dot_metadata__pb2.Job.FromString,
+                _registered_method=True)
+        self.PoolSnapshot = channel.unary_unary(
+                '/minipaged.v1.MetadataService/PoolSnapshot',
+                request_serializer=minipaged_dot_v1_dot_metadata__pb2.PoolSnapshotRequest.SerializeToString,
+                response_deserializer=minipaged_dot_v1_dot_metadata__pb2.PoolSnapshotReply.FromString,
+                _registered_method=True)
         self.CreateSequence = channel.unary_unary(
                 '/minipaged.v1.MetadataService/CreateSequence',
                 request_serializer=minipaged_dot_v1_dot_metadata__pb2.CreateSequenceRequest.SerializeToString,
@@ -136,6 +151,25 @@ class MetadataServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Stats(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListJobs(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteJob(self, request, context):
+        """cancels it if unfinished, then forgets it
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PoolSnapshot(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -217,6 +251,21 @@ def add_MetadataServiceServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=minipaged_dot_v1_dot_metadata__pb2.StatsRequest.FromString,
                     response_serializer=minipaged_dot_v1_dot_metadata__pb2.StatsReply.SerializeToString,
+            ),
+            'ListJobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListJobs,
+                    request_deserializer=minipaged_dot_v1_dot_metadata__pb2.ListJobsRequest.FromString,
+                    response_serializer=minipaged_dot_v1_dot_metadata__pb2.JobList.SerializeToString,
+            ),
+            'DeleteJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteJob,
+                    request_deserializer=minipaged_dot_v1_dot_metadata__pb2.JobRequest.FromString,
+                    response_serializer=minipaged_dot_v1_dot_metadata__pb2.Job.SerializeToString,
+            ),
+            'PoolSnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.PoolSnapshot,
+                    request_deserializer=minipaged_dot_v1_dot_metadata__pb2.PoolSnapshotRequest.FromString,
+                    response_serializer=minipaged_dot_v1_dot_metadata__pb2.PoolSnapshotReply.SerializeToString,
             ),
             'CreateSequence': grpc.unary_unary_rpc_method_handler(
                     servicer.CreateSequence,
@@ -416,6 +465,87 @@ class MetadataService:
             '/minipaged.v1.MetadataService/Stats',
             minipaged_dot_v1_dot_metadata__pb2.StatsRequest.SerializeToString,
             minipaged_dot_v1_dot_metadata__pb2.StatsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListJobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/minipaged.v1.MetadataService/ListJobs',
+            minipaged_dot_v1_dot_metadata__pb2.ListJobsRequest.SerializeToString,
+            minipaged_dot_v1_dot_metadata__pb2.JobList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/minipaged.v1.MetadataService/DeleteJob',
+            minipaged_dot_v1_dot_metadata__pb2.JobRequest.SerializeToString,
+            minipaged_dot_v1_dot_metadata__pb2.Job.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PoolSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/minipaged.v1.MetadataService/PoolSnapshot',
+            minipaged_dot_v1_dot_metadata__pb2.PoolSnapshotRequest.SerializeToString,
+            minipaged_dot_v1_dot_metadata__pb2.PoolSnapshotReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -11,7 +11,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("address", "model_name", "model_fingerprint", "num_layers", "layer_start", "layer_end", "hidden_size", "vocab_size", "num_attention_heads", "num_kv_heads", "head_dim", "dtype", "device", "max_position_embeddings", "eos_token_ids", "kv_cache_bytes", "fixed_num_blocks", "cache_epoch", "num_blocks", "block_size", "backend", "dtype_bytes")
+    __slots__ = ("address", "model_name", "model_fingerprint", "num_layers", "layer_start", "layer_end", "hidden_size", "vocab_size", "num_attention_heads", "num_kv_heads", "head_dim", "dtype", "device", "max_position_embeddings", "eos_token_ids", "kv_cache_bytes", "fixed_num_blocks", "cache_epoch", "num_blocks", "block_size", "backend", "dtype_bytes", "replica_group", "simulate", "weight_bytes")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,9 @@ class WorkerInfo(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     DTYPE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_GROUP_FIELD_NUMBER: _ClassVar[int]
+    SIMULATE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     address: str
     model_name: str
     model_fingerprint: str
@@ -56,7 +59,10 @@ class WorkerInfo(_message.Message):
     block_size: int
     backend: str
     dtype_bytes: int
-    def __init__(self, address: _Optional[str] = ..., model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_layers: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[bytes] = ..., kv_cache_bytes: _Optional[int] = ..., fixed_num_blocks: _Optional[int] = ..., cache_epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., backend: _Optional[str] = ..., dtype_bytes: _Optional[int] = ...) -> None: ...
+    replica_group: str
+    simulate: str
+    weight_bytes: int
+    def __init__(self, address: _Optional[str] = ..., model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_layers: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[bytes] = ..., kv_cache_bytes: _Optional[int] = ..., fixed_num_blocks: _Optional[int] = ..., cache_epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., backend: _Optional[str] = ..., dtype_bytes: _Optional[int] = ..., replica_group: _Optional[str] = ..., simulate: _Optional[str] = ..., weight_bytes: _Optional[int] = ...) -> None: ...
 
 class InitCacheRequest(_message.Message):
     __slots__ = ("num_blocks", "block_size", "next_stage_address", "next_stage_token", "cache_epoch")
@@ -83,7 +89,7 @@ class InitCacheReply(_message.Message):
     def __init__(self, cache_epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "cache_epoch", "sequence_ids", "input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables", "max_blocks_per_seq", "do_sample", "temperature", "top_p", "top_k", "seeds", "sample_offsets", "return_logprobs", "hidden_states", "hidden_dtype", "return_logits")
+    __slots__ = ("step_id", "cache_epoch", "sequence_ids", "input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables", "max_blocks_per_seq", "do_sample", "temperature", "top_p", "top_k", "seeds", "sample_offsets", "return_logprobs", "hidden_states", "hidden_dtype", "return_logits", "delta_tables", "table_base", "new_block_counts", "new_blocks", "release_sequence_ids", "copy_src", "copy_dst", "min_tokens_suppress", "suppress_counts", "suppress_ids", "repetition_penalty", "presence_penalty", "frequency_penalty", "penalty_counts", "penalty_prompt_lens", "penalty_tokens", "top_logprobs")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +110,23 @@ class StepRequest(_message.Message):
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_DTYPE_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGITS_FIELD_NUMBER: _ClassVar[int]
+    DELTA_TABLES_FIELD_NUMBER: _ClassVar[int]
+    TABLE_BASE_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCK_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_SEQUENCE_IDS_FIELD_NUMBER: _ClassVar[int]
+    COPY_SRC_FIELD_NUMBER: _ClassVar[int]
+    COPY_DST_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_SUPPRESS_FIELD_NUMBER: _ClassVar[int]
+    SUPPRESS_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    SUPPRESS_IDS_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PENALTY_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    PENALTY_PROMPT_LENS_FIELD_NUMBER: _ClassVar[int]
+    PENALTY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     cache_epoch: int
     sequence_ids: bytes
@@ -124,7 +147,24 @@ class StepRequest(_message.Message):
     hidden_states: bytes
     hidden_dtype: str
     return_logits: bool
-    def __init__(self, step_id: _Optional[int] = ..., cache_epoch: _Optional[int] = ..., sequence_ids: _Optional[bytes] = ..., input_ids: _Optional[bytes] = ..., positions: _Optional[bytes] = ..., slot_mapping: _Optional[bytes] = ..., query_start_loc: _Optional[bytes] = ..., seq_lens: _Optional[bytes] = ..., block_tables: _Optional[bytes] = ..., max_blocks_per_seq: _Optional[int] = ..., do_sample: _Optional[bytes] = ..., temperature: _Optional[bytes] = ..., top_p: _Optional[bytes] = ..., top_k: _Optional[bytes] = ..., seeds: _Optional[bytes] = ..., sample_offsets: _Optional[bytes] = ..., return_logprobs: _Optional[bool] = ..., hidden_states: _Optional[bytes] = ..., hidden_dtype: _Optional[str] = ..., return_logits: _Optional[bool] = ...) -> None: ...
+    delta_tables: bool
+    table_base: bytes
+    new_block_counts: bytes
+    new_blocks: bytes
+    release_sequence_ids: bytes
+    copy_src: bytes
+    copy_dst: bytes
+    min_tokens_suppress: bytes
+    suppress_counts: bytes
+    suppress_ids: bytes
+    repetition_penalty: bytes
+    presence_penalty: bytes
+    frequency_penalty: bytes
+    penalty_counts: bytes
+    penalty_prompt_lens: bytes
+    penalty_tokens: bytes
+    top_logprobs: int
+    def __init__(self, step_id: _Optional[int] = ..., cache_epoch: _Optional[int] = ..., sequence_ids: _Optional[bytes] = ..., input_ids: _Optional[bytes] = ..., positions: _Optional[bytes] = ..., slot_mapping: _Optional[bytes] = ..., query_start_loc: _Optional[bytes] = ..., seq_lens: _Optional[bytes] = ..., block_tables: _Optional[bytes] = ..., max_blocks_per_seq: _Optional[int] = ..., do_sample: _Optional[bytes] = ..., temperature: _Optional[bytes] = ..., top_p: _Optional[bytes] = ..., top_k: _Optional[bytes] = ..., seeds: _Optional[bytes] = ..., sample_offsets: _Optional[bytes] = ..., return_logprobs: _Optional[bool] = ..., hidden_states: _Optional[bytes] = ..., hidden_dtype: _Optional[str] = ..., return_logits: _Optional[bool] = ..., delta_tables: _Optional[bool] = ..., table_base: _Optional[bytes] = ..., new_block_counts: _Optional[bytes] = ..., new_blocks: _Optional[bytes] = ..., release_sequence_ids: _Optional[bytes] = ..., copy_src: _Optional[bytes] = ..., copy_dst: _Optional[bytes] = ..., min_tokens_suppress: _Optional[bytes] = ..., suppress_counts: _Optional[bytes] = ..., suppress_ids: _Optional[bytes] = ..., repetition_penalty: _Optional[bytes] = ..., presence_penalty: _Optional[bytes] = ..., frequency_penalty: _Optional[bytes] = ..., penalty_counts: _Optional[bytes] = ..., penalty_prompt_lens: _Optional[bytes] = ..., penalty_tokens: _Optional[bytes] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class StageTiming(_message.Message):
     __slots__ = ("layer_start", "layer_end", "compute_ms")
@@ -137,20 +177,28 @@ class StageTiming(_message.Message):
     def __init__(self, layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., compute_ms: _Optional[float] = ...) -> None: ...
 
 class StepReply(_message.Message):
-    __slots__ = ("step_id", "cache_epoch", "sampled_token_ids", "logprobs", "timings", "logits")
+    __slots__ = ("step_id", "cache_epoch", "sampled_token_ids", "logprobs", "timings", "logits", "error_code", "error", "top_logprob_ids", "top_logprobs")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     LOGITS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROB_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     cache_epoch: int
     sampled_token_ids: bytes
     logprobs: bytes
     timings: _containers.RepeatedCompositeFieldContainer[StageTiming]
     logits: bytes
-    def __init__(self, step_id: _Optional[int] = ..., cache_epoch: _Optional[int] = ..., sampled_token_ids: _Optional[bytes] = ..., logprobs: _Optional[bytes] = ..., timings: _Optional[_Iterable[_Union[StageTiming, _Mapping]]] = ..., logits: _Optional[bytes] = ...) -> None: ...
+    error_code: int
+    error: str
+    top_logprob_ids: bytes
+    top_logprobs: bytes
+    def __init__(self, step_id: _Optional[int] = ..., cache_epoch: _Optional[int] = ..., sampled_token_ids: _Optional[bytes] = ..., logprobs: _Optional[bytes] = ..., timings: _Optional[_Iterable[_Union[StageTiming, _Mapping]]] = ..., logits: _Optional[bytes] = ..., error_code: _Optional[int] = ..., error: _Optional[str] = ..., top_logprob_ids: _Optional[bytes] = ..., top_logprobs: _Optional[bytes] = ...) -> None: ...
 
 class CopyBlocksRequest(_message.Message):
     __slots__ = ("cache_epoch", "src_blocks", "dst_blocks")

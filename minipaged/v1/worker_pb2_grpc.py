@@ -49,6 +49,11 @@ class WorkerServiceStub:
                 request_serializer=minipaged_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
                 response_deserializer=minipaged_dot_v1_dot_worker__pb2.StepReply.FromString,
                 _registered_method=True)
+        self.StepStream = channel.stream_stream(
+                '/minipaged.v1.WorkerService/StepStream',
+                request_serializer=minipaged_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
+                response_deserializer=minipaged_dot_v1_dot_worker__pb2.StepReply.FromString,
+                _registered_method=True)
         self.CopyBlocks = channel.unary_unary(
                 '/minipaged.v1.WorkerService/CopyBlocks',
                 request_serializer=minipaged_dot_v1_dot_worker__pb2.CopyBlocksRequest.SerializeToString,
@@ -82,6 +87,15 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StepStream(self, request_iterator, context):
+        """The metadata service's path: Steps in order on one stream, several in flight (pipelined
+        micro-batches, async scheduling); each stage runs them in arrival order and forwards them on a
+        stream of its own to the next stage; replies come back in order, errors in-band.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CopyBlocks(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -109,6 +123,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
             ),
             'Step': grpc.unary_unary_rpc_method_handler(
                     servicer.Step,
+                    request_deserializer=minipaged_dot_v1_dot_worker__pb2.StepRequest.FromString,
+                    response_serializer=minipaged_dot_v1_dot_worker__pb2.StepReply.SerializeToString,
+            ),
+            'StepStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.StepStream,
                     request_deserializer=minipaged_dot_v1_dot_worker__pb2.StepRequest.FromString,
                     response_serializer=minipaged_dot_v1_dot_worker__pb2.StepReply.SerializeToString,
             ),
@@ -202,6 +221,33 @@ class WorkerService:
             request,
             target,
             '/minipaged.v1.WorkerService/Step',
+            minipaged_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
+            minipaged_dot_v1_dot_worker__pb2.StepReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StepStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/minipaged.v1.WorkerService/StepStream',
             minipaged_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
             minipaged_dot_v1_dot_worker__pb2.StepReply.FromString,
             options,

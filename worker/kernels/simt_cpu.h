@@ -15,6 +15,8 @@
 //  * Anything else (a warp waiting on a shuffle while another lane of it waits on __syncthreads,
 //    i.e. divergent collectives) is reported as a deadlock: the launch fails with an error code.
 //  * Launches are serialized by a mutex (shared-memory statics are process-wide).
+//  * The order in which ready fibers run between switch points, and blocks run in a grid, is a
+//    schedule (simt_schedule.h): the natural FORWARD one, or hostile ones that expose races.
 #pragma once
 #ifdef __CUDACC__
 #error "simt_cpu.h is the CPU emulation header; do not include it in CUDA builds"
@@ -22,6 +24,9 @@
 
 #include <ucontext.h>
 
+#include "simt_schedule.h"
+
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -60,6 +65,16 @@ inline float __expf(float x) { return std::exp(x); }
 inline float __fdividef(float a, float b) { return a / b; }
 inline float __frcp_rn(float a) { return 1.0f / a; }
 template <typename T> inline T __ldg(const T* p) { return *p; }
+inline float __uint_as_float(unsigned u) {
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+inline unsigned __float_as_uint(float f) {
+    unsigned u;
+    std::memcpy(&u, &f, 4);
+    return u;
+}
 using std::min;
 using std::max;
 
@@ -160,8 +175,10 @@ inline int run_block(int nthreads) {
         f.shfl_parity = 0;
     }
     const int nwarps = (nthreads + 31) / 32;
+    static std::vector<int> order;
     for (;;) {
-        for (int i = 0; i < nthreads; ++i) {
+        round_order(order, nthreads);
+        for (int i : order) {
             if (fs[i].state != READY) continue;
             current() = &fs[i];
             swapcontext(&scheduler_ctx(), &fs[i].ctx);
@@ -202,7 +219,8 @@ inline int run_block(int nthreads) {
     }
 }
 
-// launch(kernel, grid, block, args...): blocks run one after another, in x-fastest order.
+// launch(kernel, grid, block, args...): blocks run one after another, in x-fastest order under
+// FORWARD, last to first under REVERSE, in a seeded random order under RANDOM and WARPS.
 template <typename... P, typename... A>
 int launch(void (*kernel)(P...), dim3 grid, dim3 block, A... args) {
     const long nthreads = static_cast<long>(block.x) * block.y * block.z;
@@ -215,17 +233,19 @@ int launch(void (*kernel)(P...), dim3 grid, dim3 block, A... args) {
     body() = &fn;
     grid_dim() = grid;
     block_dim() = block;
-    for (unsigned z = 0; z < grid.z; ++z)
-        for (unsigned y = 0; y < grid.y; ++y)
-            for (unsigned x = 0; x < grid.x; ++x) {
-                block_idx() = dim3(x, y, z);
-                if (run_block(static_cast<int>(nthreads)) != 0) {
-                    // Abandon the stuck fibers: their stacks are re-initialised by the next launch.
-                    for (int i = 0; i < nthreads; ++i) fs[i].state = DONE;
-                    body() = nullptr;
-                    return -1;
-                }
-            }
+    std::vector<uint64_t> blocks;
+    block_order(blocks, static_cast<uint64_t>(grid.x) * grid.y * grid.z);
+    for (uint64_t b : blocks) {
+        block_idx() = dim3(static_cast<unsigned>(b % grid.x),
+                           static_cast<unsigned>(b / grid.x % grid.y),
+                           static_cast<unsigned>(b / (static_cast<uint64_t>(grid.x) * grid.y)));
+        if (run_block(static_cast<int>(nthreads)) != 0) {
+            // Abandon the stuck fibers: their stacks are re-initialised by the next launch.
+            for (int i = 0; i < nthreads; ++i) fs[i].state = DONE;
+            body() = nullptr;
+            return -1;
+        }
+    }
     body() = nullptr;
     return 0;
 }
@@ -287,6 +307,17 @@ template <typename T>
 inline T __shfl_sync(unsigned, T v, int src_lane, int width = 32) {
     const int lane = ::simt::lane_id();
     return ::simt::exchange(v, (lane & ~(width - 1)) + (src_lane & (width - 1)));
+}
+
+// Picks the schedule of every later launch (mode: 0 FORWARD, 1 REVERSE, 2 RANDOM, 3 WARPS; seed for
+// the random ones). Weak: one definition however many translation units include this header.
+extern "C" __attribute__((weak, visibility("default"))) int simt_set_schedule(int mode,
+                                                                             uint64_t seed) {
+    if (mode < ::simt::FORWARD || mode > ::simt::WARPS) return -1;
+    std::lock_guard<std::mutex> lock(::simt::launch_mutex());
+    ::simt::schedule().mode = mode;
+    ::simt::schedule().rng = seed;
+    return 0;
 }
 
 // Host wrappers for the emulation build: kernels/*.cu use SIMT_EMU_ENTRY(...) to export

@@ -1,0 +1,270 @@
+"""Does every worker added add throughput? One run, one table per question, load proportional to
+the workers (weak scaling, as in the roofline: each replica or micro-batch gets the load one worker
+would have).
+
+Simulated rows (SIMULATED: real processes, RPCs, scheduler, block manager and wire; compute replaced
+by worker/simulator.py's H200 roofline model of a Qwen3-8B-shaped config, bench/configs/qwen3-8b):
+  1. replicas R in {1, 2, 4, 8}, R x the requests: tokens/s, ratio to R=1, metadata-service CPU %
+  2. stages N in {1, 2, 4, 8} of one chain, N x the requests: tokens/s, ratio, each stage's busy %
+  3. async scheduling: one replica, a fixed 5 ms step: tokens/s against the model's ideal
+  4. shared prefixes (8 system prompts of 1-2k tokens, 32 requests each) over 4 replicas:
+     prefix-aware vs round-robin routing: prefix-cache hit rate, TTFT p50 / p99
+  5. per-step wire bytes and metadata ms at 256 sequences x 2k and x 32k context, full vs delta tables
+Real rows (the tiny model computing on this CPU): 1 worker vs 2 stages vs 2 replicas on the same cores.
+
+    .venv/bin/python bench/scale.py [--quick] [--only replicas,stages,overlap,prefix,wire,cpu]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from client import AsyncClient, LocalCluster  # noqa: E402
+
+CONFIG_8B = os.path.join(ROOT, "bench", "configs", "qwen3-8b")
+
+
+def requests(n, lo, hi, new, seed, vocab=150000):
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(1000, vocab) for _ in range(rng.randint(lo, hi))],
+             "max_new_tokens": new, "ignore_eos": True} for _ in range(n)]
+
+
+def run_job(cluster, reqs):
+    """Submit one job, wait for it; (tokens/s, wall s, Stats before, Stats after)."""
+    c = cluster.client
+    before = c.stats()
+    t0 = time.perf_counter()
+    results = c.wait(c.submit(reqs), timeout=3600)
+    wall = time.perf_counter() - t0
+    after = c.stats()
+    tokens = sum(len(r.token_ids) for r in results)
+    return tokens / wall, wall, before, after
+
+
+def busy_fractions(before, after, wall):
+    """Each stage's compute time over the job's wall time (chain order)."""
+    out = []
+    for b, a in zip(before.chains, after.chains):
+        for sb, sa in zip(b["stages"], a["stages"]):
+            out.append((float(sa["step_ms"]) * int(a["steps"]) - float(sb["step_ms"]) * int(b["steps"])) / 1e3 / wall)
+    return out
+
+
+def cpu_percent(before, after, wall):
+    return 100.0 * (after.metadata_cpu_seconds - before.metadata_cpu_seconds) / wall
+
+
+# ---------------------------------------------------------------- simulated
+def sim_cluster(stages=1, replicas=1, profile="h200", extra=()):
+    return LocalCluster(model=CONFIG_8B, workers=stages, replicas=replicas, simulate=profile, dtype=None,
+                        startup_timeout=300, extra_service_args=list(extra))
+
+
+def bench_replicas(args):
+    rows, base = [], None
+    for R in args.replicas:
+        with sim_cluster(replicas=R) as c:
+            run_job(c, requests(8 * R, 64, 128, 4, seed=99))          # warm-up
+            tps, wall, b, a = run_job(c, requests(args.per_worker * R, args.lo, args.hi, args.new, seed=R))
+        base = base or tps
+        rows.append((f"{R} replica{'s' if R > 1 else ''}", f"{tps:,.0f}", f"{tps / base:.2f}x",
+                     f"{cpu_percent(b, a, wall):.0f}%", f"{wall:.1f}"))
+    table("simulated H200 replicas (Qwen3-8B shape), R x the requests",
+          ("setup", "tok/s", "vs R=1", "metadata CPU", "wall s"), rows)
+
+
+def bench_stages(args):
+    rows, base = [], None
+    for N in args.stages:
+        with sim_cluster(stages=N) as c:
+            run_job(c, requests(8 * N, 64, 128, 4, seed=98))
+            tps, wall, b, a = run_job(c, requests(args.per_worker * N, args.lo, args.hi, args.new, seed=N))
+        base = base or tps
+        busy = busy_fractions(b, a, wall)
+        rows.append((f"{N} stage{'s' if N > 1 else ''}", f"{tps:,.0f}", f"{tps / base:.2f}x",
+                     " ".join(f"{x:.0%}" for x in busy), f"{cpu_percent(b, a, wall):.0f}%", f"{wall:.1f}"))
+    table("simulated H200 pipeline stages (Qwen3-8B shape), N x the requests",
+          ("setup", "tok/s", "vs N=1", "stage busy", "metadata CPU", "wall s"), rows)
+
+
+def bench_overlap(args):
+    step = 0.005
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({"fixed_step_s": step}, f)
+    rows = []
+    n = args.per_worker
+    for label, extra in (("async scheduling (default)", ()), ("synchronous", ("--no-async-scheduling",))):
+        with sim_cluster(profile=f.name, extra=extra) as c:
+            run_job(c, requests(16, 32, 64, 4, seed=97))
+            # decode-bound: n sequences, short prompts, long outputs: ideal = n tokens per 5 ms step
+            reqs = requests(n, 16, 32, args.new, seed=5)
+            tps, wall, b, a = run_job(c, reqs)
+            steps = a.steps - b.steps
+        ideal = sum(r["max_new_tokens"] for r in reqs) / (steps * step)
+        rows.append((label, f"{tps:,.0f}", f"{ideal:,.0f}", f"{tps / ideal:.0%}", steps,
+                     f"{1e3 * wall / steps:.2f}"))
+    os.unlink(f.name)
+    table("one simulated replica, fixed 5 ms step: host work hidden behind the step?",
+          ("scheduling", "tok/s", "ideal tok/s", "of ideal", "steps", "ms/step"), rows)
+
+
+def shared_prefix_requests(seed=7, systems=8, per=32, new=32):
+    rng = random.Random(seed)
+    heads = [[rng.randrange(1000, 150000) for _ in range(rng.randint(1024, 2048))] for _ in range(systems)]
+    reqs = [{"prompt_token_ids": h + [rng.randrange(1000, 150000) for _ in range(rng.randint(32, 128))],
+             "max_new_tokens": new, "ignore_eos": True} for h in heads for _ in range(per)]
+    rng.shuffle(reqs)
+    return reqs
+
+
+async def ttfts(address, reqs, concurrency=64):
+    sem = asyncio.Semaphore(concurrency)
+    out = []
+    async with AsyncClient(address) as c:
+        async def one(r):
+            async with sem:
+                t0 = time.perf_counter()
+                async for _ in c.stream(**r):
+                    out.append(time.perf_counter() - t0)
+                    break
+        await asyncio.gather(*(one(r) for r in reqs))
+    return sorted(out)
+
+
+def bench_prefix(args):
+    reqs = shared_prefix_requests(per=args.prefix_per)
+    rows, base_rate = [], None
+    for label, replicas, router in (("1 replica", 1, "prefix"), ("4 replicas, prefix-aware", 4, "prefix"),
+                                    ("4 replicas, round-robin", 4, "round_robin")):
+        with sim_cluster(replicas=replicas, extra=("--router", router)) as c:
+            b = c.client.stats()
+            t0 = time.perf_counter()
+            lat = asyncio.run(ttfts(c.address, reqs))
+            wall = time.perf_counter() - t0
+            a = c.client.stats()
+        q, h = a.prefix_cache_queries - b.prefix_cache_queries, a.prefix_cache_hits - b.prefix_cache_hits
+        rate = h / q if q else 0.0
+        base_rate = base_rate if base_rate is not None else rate
+        rows.append((label, f"{rate:.3f}", f"{rate / base_rate:.2f}x", f"{1e3 * lat[len(lat) // 2]:.0f}",
+                     f"{1e3 * lat[int(len(lat) * 0.99) - 1]:.0f}", f"{wall:.1f}"))
+    table(f"shared prefixes (8 system prompts of 1-2k tokens x {args.prefix_per} requests), simulated H200",
+          ("routing", "hit rate", "vs 1 replica", "TTFT p50 ms", "TTFT p99 ms", "wall s"), rows)
+
+
+def bench_wire(args):
+    """In process: the metadata service's per-step path for a steady decode step, and its bytes."""
+    import numpy as np
+
+    from metadata_service.block_manager import KVBlockManager
+    from metadata_service.chain import ChainConfig, ChainRunner
+    from metadata_service.scheduler import Scheduler
+    from metadata_service.sequence import SamplingParams, Sequence
+    from minipaged.v1 import worker_pb2
+    from minipaged.wire import pack
+
+    class FakeEngine:
+        eos_ids = set()
+
+        def finish(self, *a, **k):
+            pass
+
+        def stream_tokens(self, *a, **k):
+            pass
+
+    rows = []
+    for ctx in (2048, 32768):
+        for full in (True, False):
+            B, bs = 256, 16
+            m = KVBlockManager(B * (ctx // bs + 8), bs)
+            runner = ChainRunner.__new__(ChainRunner)       # only its packing and apply paths
+            runner.cfg, runner.epoch, runner.next_step_id, runner.wire_bytes = ChainConfig(), 1, 1, 0
+            runner.engine, runner.manager, runner.generated_tokens = FakeEngine(), m, 0
+            sch = runner.scheduler = Scheduler(m, 1 << 20, B, full_tables=full)
+            seqs = [Sequence([7] * ctx, SamplingParams(max_new_tokens=1 << 20), seq_id=i) for i in range(B)]
+            for s in seqs:
+                sch.add(s)
+            while any(s.num_computed_tokens < ctx for s in seqs):     # prefill, not timed
+                b = sch.schedule()
+                sch.step_done(b)
+                for s, d in zip(b.seqs, b.do_sample.tolist()):
+                    if d:
+                        s.append_output(9)
+            times, sizes = [], []
+            for _ in range(args.wire_steps):
+                t0 = time.perf_counter()
+                b = sch.schedule()
+                req = runner._step_request(b, [])
+                data = req.SerializeToString()
+                reply = worker_pb2.StepReply(step_id=req.step_id, sampled_token_ids=pack(np.full(B, 9)))
+                sch.step_done(b)
+                runner._apply(b, worker_pb2.StepReply.FromString(reply.SerializeToString()))
+                times.append(time.perf_counter() - t0)
+                sizes.append(len(data))
+            times.sort()
+            rows.append((f"{B} seqs x {ctx // 1024}k ctx", "full tables" if full else "delta tables",
+                         f"{np.mean(sizes) / 1024:,.1f}", f"{1e3 * times[len(times) // 2]:.3f}"))
+    table("metadata service per decode step (schedule + pack + serialize + apply), in process",
+          ("batch", "block tables", "KiB/step", "ms/step (median)"), rows)
+
+
+def bench_cpu(args):
+    """The tiny model computing on this CPU: do more workers on the same cores lose anything?"""
+    rng = random.Random(0)
+    reqs = [{"prompt_token_ids": [rng.randrange(0, 256) for _ in range(rng.randint(16, 512))],
+             "max_new_tokens": 64, "ignore_eos": True} for _ in range(args.cpu_prompts)]
+    rows, base = [], None
+    for label, kw in (("1 worker", dict(workers=1)), ("2 pipeline stages", dict(workers=2)),
+                      ("2 replicas", dict(workers=1, replicas=2))):
+        best = 0.0
+        with LocalCluster(model="tiny", dtype="float32", **kw) as c:
+            run_job(c, [{"prompt_token_ids": [1, 2, 3], "max_new_tokens": 4}] * 4)
+            for _ in range(args.repeat):
+                best = max(best, run_job(c, reqs)[0])
+        base = base or best
+        rows.append((label, f"{best:,.0f}", f"{best / base:.2f}x"))
+    table(f"tiny Qwen3 computing on this CPU ({os.cpu_count()} cores), {len(reqs)} prompts of 16-512, 64 new",
+          ("setup", "tok/s (best of %d)" % args.repeat, "vs 1 worker"), rows)
+
+
+def table(title, header, rows):
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    line = lambda r: "| " + " | ".join(str(x).ljust(w) for x, w in zip(r, widths)) + " |"  # noqa: E731
+    print(f"\n{title}\n" + line(header) + "\n|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for r in rows:
+        print(line(r))
+    sys.stdout.flush()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smaller loads, fewer points (a smoke run)")
+    ap.add_argument("--only", default="replicas,stages,overlap,prefix,wire,cpu")
+    args = ap.parse_args()
+    q = args.quick
+    args.replicas = [1, 2] if q else [1, 2, 4, 8]
+    args.stages = [1, 2] if q else [1, 2, 4, 8]
+    args.per_worker = 32 if q else 256
+    args.lo, args.hi, args.new = (256, 512, 16) if q else (512, 1536, 128)
+    args.prefix_per = 4 if q else 32
+    args.wire_steps = 5 if q else 50
+    args.cpu_prompts, args.repeat = (16, 1) if q else (64, 2)
+    print(f"bench/scale.py {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores; "
+          f"simulated rows: SIMULATED H200 (worker/simulator.py)")
+    for name in args.only.split(","):
+        {"replicas": bench_replicas, "stages": bench_stages, "overlap": bench_overlap, "prefix": bench_prefix,
+         "wire": bench_wire, "cpu": bench_cpu}[name](args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""`python -m gateway --metadata HOST:PORT --port 8000 [--host 127.0.0.1] [--token T]` (also
+`minipaged-gateway`): the OpenAI-compatible HTTP API, /metrics, /health and the dashboard at /."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m gateway", description=__doc__,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--metadata", default=os.environ.get("MINIPAGED_ADDRESS", "127.0.0.1:50051"),
+                   help="the metadata service, HOST:PORT (HOST alone: port 50051; env MINIPAGED_ADDRESS)")
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port")
+    p.add_argument("--token", default=os.environ.get("MINIPAGED_TOKEN"),
+                   help="API key: HTTP clients must send 'Authorization: Bearer T' to /v1/*; also presented "
+                        "to the metadata service unless --metadata-token is given (env MINIPAGED_TOKEN)")
+    p.add_argument("--metadata-token", default=os.environ.get("MINIPAGED_METADATA_TOKEN"),
+                   help="token for the metadata service when it differs from --token (env MINIPAGED_METADATA_TOKEN)")
+    p.add_argument("--model", default=os.environ.get("MINIPAGED_MODEL"),
+                   help="the --model the workers load (tiny or a checkpoint directory readable here): names "
+                        "the model in /v1/models and supplies its chat template and tokenizer (env MINIPAGED_MODEL)")
+    p.add_argument("--served-model-name", default=None, help="the name in /v1/models instead of --model")
+    p.add_argument("--default-max-tokens", type=int, default=256,
+                   help="max_tokens of chat requests that give none (capped by the model's context)")
+    p.add_argument("--tls-ca", default="", help="CA of the metadata service's certificate: talk TLS to it")
+    p.add_argument("--tls-cert", default="", help="client certificate for the metadata service (mTLS)")
+    p.add_argument("--tls-key", default="", help="key of --tls-cert")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    import uvicorn
+
+    from client.messages import normalize_address
+
+    from .app import GatewayConfig, create_app
+    config = GatewayConfig(metadata=normalize_address(args.metadata), token=args.token,
+                           metadata_token=args.metadata_token, model=args.model,
+                           served_model_name=args.served_model_name, tls_ca=args.tls_ca or None,
+                           tls_cert=args.tls_cert or None, tls_key=args.tls_key or None,
+                           default_max_tokens=args.default_max_tokens)
+    app = create_app(config)
+    # uvicorn handles SIGTERM/SIGINT: it stops accepting, finishes in-flight requests, exits 0
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10,
+                lifespan="on")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

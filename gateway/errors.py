@@ -1,0 +1,75 @@
+"""The one table from our gRPC status codes to HTTP statuses and OpenAI error objects.
+
+Every error the gateway returns goes through `error_response`: a typed SDK error (the server's
+status code and message, or a check the SDK made before any RPC) or a GatewayError the gateway
+raised itself (a bad parameter, an unknown model, a wrong token)."""
+from __future__ import annotations
+
+import grpc
+from fastapi.responses import JSONResponse
+
+from client.errors import MiniPagedError
+
+S = grpc.StatusCode
+# code -> (HTTP status, OpenAI error type, Retry-After seconds or None)
+GRPC_TO_HTTP: dict[grpc.StatusCode, tuple[int, str, int | None]] = {
+    S.INVALID_ARGUMENT: (400, "invalid_request_error", None),
+    S.OUT_OF_RANGE: (400, "invalid_request_error", None),
+    S.UNAUTHENTICATED: (401, "authentication_error", None),
+    S.PERMISSION_DENIED: (403, "permission_error", None),
+    S.NOT_FOUND: (404, "not_found_error", None),
+    S.ALREADY_EXISTS: (409, "conflict_error", None),
+    S.ABORTED: (409, "conflict_error", None),
+    S.RESOURCE_EXHAUSTED: (429, "rate_limit_error", 1),       # the queue is full: retry shortly
+    S.CANCELLED: (499, "cancelled_error", None),              # the client went away (nginx's 499)
+    S.UNIMPLEMENTED: (501, "not_implemented_error", None),
+    S.FAILED_PRECONDITION: (503, "service_unavailable_error", 5),  # the chain is (re)initialising
+    S.UNAVAILABLE: (503, "service_unavailable_error", 5),     # no worker chain (yet)
+    S.DEADLINE_EXCEEDED: (504, "timeout_error", None),
+    S.INTERNAL: (500, "server_error", None),
+    S.UNKNOWN: (500, "server_error", None),
+    S.DATA_LOSS: (500, "server_error", None),
+}
+# RESOURCE_EXHAUSTED also says "this request needs more blocks than the whole pool holds": no
+# retry can help, so that one is a 400 (the server's message says "could never run").
+NEVER_FITS = "could never run"
+
+
+class GatewayError(Exception):
+    """An error the gateway itself detects; `param` names the offending request field."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, retry_after: int | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.retry_after = retry_after
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None) -> GatewayError:
+    return GatewayError(400, message, "invalid_request_error", param)
+
+
+def from_sdk_error(e: MiniPagedError) -> GatewayError:
+    status, type_, retry = GRPC_TO_HTTP.get(e.code, (500, "server_error", None))
+    if e.code == S.RESOURCE_EXHAUSTED and NEVER_FITS in e.details:
+        status, type_, retry = 400, "invalid_request_error", None
+    return GatewayError(status, e.details or e.code.name, type_, code=e.code.name.lower(), retry_after=retry)
+
+
+def as_gateway_error(e: Exception) -> GatewayError:
+    if isinstance(e, GatewayError):
+        return e
+    if isinstance(e, MiniPagedError):
+        return from_sdk_error(e)
+    if isinstance(e, (TypeError, ValueError)):  # the SDK's own type checks, before any RPC
+        return bad_request(str(e))
+    return GatewayError(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+
+
+def error_response(e: Exception) -> JSONResponse:
+    g = as_gateway_error(e)
+    headers = {"Retry-After": str(g.retry_after)} if g.retry_after is not None else None
+    return JSONResponse(g.body(), status_code=g.status, headers=headers)

@@ -1,0 +1,298 @@
+"""The OpenAI API's shapes and their mapping onto our Generate request and back.
+
+Pure functions and pydantic models only: no I/O here (app.py runs the requests). Field names
+follow OpenAI's API, with vLLM's extensions where OpenAI has no word for ours (top_k, min_tokens,
+repetition_penalty, stop_token_ids, ignore_eos, chat_template_kwargs)."""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from client.messages import StreamChunk, Usage
+
+from .errors import bad_request
+
+MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default --max-logprobs
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+# ---------------------------------------------------------------- requests
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage on every chunk
+
+
+class _Sampling(BaseModel):
+    """Fields shared by completions and chat completions. Unknown fields are ignored, as the
+    OpenAI clients send some we have no use for (user, ...)."""
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None      # OpenAI's default is 1
+    top_p: float | None = None
+    top_k: int | None = None              # vLLM extension; 0 or -1 = off
+    seed: int | None = None
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: list[int] | None = None
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    return_tokens_as_token_ids: bool = False    # vLLM extension: logprob tokens as "token_id:N"
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ...: passed to the template
+
+    role: str
+    content: Union[str, list[dict[str, Any]], None] = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True          # vLLM extension
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension (e.g. enable_thinking)
+
+
+def _check_common(req: _Sampling) -> None:
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported", "logit_bias")
+    if req.n < 1:
+        raise bad_request(f"n must be >= 1, got {req.n}", "n")
+    if req.best_of is not None and req.best_of < req.n:
+        raise bad_request(f"best_of must be >= n, got best_of={req.best_of} n={req.n}", "best_of")
+    if req.stream and req.best_of is not None and req.best_of > req.n:
+        raise bad_request("best_of > n cannot stream (the best choices are known only at the end)", "best_of")
+
+
+def sampling_kwargs(req: _Sampling, max_tokens: int | None, default_max_tokens: int) -> dict:
+    """OpenAI sampling fields -> SDK keyword arguments (build_generate_request's names)."""
+    _check_common(req)
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    kw = dict(max_new_tokens=default_max_tokens if max_tokens is None else max_tokens,
+              temperature=1.0 if req.temperature is None else req.temperature,
+              top_k=0 if req.top_k is None or req.top_k < 0 else req.top_k,
+              seed=req.seed, stop=stop or None, ignore_eos=req.ignore_eos, n=req.n, best_of=req.best_of,
+              min_new_tokens=req.min_tokens, presence_penalty=req.presence_penalty,
+              frequency_penalty=req.frequency_penalty,
+              repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty)
+    if req.top_p is not None:
+        kw["top_p"] = req.top_p  # the SDK refuses 0 (400) as the server does
+    if req.stop_token_ids:
+        kw["stop_token_ids"] = req.stop_token_ids
+    return kw
+
+
+def completion_prompts(req: CompletionRequest) -> list[dict]:
+    """prompt as a string, a list of strings, token ids, or a list of token-id lists -> one dict
+    per prompt ({"prompt": str} or {"prompt_token_ids": [...]})."""
+    p = req.prompt
+    if isinstance(p, str):
+        return [{"prompt": p}]
+    if not p:
+        raise bad_request("prompt must not be empty", "prompt")
+    if all(isinstance(x, str) for x in p):
+        return [{"prompt": x} for x in p]
+    if all(isinstance(x, int) for x in p):
+        return [{"prompt_token_ids": list(p)}]
+    if all(isinstance(x, list) for x in p):
+        if any(not x for x in p):
+            raise bad_request("a token-id prompt must not be empty", "prompt")
+        return [{"prompt_token_ids": list(x)} for x in p]
+    raise bad_request("prompt must be a string, a list of strings, a list of token ids or a list of "
+                      "token-id lists", "prompt")
+
+
+def completion_kwargs(req: CompletionRequest) -> dict:
+    if req.suffix:
+        raise bad_request("suffix is not supported", "suffix")
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}", "logprobs")
+    kw = sampling_kwargs(req, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
+    if req.logprobs is not None:
+        kw["logprobs"] = req.logprobs
+    return kw
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict]:
+    """Messages as plain dicts for the template; text parts of multi-part content are joined."""
+    if req.tools:
+        raise bad_request("tools are not supported", "tools")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise bad_request("only response_format {\"type\": \"text\"} is supported", "response_format")
+    out = []
+    for i, m in enumerate(req.messages):
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.get("type") != "text":
+                    raise bad_request(f"messages[{i}]: only text content parts are supported, got "
+                                      f"{part.get('type')!r}", "messages")
+                texts.append(str(part.get("text", "")))
+            content = "".join(texts)
+        d = {k: v for k, v in (m.model_extra or {}).items()}
+        d.update(role=m.role, content=content if content is not None else "")
+        out.append(d)
+    return out
+
+
+def chat_kwargs(req: ChatCompletionRequest, default_max_tokens: int) -> dict:
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
+                              "top_logprobs")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    kw = sampling_kwargs(req, max_tokens, default_max_tokens)
+    if req.logprobs:
+        kw["logprobs"] = req.top_logprobs or 0
+    return kw
+
+
+# ---------------------------------------------------------------- per choice state
+
+FINISH_REASONS = {"length": "length", "stop": "stop", "cancelled": "abort", "": None}
+
+
+@dataclass
+class Choice:
+    """One choice being assembled (index = prompt index * n + choice index within the prompt)."""
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+    def add(self, c: StreamChunk) -> None:
+        self.token_ids += c.token_ids
+        self.text.append(c.text)
+        self.logprobs += c.logprobs or []
+        self.top += c.top_logprobs or []
+        if c.finish_reason:
+            self.finish_reason = FINISH_REASONS.get(c.finish_reason, c.finish_reason)
+        if c.usage is not None:
+            self.usage = c.usage
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def total_usage(per_prompt: list[list[Choice]]) -> dict:
+    """Prompt tokens once per prompt (its choices share the prompt's blocks), completion tokens of
+    every choice."""
+    p = c = cached = 0
+    for choices in per_prompt:
+        usages = [ch.usage for ch in choices if ch.usage is not None]
+        if usages:
+            p += usages[0].prompt_tokens
+            cached += usages[0].cached_tokens
+        c += sum(len(ch.token_ids) for ch in choices)
+    return usage_dict(p, c, cached)
+
+
+# ---------------------------------------------------------------- logprobs
+
+def completion_logprobs(choice: Choice, token_text, offset0: int = 0) -> dict | None:
+    """OpenAI legacy completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
+    if not choice.logprobs:
+        return None
+    tokens = [token_text(t) for t in choice.token_ids]
+    offsets, pos = [], offset0
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    top = None
+    if choice.top:
+        top = [{token_text(t): lp for t, lp in alts.items()} for alts in choice.top]
+    return {"tokens": tokens, "token_logprobs": choice.logprobs[:len(tokens)], "top_logprobs": top,
+            "text_offset": offsets}
+
+
+def chat_logprobs(choice: Choice, token_text) -> dict | None:
+    if not choice.logprobs:
+        return None
+    content = []
+    for k, (t, lp) in enumerate(zip(choice.token_ids, choice.logprobs)):
+        s = token_text(t)
+        alts = choice.top[k] if k < len(choice.top) else {}
+        content.append({"token": s, "logprob": lp, "bytes": list(s.encode("utf-8")),
+                        "top_logprobs": [{"token": token_text(a), "logprob": alp,
+                                          "bytes": list(token_text(a).encode("utf-8"))}
+                                         for a, alp in alts.items()]})
+    return {"content": content}
+
+
+# ---------------------------------------------------------------- responses
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def completion_response(rid: str, model: str, choices: list[Choice], per_prompt: list[list[Choice]],
+                        token_text, echo_texts: list[str] | None = None, n: int = 1) -> dict:
+    out = []
+    for ch in choices:
+        prefix = echo_texts[ch.index // n] if echo_texts else ""
+        out.append({"index": ch.index, "text": prefix + "".join(ch.text),
+                    "logprobs": completion_logprobs(ch, token_text, len(prefix)),
+                    "finish_reason": ch.finish_reason})
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": out, "usage": total_usage(per_prompt)}
+
+
+def chat_response(rid: str, model: str, choices: list[Choice], token_text) -> dict:
+    out = [{"index": ch.index, "message": {"role": "assistant", "content": "".join(ch.text)},
+            "logprobs": chat_logprobs(ch, token_text), "finish_reason": ch.finish_reason}
+           for ch in choices]
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": out, "usage": total_usage([choices])}
+
+
+def completion_chunk(rid: str, created: int, model: str, index: int, text: str, logprobs: dict | None,
+                     finish_reason: str | None) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+
+
+def chat_chunk(rid: str, created: int, model: str, index: int, delta: dict, logprobs: dict | None,
+               finish_reason: str | None) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+
+
+def usage_chunk(rid: str, created: int, model: str, obj: Literal["text_completion", "chat.completion.chunk"],
+                usage: dict) -> dict:
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage}

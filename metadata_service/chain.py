@@ -1,0 +1,379 @@
+"""ChainRunner: one replica chain (stages covering every layer) and the thread that drives it.
+
+A chain owns its KVBlockManager (block ids are chain-local) and its Scheduler, and talks to its
+stage 0 over one StepStream. Its thread keeps up to `depth` Steps in flight: with N stages, N + 1
+micro-batches (disjoint sets of sequences), so every stage has work while the host applies one
+micro-batch's tokens and schedules its next step; with one stage, two steps, the second scheduled
+from the first's sampled tokens before they are known (async scheduling, input id -1). Replies are
+applied as they come: tokens appended, stop rules checked, sinks told.
+
+Threading: only this thread touches the Scheduler and its Sequences' progress. Other threads post
+to `events` (add, abort) and read `stats()` / `snapshot()` under `self.lock`. When a step fails
+because the chain's state is gone (a worker died, restarted or hung), the chain stops and hands every
+unfinished sequence back to the Engine, which recomputes them on another chain."""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from minipaged.v1 import metadata_pb2, worker_pb2
+from minipaged.wire import FLOAT32, FLOAT64, INT32, INT64, pack, unpack
+
+from .block_manager import KVBlockManager
+from .scheduler import ScheduledBatch, Scheduler
+from .sequence import SAMPLING_ROW, SeqStatus, Sequence
+from .step_channel import StepChannel
+
+log = logging.getLogger("metadata_service.chain")
+
+# Step failures that say something about this batch, not about the chain's state: recomputing
+# would only repeat them, so the batch's requests fail and the chain goes on.
+BATCH_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+                grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+@dataclass
+class ChainConfig:
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256          # per micro-batch
+    micro_batches: int = 0           # 0: stages + 1 (one stage: 1, with async scheduling)
+    async_scheduling: bool = True
+    enable_prefix_caching: bool = True
+    full_block_tables: bool = False  # send whole tables every step (the pre-delta wire, to compare)
+    worker_token: str = ""
+
+
+@dataclass
+class InflightStep:
+    batch: ScheduledBatch
+    step_id: int
+    sent_at: float
+
+
+class ChainRunner:
+    def __init__(self, chain_id: int, stages: list, num_blocks: int, epoch: int, cfg: ChainConfig, engine,
+                 group: str = ""):
+        self.chain_id, self.stages, self.epoch, self.cfg, self.engine = chain_id, stages, epoch, cfg, engine
+        self.group = group
+        n = len(stages)
+        self.micro_batches = cfg.micro_batches or (n + 1 if n > 1 else 1)
+        overlap = cfg.async_scheduling and self.micro_batches == 1
+        self.slot_cap = 2 if overlap else 1            # steps in flight per micro-batch
+        self.depth = self.micro_batches * self.slot_cap
+        self.manager = KVBlockManager(num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.manager, cfg.max_num_batched_tokens, cfg.max_num_seqs,
+                                   self.micro_batches, overlap, cfg.full_block_tables)
+        self.lock = threading.RLock()
+        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self.inflight: dict[int, InflightStep] = {}
+        self.slot_inflight = [0] * self.micro_batches
+        self.order: deque[int] = deque()       # slots in the order their turn comes
+        self.order.extend(range(self.micro_batches))
+        self.next_step_id = 1
+        self.alive = True
+        self.lost_reason = ""
+        self._thread = threading.Thread(target=self._run, name=f"chain-{chain_id}", daemon=True)
+        # figures for Stats
+        self.started = time.monotonic()
+        self.steps = self.generated_tokens = 0
+        self.metadata_s = 0.0
+        self.stage_busy_ms = [0.0] * n
+        self.wire_bytes = 0
+
+    @property
+    def label(self) -> str:
+        return " -> ".join(w.address for w in self.stages)
+
+    # ------------------------------------------------------------------ any thread
+    def start(self) -> "ChainRunner":
+        self._thread.start()
+        return self
+
+    def add(self, seq: Sequence) -> None:
+        self.events.put(("add", seq))
+
+    def abort(self, seq: Sequence) -> None:
+        self.events.put(("abort", seq))
+
+    def stop(self, why: str) -> None:
+        """Lost from outside (a stage's lease ran out): end the stream, hand the sequences back."""
+        self.events.put(("lost", why))
+
+    def join(self, timeout: float = 5.0) -> None:
+        self._thread.join(timeout)
+
+    def load(self) -> int:
+        """Sequences on this chain (the router's balance term; read without the lock: a hint)."""
+        return len(self.scheduler.running) + len(self.scheduler.waiting)
+
+    # ------------------------------------------------------------------ the loop
+    def _run(self) -> None:
+        metadata = (("authorization", f"Bearer {self.cfg.worker_token}"),) if self.cfg.worker_token else None
+        self.channel = StepChannel(self.stages[0].connect(self.engine.registry.channel_factory), metadata,
+                                   self.events)
+        try:
+            while self.alive:
+                self._fill_pipeline()
+                try:
+                    kind, item = self.events.get(timeout=0.5 if self.inflight else 0.05)
+                except queue.Empty:
+                    continue
+                self._handle(kind, item)
+                while self.alive:                      # everything that is already there, at once
+                    try:
+                        kind, item = self.events.get_nowait()
+                    except queue.Empty:
+                        break
+                    self._handle(kind, item)
+        except Exception as e:  # never die silently: the sequences must go somewhere
+            log.exception("chain %d failed", self.chain_id)
+            self._lose(f"internal error: {type(e).__name__}: {e}")
+        finally:
+            self.channel.cancel()
+
+    def _handle(self, kind: str, item) -> None:
+        if kind == "reply":
+            self._on_reply(item)
+        elif kind == "add":
+            if item.abort_requested:
+                self.engine.finish(item, "cancelled")
+            else:
+                with self.lock:
+                    self.scheduler.add(item)
+        elif kind == "abort":
+            if item.status is not SeqStatus.FINISHED and item.chain is self:
+                with self.lock:
+                    self.scheduler.remove(item)
+                self.engine.finish(item, "cancelled")
+        elif kind == "broken":
+            self._lose(item)
+        elif kind == "lost":
+            self._lose(item)
+
+    def _fill_pipeline(self) -> None:
+        """Send steps while the pipeline has room and some micro-batch has work."""
+        tried = 0
+        while self.alive and len(self.inflight) < self.depth and tried < self.micro_batches:
+            slot = self.order[0]
+            self.order.rotate(-1)
+            tried += 1
+            if self.slot_inflight[slot] >= self.slot_cap:
+                continue
+            t0 = time.perf_counter()
+            with self.lock:
+                batch = self.scheduler.schedule(slot) if self.scheduler.has_work() else None
+                if batch is None:
+                    continue
+                release, self.scheduler.released = self.scheduler.released, []
+            req = self._step_request(batch, release)
+            self.channel.send(req)
+            self.inflight[req.step_id] = InflightStep(batch, req.step_id, time.monotonic())
+            self.slot_inflight[slot] += 1
+            self.metadata_s += time.perf_counter() - t0
+            tried = 0
+
+    def _step_request(self, b: ScheduledBatch, release: list[int]) -> worker_pb2.StepRequest:
+        seqs = b.seqs
+        pending = set(b.deferred)
+        rows = np.frombuffer(b"".join([s.sampling_row for s in seqs]), dtype=SAMPLING_ROW)
+        step_id, self.next_step_id = self.next_step_id, self.next_step_id + 1
+        req = worker_pb2.StepRequest(
+            step_id=step_id, cache_epoch=self.epoch,
+            sequence_ids=pack([s.seq_id for s in seqs], INT64),
+            input_ids=pack(b.input_ids), positions=pack(b.positions), slot_mapping=pack(b.slot_mapping),
+            query_start_loc=pack(b.query_start_loc), seq_lens=pack(b.seq_lens),
+            do_sample=b.do_sample.tobytes(),
+            temperature=rows["temperature"].tobytes(), top_p=rows["top_p"].tobytes(),
+            top_k=rows["top_k"].tobytes(), seeds=rows["seed"].tobytes(),
+            # the index of the token each row samples: one more when its input is still in flight
+            sample_offsets=pack([len(s.output_token_ids) + (s in pending) for s in seqs], INT32),
+            return_logprobs=any(s.params.return_logprobs for s in seqs))
+        if b.block_tables is not None:
+            req.block_tables, req.max_blocks_per_seq = pack(b.block_tables), b.block_tables.shape[1]
+        else:
+            req.delta_tables = True
+            req.table_base, req.new_block_counts = pack(b.table_base), pack(b.new_block_counts)
+            req.new_blocks = pack(b.new_blocks)
+        if release:
+            req.release_sequence_ids = pack(release, INT64)
+        if b.copies:
+            req.copy_src, req.copy_dst = pack([c[0] for c in b.copies]), pack([c[1] for c in b.copies])
+        if any(s.params.extras for s in seqs):
+            _add_extras(req, seqs, unpack(req.sample_offsets, INT32))
+        self.wire_bytes += req.ByteSize()
+        return req
+
+    # ------------------------------------------------------------------ replies
+    def _on_reply(self, reply: worker_pb2.StepReply) -> None:
+        step = self.inflight.pop(reply.step_id, None)
+        if step is None:
+            return  # a step of an earlier epoch
+        t0 = time.perf_counter()
+        b = step.batch
+        self.slot_inflight[b.slot] -= 1
+        if reply.error_code:
+            code = _CODES.get(reply.error_code, grpc.StatusCode.UNKNOWN)
+            with self.lock:
+                self.scheduler.step_done(b)
+            if code in BATCH_ERRORS:
+                self._fail_batch(b, f"worker rejected the step: {code.name}: {reply.error}", code.name)
+            else:
+                self._lose(f"step failed: {code.name}: {reply.error}")
+            return
+        for i, t in enumerate(reply.timings[:len(self.stage_busy_ms)]):
+            self.stage_busy_ms[i] += t.compute_ms
+        with self.lock:
+            self.scheduler.step_done(b)
+            self._apply(b, reply)
+        self.steps += 1
+        self.metadata_s += time.perf_counter() - t0
+
+    def _apply(self, b: ScheduledBatch, reply: worker_pb2.StepReply) -> None:
+        """Append each sampled token and apply the stop rules (hot: one pass, locals only)."""
+        tokens = unpack(reply.sampled_token_ids, INT32).tolist()
+        logprobs = unpack(reply.logprobs, FLOAT32).tolist() if reply.logprobs else None
+        top = None
+        if reply.top_logprob_ids:
+            top_ids = unpack(reply.top_logprob_ids, INT32).reshape(len(tokens), -1)
+            top = (top_ids, unpack(reply.top_logprobs, FLOAT32).reshape(top_ids.shape))
+        mask = b.do_sample.tolist()
+        eos, finished_status, engine = self.engine.eos_ids, SeqStatus.FINISHED, self.engine
+        finished, fill_ids, fill_toks = [], [], []
+        j = -1
+        now = 0.0
+        for seq, gen, d in zip(b.seqs, b.gens, mask):
+            if not d:
+                continue
+            j += 1
+            if seq.gen != gen or seq.status is finished_status:  # preempted or ended while in flight
+                continue
+            tok = tokens[j]
+            if seq.deferred:                # the step after this one already reads this token
+                fill_ids.append(seq.seq_id)
+                fill_toks.append(tok)
+                seq.deferred = False
+            if not seq.output_token_ids:
+                seq.first_token_at = now = now or time.monotonic()
+            seq.output_token_ids.append(tok)
+            seq.num_tokens += 1
+            if logprobs is not None:
+                seq.output_logprobs.append(logprobs[j])
+            p = seq.params
+            if top is not None and p.top_logprobs:
+                seq.output_top.append((top[0][j, :p.top_logprobs], top[1][j, :p.top_logprobs]))
+            if (tok in eos and not p.ignore_eos) or tok in p.stop_token_ids:
+                finished.append((seq, "stop"))
+            elif seq.stop_checker is not None and seq.stop_checker.push(tok):
+                finished.append((seq, "stop"))
+            elif len(seq.output_token_ids) >= p.max_new_tokens:
+                finished.append((seq, "length"))
+            elif seq.sink is not None and seq.tag is None:  # streams hear every token
+                engine.stream_tokens(seq, [tok], [logprobs[j]] if logprobs else [],
+                                     seq.output_top[-1:] if p.top_logprobs else [])
+        if fill_ids:
+            self.manager.fill_tokens(fill_ids, fill_toks)
+        self.generated_tokens += len(tokens)
+        for seq, reason in finished:
+            self.scheduler.remove(seq)
+        for seq, reason in finished:
+            engine.finish(seq, reason)
+
+    def _fail_batch(self, b: ScheduledBatch, error: str, code: str) -> None:
+        log.error("chain %d: %s; failing %d sequences", self.chain_id, error, len(b.seqs))
+        victims = [s for s, g in zip(b.seqs, b.gens) if s.gen == g and s.status is not SeqStatus.FINISHED]
+        with self.lock:
+            for seq in victims:
+                self.scheduler.remove(seq)
+            # the step may have written part of its K/V: no prefix hit may read those blocks
+            self.manager.reset_prefix_cache()
+        for seq in victims:
+            self.engine.finish(seq, "error", error=error, code="INTERNAL")
+
+    def _lose(self, why: str) -> None:
+        """The chain's K/V are gone or unreachable: stop, and hand every sequence back."""
+        if not self.alive:
+            return
+        self.alive = False
+        self.lost_reason = why
+        log.warning("chain %d (%s) lost: %s", self.chain_id, self.label, why)
+        self.channel.cancel()
+        with self.lock:
+            seqs = self.scheduler.drain()
+            self.inflight.clear()
+        self.engine.on_chain_lost(self, seqs, why)
+
+    # ------------------------------------------------------------------ figures
+    def stats(self) -> dict:
+        with self.lock:
+            st = dict(self.manager.stats())
+            st["invariants_ok"] = bool(self.manager.invariants_ok())
+            st["running"], st["waiting"] = len(self.scheduler.running), len(self.scheduler.waiting)
+            st["preemptions"] = self.scheduler.num_preemptions
+        wall = max(time.monotonic() - self.started, 1e-9)
+        st.update(chain_id=self.chain_id, ready=self.alive, steps=self.steps, group=self.group,
+                  generated_tokens=self.generated_tokens, steps_per_second=self.steps / wall,
+                  tokens_per_second=self.generated_tokens / wall, cache_epoch=self.epoch,
+                  micro_batches=self.micro_batches, metadata_s=self.metadata_s, wire_bytes=self.wire_bytes,
+                  stages=[dict(address=w.address, layer_start=w.info.layer_start, layer_end=w.info.layer_end,
+                               busy_fraction=min(1.0, busy / 1e3 / wall),
+                               step_ms=busy / self.steps if self.steps else 0.0)
+                          for w, busy in zip(self.stages, self.stage_busy_ms)])
+        return st
+
+
+    def snapshot(self, max_blocks: int, max_sequences: int) -> metadata_pb2.ChainSnapshot:
+        """The pool as the seed's article draws it: every block's state (sampled with a stride when
+        the pool is larger than max_blocks), exact counts, and the first sequences' tables."""
+        with self.lock:
+            states = self.manager.pool.block_states()
+            refs = self.manager.pool.ref_count
+            running = list(self.scheduler.running[:max_sequences])
+            waiting = list(self.scheduler.waiting)[:max(0, max_sequences - len(running))]
+            seqs = []
+            for s, state in [(s, "running") for s in running] + [(s, "waiting") for s in waiting]:
+                table = (self.manager.sequences[s.seq_id].block_table[:64]
+                         if s.seq_id in self.manager.sequences else np.zeros(0, np.int32))
+                label = "stream" if s.tag is None else f"{s.tag[0].job_id[:8]}:{s.tag[1]}"
+                seqs.append(metadata_pb2.SequenceSnapshot(
+                    sequence_id=s.seq_id, state=state, length=s.num_computed_tokens, num_blocks=len(table),
+                    block_table=pack(table), num_cached_tokens=s.num_cached_tokens, label=label))
+            counts = np.bincount(states, minlength=4)
+            stride = max(1, -(-len(states) // max_blocks))
+            return metadata_pb2.ChainSnapshot(
+                chain_id=self.chain_id, num_blocks=len(states), block_size=self.cfg.block_size, stride=stride,
+                block_state=states[::stride].tobytes(), ref_counts=np.minimum(refs[::stride], 255).astype(np.uint8).tobytes(),
+                free_blocks=int(counts[0] + counts[3]), owned_blocks=int(counts[1]), shared_blocks=int(counts[2]),
+                cached_blocks=int(counts[3]), sequences=seqs, running=len(self.scheduler.running),
+                waiting=len(self.scheduler.waiting))
+
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def _add_extras(req: worker_pb2.StepRequest, seqs: list[Sequence], offsets: np.ndarray) -> None:
+    """The per-sequence sampling rules beyond temperature/top-p/top-k (worker/logits_processors.py).
+    Penalized sequences send their whole history: their cost grows with their length (only theirs)."""
+    B = len(seqs)
+    suppress = [bool(s.suppress_ids) and int(o) < s.params.min_new_tokens for s, o in zip(seqs, offsets)]
+    if any(suppress):
+        ids = [s.suppress_ids if on else () for s, on in zip(seqs, suppress)]
+        req.min_tokens_suppress = np.asarray(suppress, dtype=np.uint8).tobytes()
+        req.suppress_counts = pack([len(x) for x in ids])
+        req.suppress_ids = pack([t for x in ids for t in x])
+    if any(s.params.penalized for s in seqs):
+        hist = [s.all_token_ids if s.params.penalized else [] for s in seqs]
+        req.repetition_penalty = pack([s.params.repetition_penalty for s in seqs], FLOAT64)
+        req.presence_penalty = pack([s.params.presence_penalty for s in seqs], FLOAT64)
+        req.frequency_penalty = pack([s.params.frequency_penalty for s in seqs], FLOAT64)
+        req.penalty_counts = pack([len(h) for h in hist])
+        req.penalty_prompt_lens = pack([s.num_prompt_tokens if s.params.penalized else 0 for s in seqs])
+        req.penalty_tokens = pack([t for h in hist for t in h])
+    req.top_logprobs = max(s.params.top_logprobs for s in seqs)

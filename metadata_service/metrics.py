@@ -1,0 +1,127 @@
+"""`--metrics-port`: the metadata service's Prometheus text, via prometheus-client.
+
+vLLM's names where the meaning is the same (so its dashboards work): requests running / waiting,
+KV-cache usage, prefix-cache queries and hits (in tokens, as vLLM counts them), prompt and generation
+tokens, preemptions, and per-request time to first token, inter-token latency, end-to-end latency and
+successes by finish reason. Ours under `minipaged:`: the pool by state, fragmentation, metadata time
+per step, cache epochs, and per chain and per stage figures (busy fraction, step time).
+
+Everything but the latency histograms is read from `Engine.stats()` at scrape time, so a scrape and
+the Stats RPC can never disagree; the histograms are observed when each request ends."""
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from minipaged import metrics_http
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+
+
+class _EngineCollector:
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        e = self.engine
+        st = e.stats()
+        model = e.model_name or "unknown"
+        label = {"model_name": model}
+
+        def gauge(name, doc, value, **labels):
+            labels = {**label, **labels}
+            g = GaugeMetricFamily(name, doc, labels=list(labels))
+            g.add_metric(list(labels.values()), float(value))
+            return g
+
+        def counter(name, doc, value):
+            c = CounterMetricFamily(name, doc, labels=list(label))
+            c.add_metric(list(label.values()), float(value))
+            return c
+
+        bs = st["block_size"]
+        yield gauge("vllm:num_requests_running", "Requests in a running batch", st["running"])
+        yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled", st["waiting"])
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage (used blocks / all blocks), 0..1",
+                    st["used_blocks"] / st["num_blocks"] if st["num_blocks"] else 0.0)
+        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                      st["prefix_cache_queries"] * bs)
+        yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", st["prefix_cache_hits"] * bs)
+        yield counter("vllm:prompt_tokens", "Prompt tokens admitted", st["prompt_tokens"])
+        yield counter("vllm:generation_tokens", "Tokens generated", st["generated_tokens"])
+        yield counter("vllm:num_preemptions", "Sequences preempted (recomputed)", st["preemptions"])
+        yield counter("minipaged:steps", "Engine steps applied, every chain", st["steps"])
+        for key, doc in (("num_blocks", "Physical KV blocks, every chain"), ("free_blocks", "Unreferenced blocks"),
+                         ("used_blocks", "Referenced blocks"), ("cached_blocks", "Free blocks holding a reusable prefix"),
+                         ("shared_blocks", "Blocks referenced by more than one sequence"),
+                         ("internal_fragmentation_tokens", "Reserved but unused slots"),
+                         ("metadata_ms_per_step", "Metadata-plane ms per step (schedule + pack + apply)"),
+                         ("num_chains", "Ready chains"), ("standby_workers", "Registered workers in no chain"),
+                         ("num_workers", "Registered workers")):
+            yield gauge(f"minipaged:{key}", doc, st[key])
+        yield gauge("minipaged:ready", "1 while a chain is ready", st["ready"])
+        yield gauge("minipaged:invariants_ok", "1 while every pool's invariants hold", st["invariants_ok"])
+        yield gauge("minipaged:metadata_cpu_seconds", "CPU seconds of this process", time.process_time())
+        per_chain = {k: GaugeMetricFamily(f"minipaged:chain_{k}", doc, labels=["model_name", "chain", "group"])
+                     for k, doc in (("free_blocks", "Free blocks of the chain's pool"),
+                                    ("running", "Running sequences on the chain"),
+                                    ("waiting", "Waiting sequences on the chain"),
+                                    ("steps_per_second", "Steps per second since the chain formed"),
+                                    ("tokens_per_second", "Generated tokens per second since the chain formed"),
+                                    ("cache_epoch", "The chain's cache epoch"),
+                                    ("prefix_cache_hits", "Prompt blocks found in the chain's prefix cache"))}
+        busy = GaugeMetricFamily("minipaged:stage_busy_fraction", "Compute time / wall time of a stage",
+                                 labels=["model_name", "chain", "stage", "layers"])
+        step = GaugeMetricFamily("minipaged:stage_step_seconds", "Mean compute seconds per step of a stage",
+                                 labels=["model_name", "chain", "stage", "layers"])
+        for c in st["chains"]:
+            ids = [model, str(c["chain_id"]), c["group"]]
+            for k, fam in per_chain.items():
+                fam.add_metric(ids, float(c[k]))
+            for i, s in enumerate(c["stages"]):
+                sid = [model, str(c["chain_id"]), str(i), f"{s['layer_start']}:{s['layer_end']}"]
+                busy.add_metric(sid, s["busy_fraction"])
+                step.add_metric(sid, s["step_ms"] / 1e3)
+        yield from per_chain.values()
+        yield busy
+        yield step
+
+
+class ServiceMetrics:
+    def __init__(self, engine):
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine))
+        self.engine = engine
+        r = self.registry
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", ["model_name"],
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between output tokens", ["model_name"],
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Admission to the end of a request", ["model_name"],
+                             buckets=E2E_BUCKETS, registry=r)
+        self.success = Counter("vllm:request_success", "Requests that ended, by finish reason",
+                               ["model_name", "finished_reason"], registry=r)
+        engine.on_sequence_finished.append(self.observe)
+
+    def observe(self, seq) -> None:
+        model = self.engine.model_name or "unknown"
+        now = time.monotonic()
+        if seq.admitted_at:
+            self.e2e.labels(model).observe(now - seq.admitted_at)
+            if seq.first_token_at:
+                self.ttft.labels(model).observe(seq.first_token_at - seq.admitted_at)
+                n = len(seq.output_token_ids)
+                if n > 1:
+                    self.itl.labels(model).observe((now - seq.first_token_at) / (n - 1))
+        self.success.labels(model, seq.finish_reason).inc()
+
+    def serve(self, port: int, host: str) -> int:
+        """Start the endpoint; returns the bound port (port 0 picks one)."""
+        return metrics_http.serve(self.registry, port, host)

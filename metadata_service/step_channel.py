@@ -1,0 +1,47 @@
+"""The metadata service's end of one chain's StepStream: requests go out in order, replies come
+back in order on a reader thread and are posted to the chain's event queue, as is the end of the
+stream (a dead or cancelled stage)."""
+from __future__ import annotations
+
+import queue
+import threading
+
+import grpc
+
+from minipaged.v1 import worker_pb2
+
+_END = object()
+
+
+class StepChannel:
+    def __init__(self, stub, metadata, events: queue.SimpleQueue):
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._events = events
+        self._cancelled = False
+        self._call = stub.StepStream(self._iter(), metadata=metadata)
+        threading.Thread(target=self._read, name="step-channel", daemon=True).start()
+
+    def _iter(self):
+        while True:
+            item = self._requests.get()
+            if item is _END:
+                return
+            yield item
+
+    def send(self, request: worker_pb2.StepRequest) -> None:
+        self._requests.put(request)
+
+    def _read(self) -> None:
+        try:
+            for reply in self._call:
+                self._events.put(("reply", reply))
+            why = "the stage-0 stream ended"
+        except grpc.RpcError as e:
+            why = f"{e.code().name}: {e.details()}"
+        if not self._cancelled:
+            self._events.put(("broken", f"step stream to stage 0 broke: {why}"))
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        self._call.cancel()
+        self._requests.put(_END)

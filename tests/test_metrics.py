@@ -1,0 +1,108 @@
+"""`--metrics-port` on the metadata service and on workers: Prometheus text with vLLM's names,
+scraped during a job and checked against Stats; and scraped by a real Prometheus server (Debian's
+`prometheus`, which .ci/run installs)."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from client import LocalCluster
+from client.cluster import free_port
+
+pytestmark = pytest.mark.slow
+
+
+def scrape(port: int) -> dict:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            key = (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name")))
+            out[key] = s.value
+    return out
+
+
+def one(m: dict, name: str, **labels) -> float:
+    return m[(name, tuple(sorted(labels.items())))]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    mport = free_port()
+    with LocalCluster(model="tiny", workers=2, dtype="float32", extra_service_args=["--metrics-port", mport],
+                      extra_worker_args=["--metrics-port", 0]) as c:
+        c.metrics_port = mport
+        yield c
+
+
+def test_service_metrics_agree_with_stats(cluster):
+    c = cluster.client
+    job = c.submit([{"prompt": "x" * (10 + i), "max_new_tokens": 24, "ignore_eos": True} for i in range(12)])
+    seen_running = False
+    while not c.get_job(job).done:                       # during the job: the gauges move with Stats
+        m = scrape(cluster.metrics_port)
+        seen_running |= one(m, "vllm:num_requests_running") > 0
+        time.sleep(0.05)
+    c.wait(job)
+    time.sleep(0.3)                                      # idle: a scrape and Stats must agree exactly
+    st, m = c.stats(), scrape(cluster.metrics_port)
+    assert seen_running
+    assert one(m, "vllm:generation_tokens_total") == st.generated_tokens >= 12 * 24
+    assert one(m, "vllm:prompt_tokens_total") == st.prompt_tokens
+    assert one(m, "vllm:prefix_cache_queries_total") == st.prefix_cache_queries * st.block_size
+    assert one(m, "vllm:prefix_cache_hits_total") == st.prefix_cache_hits * st.block_size
+    assert one(m, "vllm:num_preemptions_total") == st.preemptions
+    assert one(m, "minipaged:free_blocks") == st.free_blocks and one(m, "minipaged:num_chains") == st.num_chains
+    assert one(m, "vllm:request_success_total", finished_reason="length") >= 12
+    assert one(m, "vllm:time_to_first_token_seconds_count") >= 12
+    assert one(m, "vllm:e2e_request_latency_seconds_count") >= 12
+    chain = st.chains[0]
+    busy = [v for (name, labels), v in m.items() if name == "minipaged:stage_busy_fraction"]
+    assert len(busy) == 2 and all(0 < b <= 1 for b in busy) and len(chain["stages"]) == 2
+
+
+def test_worker_metrics(cluster):
+    found = []
+    for p in cluster._procs[1:]:             # --metrics-port 0: each worker says which port it took
+        with open(p.log_path) as f:
+            url = next(line.split()[-1] for line in f if line.startswith("metrics on "))
+        found.append(scrape(int(url.rsplit(":", 1)[1].split("/")[0])))
+    steps = cluster.client.stats().steps
+    for m in found:
+        assert sum(v for (n, _), v in m.items() if n == "minipaged:worker_steps_total") >= steps
+        assert sum(v for (n, _), v in m.items() if n == "minipaged:worker_cache_epoch") != 0
+
+
+@pytest.mark.skipif(shutil.which("prometheus") is None, reason="Debian's prometheus is not installed (.ci/run installs it)")
+def test_a_real_prometheus_scrapes_the_service(cluster, tmp_path):
+    cfg = tmp_path / "prometheus.yml"
+    cfg.write_text(f"global: {{scrape_interval: 1s}}\nscrape_configs:\n  - job_name: minipaged\n"
+                   f"    static_configs: [{{targets: ['127.0.0.1:{cluster.metrics_port}']}}]\n")
+    port = free_port()
+    prom = subprocess.Popen(["prometheus", f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'data'}",
+                             f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        cluster.client.generate(prompt="hello", max_new_tokens=8)
+        want = cluster.client.stats().generated_tokens
+        end = time.monotonic() + 60
+        while True:
+            try:
+                q = urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/query?query=vllm:generation_tokens_total",
+                                           timeout=5).read()
+                res = json.loads(q)["data"]["result"]
+                if res and float(res[0]["value"][1]) == want:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < end, "Prometheus never scraped the service's figure"
+            time.sleep(0.5)
+    finally:
+        prom.terminate()
+        prom.wait(10)

@@ -1,0 +1,130 @@
+"""What real deployments do at start: ports already taken, probes asking whether a service is ready
+(not merely alive), requests arriving before any chain exists, and a worker with the wrong token.
+Real processes on loopback, started the way a user starts them."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from client import Client
+from client.cluster import free_port
+from client.errors import InvalidArgument
+
+pytestmark = pytest.mark.slow
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def start(module, *args, tmp_path=None):
+    env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", module, *map(str, args)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def service(port, db, *extra):
+    return start("metadata_service", "--port", port, "--db", db, "--worker-wait", 30, *extra)
+
+
+def worker(meta_port, port, layers, *extra):
+    return start("worker", "--metadata", f"127.0.0.1:{meta_port}", "--port", port, "--model", "tiny",
+                 "--layers", layers, "--num-blocks", 64, *extra)
+
+
+def health(port, name=""):
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        try:
+            return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=name), timeout=2).status
+        except grpc.RpcError:
+            return None
+
+
+def wait_for(pred, timeout=60.0, what="condition"):
+    end = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def stop(*procs):
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def test_a_taken_port_is_a_start_error(tmp_path):
+    mp, wp = free_port(), free_port()
+    first = service(mp, tmp_path / "a.db")
+    w1 = worker(mp, wp, "0:4")
+    try:
+        wait_for(lambda: health(wp, "minipaged.v1.WorkerService") == SERVING, what="the first worker")
+        second = service(mp, tmp_path / "b.db")
+        out, _ = second.communicate(timeout=60)
+        assert second.returncode == 1 and f"cannot serve on 127.0.0.1:{mp}" in out and "taken" in out
+        w2 = worker(mp, wp, "0:4")
+        out, _ = w2.communicate(timeout=120)
+        assert w2.returncode == 1 and f"cannot serve on 127.0.0.1:{wp}" in out
+        assert health(wp, "minipaged.v1.WorkerService") == SERVING and first.poll() is None
+    finally:
+        stop(w1, first)
+
+
+def test_liveness_is_not_readiness_and_early_requests_wait(tmp_path):
+    mp = free_port()
+    meta = service(mp, tmp_path / "j.db")
+    procs = [meta]
+    try:
+        wait_for(lambda: health(mp) == SERVING, what="liveness")
+        assert health(mp, "minipaged.v1.MetadataService") == NOT_SERVING
+        c = Client(f"127.0.0.1:{mp}")
+        assert c.stats().not_ready_reason == "no worker has registered"
+
+        # a request before any chain: it waits (up to its deadline) instead of failing at once
+        result = {}
+        early = threading.Thread(target=lambda: result.setdefault(
+            "r", c.generate(prompt="hello", max_new_tokens=4, timeout=120)))
+        early.start()
+
+        wp0 = free_port()
+        procs.append(worker(mp, wp0, "0:2"))
+        wait_for(lambda: health(wp0, "minipaged.v1.WorkerService") == SERVING, what="worker 0:2 registered")
+        st = c.stats()
+        assert not st.ready and "layers 2:4 have no worker" in st.not_ready_reason
+        assert health(mp, "minipaged.v1.MetadataService") == NOT_SERVING
+
+        wp1 = free_port()
+        procs.append(worker(mp, wp1, "1:3"))                   # overlaps: no chain, and it says why
+        wait_for(lambda: c.stats().num_workers == 2, what="worker 1:3 registered")
+        assert "overlapping 0:2" in c.stats().not_ready_reason
+
+        procs.append(worker(mp, free_port(), "2:4"))
+        wait_for(lambda: health(mp, "minipaged.v1.MetadataService") == SERVING, what="readiness")
+        early.join(120)
+        assert len(result["r"].token_ids) == 4 and c.stats().ready and c.stats().standby_workers == 1
+        with pytest.raises(InvalidArgument, match="top_p"):    # an explicit 0 is an error, not "off"
+            c.generate(prompt_token_ids=[1, 2], top_p=0.0)
+        c.close()
+    finally:
+        stop(*reversed(procs))
+
+
+def test_a_worker_with_a_wrong_token_exits_with_a_clear_error(tmp_path):
+    mp = free_port()
+    meta = service(mp, tmp_path / "t.db", "--worker-token", "right")
+    try:
+        w = worker(mp, free_port(), "0:4", "--worker-token", "wrong")
+        out, _ = w.communicate(timeout=120)
+        assert w.returncode == 3 and "refused this worker" in out and "UNAUTHENTICATED" not in out.split("refused")[0]
+    finally:
+        stop(meta)

@@ -1,0 +1,119 @@
+"""What users expect of a request: n / best_of through fork, min_new_tokens, repetition / presence /
+frequency penalties and top-k alternative logprobs. The logits rules are checked against
+transformers' own processors in float64, and end to end against `generate` of the same model."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers.generation.logits_process import (MinNewTokensLengthLogitsProcessor,
+                                                     RepetitionPenaltyLogitsProcessor)
+
+from client import LocalCluster
+from worker import logits_processors as lp
+from worker.validation import SamplingExtras
+from tests.test_e2e import EOS, VOCAB, ckpt, prompts, settle  # noqa: F401 (fixtures)
+from tests.checkpoints import load_oracle
+
+# ---------------------------------------------------------------- the rules, in process
+
+
+def extras_for(histories, prompt_lens, rep=None, pres=None, freq=None, suppress=None):
+    B = len(histories)
+    x = SamplingExtras()
+    x.repetition = np.asarray(rep if rep is not None else [1.0] * B, dtype=np.float64)
+    x.presence = np.asarray(pres if pres is not None else [0.0] * B, dtype=np.float64)
+    x.frequency = np.asarray(freq if freq is not None else [0.0] * B, dtype=np.float64)
+    x.penalty_counts = np.asarray([len(h) for h in histories], dtype=np.int32)
+    x.penalty_prompt_lens = np.asarray(prompt_lens, dtype=np.int32)
+    x.penalty_tokens = np.asarray([t for h in histories for t in h], dtype=np.int32)
+    if suppress is not None:
+        x.suppress = np.asarray([bool(s) for s in suppress])
+        x.suppress_counts = np.asarray([len(s) for s in suppress], dtype=np.int32)
+        x.suppress_ids = np.asarray([t for s in suppress for t in s], dtype=np.int32)
+    return x
+
+
+def test_repetition_penalty_equals_transformers():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 50, generator=g, dtype=torch.float64) * 3
+    hist = [[1, 2, 2, 7, 49], [0, 3], [5, 5, 5, 6, 11, 12, 13]]
+    ours = lp.apply(logits, extras_for(hist, [2, 1, 3], rep=[1.3, 0.8, 2.0]))
+    for i, (h, pen) in enumerate(zip(hist, [1.3, 0.8, 2.0])):
+        ref = RepetitionPenaltyLogitsProcessor(pen)(torch.tensor([h]), logits[i:i + 1].clone())
+        assert torch.equal(ours[i], ref[0])
+
+
+def test_presence_and_frequency_penalties_count_output_tokens_only():
+    logits = torch.zeros(1, 10, dtype=torch.float64)
+    out = lp.apply(logits, extras_for([[4, 4, 1, 4, 2]], [2], pres=[0.5], freq=[0.25]))
+    # prompt [4, 4]; output [1, 4, 2]: token 4 once, 1 once, 2 once
+    want = torch.zeros(10, dtype=torch.float64)
+    want[[1, 2, 4]] = -(0.5 + 0.25)
+    assert torch.equal(out[0], want)
+
+
+def test_min_new_tokens_masks_like_transformers():
+    logits = torch.randn(2, 20, dtype=torch.float64)
+    ours = lp.apply(logits, extras_for([[], []], [0, 0], suppress=[(3, 9), ()]))
+    ref = MinNewTokensLengthLogitsProcessor(prompt_length_to_skip=2, min_new_tokens=5, eos_token_id=[3, 9])(
+        torch.tensor([[1, 2, 7]]), logits[:1].clone())
+    assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], logits[1])
+
+
+def test_rows_narrows_csr_arrays_to_the_sampled_rows():
+    x = extras_for([[1, 2], [3], [4, 5, 6]], [1, 0, 2], rep=[1.1, 1.2, 1.3], suppress=[(7,), (), (8, 9)])
+    y = lp.rows(x, np.array([True, False, True]))
+    assert y.penalty_counts.tolist() == [2, 3] and y.penalty_tokens.tolist() == [1, 2, 4, 5, 6]
+    assert y.suppress_ids.tolist() == [7, 8, 9] and y.repetition.tolist() == pytest.approx([1.1, 1.3])
+
+
+def test_top_logprobs_are_the_raw_distributions_best():
+    logits = torch.randn(2, 30, dtype=torch.float64)
+    ids, vals = lp.top_logprobs(logits, 4)
+    ref = torch.log_softmax(logits, -1).topk(4)
+    assert ids.tolist() == ref.indices.tolist() and np.allclose(vals, ref.values.numpy(), atol=1e-6)
+
+
+# ---------------------------------------------------------------- end to end
+
+
+@pytest.mark.slow
+def test_features_end_to_end_against_transformers(ckpt):
+    hf = load_oracle(ckpt, torch.float64)
+
+    def ref(p, **kw):
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([p]), do_sample=False, eos_token_id=EOS, pad_token_id=EOS, **kw)
+        toks = out[0, len(p):].tolist()
+        return toks[:toks.index(EOS) + 1] if EOS in toks else toks
+
+    with LocalCluster(model=ckpt, workers=2, dtype="float64", block_size=4) as c:
+        cl = c.client
+        for p in prompts(4, 3, 30, seed=91):
+            assert cl.generate(prompt_token_ids=p, max_new_tokens=12, repetition_penalty=1.4).token_ids == \
+                ref(p, max_new_tokens=12, repetition_penalty=1.4)
+            assert cl.generate(prompt_token_ids=p, max_new_tokens=12, min_new_tokens=10).token_ids == \
+                ref(p, max_new_tokens=12, min_new_tokens=10)
+
+        # n choices fork one prefill: greedy choices are identical, seeded ones reproducible
+        p = prompts(1, 21, 21, seed=92)[0]                      # 21 tokens: 5 full blocks shared + a copy
+        r = cl.generate(prompt_token_ids=p, max_new_tokens=6, n=3)
+        assert [ch.token_ids for ch in r.choices] == [ref(p, max_new_tokens=6)] * 3
+        kw = dict(prompt_token_ids=p, max_new_tokens=8, n=3, temperature=1.0, seed=11, ignore_eos=True)
+        a, b = cl.generate(**kw), cl.generate(**kw)
+        assert [ch.token_ids for ch in a.choices] == [ch.token_ids for ch in b.choices]
+        assert len({tuple(ch.token_ids) for ch in a.choices}) > 1
+        assert a.choices[0].token_ids == cl.generate(**dict(kw, n=1)).token_ids   # choice 0 keeps the seed
+
+        # best_of: the n with the highest cumulative logprob, as a job
+        job = cl.wait(cl.submit([dict(kw, n=2, best_of=4)]))[0]
+        assert len(job.choices) == 2 and job.usage.completion_tokens == 4 * 8
+        scores = [ch.cumulative_logprob for ch in job.choices]
+        assert scores == sorted(scores, reverse=True)
+
+        # top-k alternatives: the sampled token is the best for greedy; the list is sorted
+        r = cl.generate(prompt_token_ids=p, max_new_tokens=5, logprobs=3)
+        for tok, alts in zip(r.token_ids, r.top_logprobs):
+            assert list(alts)[0] == tok and list(alts.values()) == sorted(alts.values(), reverse=True)
+        settle(cl)

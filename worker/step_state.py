@@ -1,0 +1,172 @@
+"""What a stage remembers between Steps of one cache epoch, per sequence: its block table (so Steps
+can send only the blocks that are new, DESIGN section 7) and the token last sampled for it (so the
+metadata service can schedule step k+1 before step k's tokens come back: an input id of -1 means
+"that token").
+
+Both are caches, never the truth: the metadata service owns every table. A Step states how many
+leading blocks it assumes the stage holds (`table_base`); a stage that holds fewer (it restarted,
+evicted the row, or never saw the sequence) raises StepPrecondition, which the server answers with
+FAILED_PRECONDITION, and the metadata service recovers with full tables. Nothing is ever guessed.
+
+Rows live in numpy arrays indexed through a dict (as in the block manager), so a step's lookups and
+updates are a few vectorized ops, whatever the batch or context length."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+DEFAULT_MAX_SEQUENCES = 1 << 16
+
+
+class StepPrecondition(Exception):
+    """The step assumes state this stage does not hold: FAILED_PRECONDITION, never a guess."""
+
+
+class SequenceStore:
+    def __init__(self, max_sequences: int = DEFAULT_MAX_SEQUENCES):
+        self.max_sequences = max_sequences
+        self.cond = threading.Condition()  # guards `pending` and `last_token` for placeholder waits
+        self.clear()
+
+    def clear(self) -> None:
+        """A new cache epoch: nothing cached survives."""
+        rows, cols = 64, 16
+        self.tables = np.full((rows, cols), -1, dtype=np.int32)
+        self.held = np.zeros(rows, dtype=np.int32)          # blocks of the row that are valid
+        self.last_token = np.full(rows, -1, dtype=np.int64)  # -1: none sampled yet
+        self.pending = np.zeros(rows, dtype=np.int32)       # sampling steps forwarded, reply not back
+        self.last_use = np.zeros(rows, dtype=np.int64)
+        self.row_of: dict[int, int] = {}
+        self.free_rows = list(range(rows - 1, -1, -1))
+        self.clock = 0
+
+    def __len__(self) -> int:
+        return len(self.row_of)
+
+    # ------------------------------------------------------------------ rows
+    def _grow_rows(self) -> None:
+        n = len(self.held)
+        grow = lambda a, fill: np.concatenate([a, np.full((n,) + a.shape[1:], fill, a.dtype)])  # noqa: E731
+        self.tables = grow(self.tables, -1)
+        self.held, self.pending = grow(self.held, 0), grow(self.pending, 0)
+        self.last_token, self.last_use = grow(self.last_token, -1), grow(self.last_use, 0)
+        self.free_rows = list(range(2 * n - 1, n - 1, -1))
+
+    def _evict_lru(self) -> None:
+        """Over capacity (the metadata service forgot to release): drop the least recently used
+        quarter. A later Step that still relies on them gets FAILED_PRECONDITION, not a guess."""
+        live = np.fromiter(self.row_of.values(), dtype=np.int64, count=len(self.row_of))
+        old = live[np.argsort(self.last_use[live], kind="stable")[:max(1, len(live) // 4)]]
+        inverse = {r: s for s, r in self.row_of.items()}
+        self.release([inverse[int(r)] for r in old])
+
+    def rows(self, seq_ids, create: bool) -> np.ndarray:
+        """Row of each sequence id; -1 for unknown ones unless `create`."""
+        row_of = self.row_of
+        if not create:
+            return np.fromiter((row_of.get(s, -1) for s in seq_ids), dtype=np.int64, count=len(seq_ids))
+        out = np.empty(len(seq_ids), dtype=np.int64)
+        for i, s in enumerate(seq_ids):
+            r = row_of.get(s)
+            if r is None:
+                if len(row_of) >= self.max_sequences:
+                    self._evict_lru()
+                if not self.free_rows:
+                    self._grow_rows()
+                r = row_of[s] = self.free_rows.pop()
+            out[i] = r
+        return out
+
+    def release(self, seq_ids) -> None:
+        for s in seq_ids:
+            r = self.row_of.pop(int(s), None)
+            if r is not None:
+                self.tables[r] = -1
+                self.held[r] = self.pending[r] = 0
+                self.last_token[r] = -1
+                self.free_rows.append(r)
+
+    # ------------------------------------------------------------------ block tables
+    def preview_tables(self, seq_ids: list[int], base: np.ndarray, counts: np.ndarray,
+                       new_blocks: np.ndarray) -> np.ndarray:
+        """The batch's [B, max_blocks] tables after the delta, without changing anything (the
+        server validates them first). Raises StepPrecondition when a base exceeds what is held."""
+        rows = self.rows(seq_ids, create=False)
+        held = np.where(rows >= 0, self.held[np.maximum(rows, 0)], 0)
+        short = base > held
+        if short.any():
+            b = int(np.argmax(short))
+            raise StepPrecondition(
+                f"sequence {seq_ids[b]}: the step assumes this stage holds {int(base[b])} blocks of its table, "
+                f"it holds {int(held[b])} (cache restarted or evicted): resend the full table")
+        total = base.astype(np.int64) + counts
+        width = max(int(total.max()) if total.size else 0, 1)
+        out = np.full((len(seq_ids), width), -1, dtype=np.int32)
+        keep = min(width, self.tables.shape[1])
+        known = rows >= 0
+        out[known, :keep] = self.tables[rows[known], :keep]
+        out[np.arange(width)[None, :] >= base[:, None]] = -1        # truncate each row to its base
+        if new_blocks.size:
+            seq = np.repeat(np.arange(len(seq_ids)), counts)
+            first = np.repeat(np.cumsum(counts) - counts, counts)
+            col = np.repeat(base.astype(np.int64), counts) + (np.arange(new_blocks.size) - first)
+            out[seq, col] = new_blocks
+        return out
+
+    def commit_tables(self, seq_ids: list[int], tables: np.ndarray, base: np.ndarray,
+                      counts: np.ndarray) -> None:
+        """Store the previewed rows (only the changed part is written)."""
+        rows = self.rows(seq_ids, create=True)
+        total = (base + counts).astype(np.int32)
+        if tables.shape[1] > self.tables.shape[1]:
+            extra = max(tables.shape[1], 2 * self.tables.shape[1]) - self.tables.shape[1]
+            self.tables = np.concatenate(
+                [self.tables, np.full((self.tables.shape[0], extra), -1, dtype=np.int32)], axis=1)
+        changed = (counts > 0) | (base < self.held[rows])
+        if changed.any():
+            r, t = rows[changed], tables[changed]
+            self.tables[r, :t.shape[1]] = t
+            self.tables[r, t.shape[1]:] = -1
+        self.held[rows] = total
+        self.touch(rows)
+
+    def touch(self, rows: np.ndarray) -> None:
+        self.clock += 1
+        self.last_use[rows] = self.clock
+
+    # ------------------------------------------------------------------ sampled tokens
+    def note_forwarded(self, sampled_seq_ids: list[int]) -> None:
+        """Stage 0 sent a step that will sample these sequences downstream."""
+        rows = self.rows(sampled_seq_ids, create=True)
+        with self.cond:
+            np.add.at(self.pending, rows, 1)
+
+    def record_sampled(self, sampled_seq_ids: list[int], tokens: np.ndarray | None, forwarded: bool) -> None:
+        """Tokens of a finished step (None: the step failed, so no token is coming)."""
+        rows = self.rows(sampled_seq_ids, create=True)
+        with self.cond:
+            self.last_token[rows] = -1 if tokens is None else tokens
+            if forwarded:
+                np.subtract.at(self.pending, rows, 1)
+                np.maximum(self.pending, 0, out=self.pending)
+            self.cond.notify_all()
+
+    def resolve_placeholders(self, seq_ids: list[int], timeout_s: float) -> np.ndarray:
+        """The last sampled token of each sequence, waiting (bounded) while a step that samples it
+        is still downstream."""
+        rows = self.rows(seq_ids, create=False)
+        if (rows < 0).any():
+            b = int(np.argmax(rows < 0))
+            raise StepPrecondition(f"sequence {seq_ids[b]}: input -1 refers to a sampled token this stage "
+                                   f"never saw (new cache epoch or evicted): send the token itself")
+        with self.cond:
+            if not self.cond.wait_for(lambda: not self.pending[rows].any(), timeout=timeout_s):
+                raise StepPrecondition(f"the tokens of {int((self.pending[rows] > 0).sum())} sequences did "
+                                       f"not come back within {timeout_s:.0f}s")
+            toks = self.last_token[rows].copy()
+        if (toks < 0).any():
+            b = int(np.argmax(toks < 0))
+            raise StepPrecondition(f"sequence {seq_ids[b]}: no sampled token to use as input -1 "
+                                   f"(the step that was to sample it failed)")
+        return toks

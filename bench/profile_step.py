@@ -9,15 +9,14 @@ call inside the forward (nested timers: a module's time excludes its timed child
 split into pure decode steps (every sequence has one query token: the steady state) and the rest
 (prefill chunks, mixed steps).
 
-Part 2 replays it again with the worker as a real `python -m worker` process over gRPC, driven by
-the service's code in this process: per step, the service's own work, the Step RPC's wall time and
-the compute the worker reports in its reply (StageTiming); RPC minus compute is the wire.
-
-Part 3 runs the same workload through LocalCluster (the service and the worker as processes, the
-SDK as client) and puts its per-step wall time next to Part 1's in-process sum (derived).
+Part 2 runs the same workload through LocalCluster (the service and the worker as processes, gRPC
+on loopback, the SDK as client) and splits its wall time per step with the service's Stats: the
+worker's compute (each stage's StageTiming, summed per chain), the service's own work (which async
+scheduling overlaps with compute), and the rest: the wire, hand-offs, unoverlapped host work.
 
     .venv/bin/python bench/profile_step.py [--model tiny|PATH] [--dtype float32] [--workers 1]
-        [--prompts 64] [--new-tokens 64] [--block-size 16] [--skip-cluster] [--torch-profile]
+        [--prompts 64] [--new-tokens 64] [--block-size 16] [--threads N] [--skip-cluster]
+        [--torch-profile] [--cpu-time]
 
 Timers add a few microseconds per module call (about 0.2 ms per decode step of the tiny model);
 the `forward, untimed` row of Part 1 is the same forward with no timer at all, for reference.
@@ -28,7 +27,6 @@ import argparse
 import collections
 import os
 import re
-import subprocess
 import sys
 import threading
 import time
@@ -105,14 +103,38 @@ def instrument(stage: torch.nn.Module, backend, timers: Timers) -> None:
 
 # ------------------------------------------------------------------------------------ part 1
 
+def service_shell(num_blocks: int, block_size: int):
+    """The metadata service's per-step code without its threads or sockets: a Scheduler sending
+    full block tables (the worker here keeps no SequenceStore) and a ChainRunner used only for
+    its packing and apply paths, as bench/scale.py does."""
+    from metadata_service.block_manager import KVBlockManager
+    from metadata_service.chain import ChainConfig, ChainRunner
+    from metadata_service.scheduler import Scheduler
+
+    class Engine:  # what ChainRunner._apply calls back
+        eos_ids: set = set()
+
+        def finish(self, *a, **k):
+            pass
+
+        def stream_tokens(self, *a, **k):
+            pass
+
+    cfg = ChainConfig(block_size=block_size)
+    svc = ChainRunner.__new__(ChainRunner)
+    svc.cfg, svc.epoch, svc.next_step_id, svc.wire_bytes, svc.generated_tokens = cfg, 1, 1, 0, 0
+    svc.engine, svc.manager = Engine(), KVBlockManager(num_blocks, block_size)
+    svc.scheduler = Scheduler(svc.manager, cfg.max_num_batched_tokens, cfg.max_num_seqs, full_tables=True)
+    return svc
+
+
 def replay(args, prompts):
     """The whole workload through both planes' code in one process, one timer per phase."""
-    from metadata_service.engine import Engine
     from metadata_service.sequence import SamplingParams, Sequence
     from minipaged import wire
     from minipaged.v1 import worker_pb2
-    from worker.model_runner import ModelRunner
     from worker.__main__ import keep_freed_memory
+    from worker.model_runner import ModelRunner
     from worker.validation import StepLimits, validate_step
 
     keep_freed_memory()  # as the worker process does at start (re-faulting pages would dominate)
@@ -123,19 +145,17 @@ def replay(args, prompts):
     limits = StepLimits(cfg.vocab_size, cfg.hidden_size, cfg.max_position_embeddings, num_blocks,
                         args.block_size, True)
     timers = Timers()
-    eng = Engine(block_size=args.block_size, num_blocks=num_blocks)
-    eng.vocab_size = cfg.vocab_size
+    svc = service_shell(num_blocks, args.block_size)
 
     def add_all(ps, new_tokens):
         for p in ps:
-            eng.scheduler.add(Sequence(list(p), SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)))
+            svc.scheduler.add(Sequence(list(p), SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)))
 
     def run_step(t: Timers):
         with t("svc: schedule"):
-            with eng.lock:
-                b = eng.scheduler.schedule()
+            b = svc.scheduler.schedule()
         with t("svc: build StepRequest"):
-            req = eng._step_request(b)
+            req = svc._step_request(b, [])
         with t("svc: serialize"):
             data = req.SerializeToString()
         with t("worker: parse"):
@@ -148,20 +168,20 @@ def replay(args, prompts):
         with t("worker: forward (glue)"):
             hidden = runner.execute(batch)
         with t("worker: sample (glue)"):
-            ids, logprobs, _ = runner.sample(hidden, a.query_start_loc, a.do_sample, a.temperature,
-                                             a.top_p, a.top_k, a.seeds, a.sample_offsets)
+            ids = runner.sample(hidden, a.query_start_loc, a.do_sample, a.temperature,
+                                a.top_p, a.top_k, a.seeds, a.sample_offsets)[0]
         with t("worker: build + serialize reply"):
             reply = worker_pb2.StepReply(step_id=req.step_id, sampled_token_ids=wire.pack(ids)).SerializeToString()
         with t("svc: parse reply"):
             reply = worker_pb2.StepReply.FromString(reply)
         with t("svc: apply"):
-            eng._apply(b, reply)
-        eng.steps += 1
+            svc.scheduler.step_done(b)
+            svc._apply(b, reply)
         return batch.is_decode, batch.num_tokens
 
     # warm-up on other prompts (first-call allocations), as bench/e2e.py does
     add_all(workload(4, seed=1), 4)
-    while eng.scheduler.has_work():
+    while svc.scheduler.has_work():
         run_step(Timers())
     # the forward's and the sampler's insides get their own timers from here on
     instrument(runner.stage, runner.stage.backend, timers)
@@ -182,7 +202,7 @@ def replay(args, prompts):
     add_all(prompts, args.new_tokens)
     per_step = []
     t_all = CLOCK()
-    while eng.scheduler.has_work():
+    while svc.scheduler.has_work():
         before = timers.snapshot()
         t0 = CLOCK()
         is_decode, ntok = run_step(timers)
@@ -300,95 +320,19 @@ def summary_rows(per_step):
     return out
 
 
-# ------------------------------------------------------------------------------------ part 2
-
-def over_grpc(args, prompts):
-    """The same replay, but the worker is a real `python -m worker` process reached over gRPC on
-    loopback: per step, the service's own work, the Step RPC's wall time, and the worker's compute
-    as the worker itself reports it (StageTiming.compute_ms: make_batch + forward + sample). RPC
-    minus compute is the wire: (de)serialization, transport, the worker's unpacking and validation,
-    and the thread hand-offs on both sides."""
-    import grpc
-
-    from client.cluster import free_port
-    from metadata_service.engine import Engine
-    from metadata_service.sequence import SamplingParams, Sequence
-    from minipaged.config import load_model_config
-    from minipaged.v1 import worker_pb2, worker_pb2_grpc
-    from worker.paged_cache import bytes_per_block
-
-    cfg = load_model_config(args.model)
-    num_blocks = 256 * 1024 * 1024 // bytes_per_block(cfg.num_hidden_layers, cfg.num_key_value_heads,
-                                                      args.block_size, cfg.head_dim, args.dtype)
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "worker", "--port", str(port), "--model", args.model,
-                             "--dtype", args.dtype, "--num-blocks", str(num_blocks), "--log-level", "WARNING"],
-                            cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
-    try:
-        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-        grpc.channel_ready_future(channel).result(timeout=120)
-        stub = worker_pb2_grpc.WorkerServiceStub(channel)
-        epoch = stub.InitCache(worker_pb2.InitCacheRequest(num_blocks=num_blocks, block_size=args.block_size)).cache_epoch
-        eng = Engine(block_size=args.block_size, num_blocks=num_blocks)
-        eng.vocab_size, eng.cache_epoch = cfg.vocab_size, epoch
-
-        def run_step():
-            t0 = time.perf_counter()
-            with eng.lock:
-                b = eng.scheduler.schedule()
-            req = eng._step_request(b)
-            t1 = time.perf_counter()
-            reply = stub.Step(req, timeout=120)
-            t2 = time.perf_counter()
-            eng._apply(b, reply)
-            t3 = time.perf_counter()
-            eng.steps += 1
-            decode = bool((np.diff(b.query_start_loc) == 1).all())
-            compute = sum(t.compute_ms for t in reply.timings) / 1000
-            return decode, dict(svc=(t1 - t0) + (t3 - t2), wire=(t2 - t1) - compute, compute=compute,
-                                total=t3 - t0)
-
-        for p in workload(4, seed=1):
-            eng.scheduler.add(Sequence(list(p), SamplingParams(max_new_tokens=4)))
-        while eng.scheduler.has_work():
-            run_step()
-        for p in prompts:
-            eng.scheduler.add(Sequence(list(p), SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)))
-        steps, t0 = [], time.perf_counter()
-        while eng.scheduler.has_work():
-            steps.append(run_step())
-        return dict(steps=steps, total=time.perf_counter() - t0)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-
-
-def grpc_table(r) -> str:
-    lines = ["| phase | decode ms/step | % | prefill/mixed ms/step | % |", "|---|---|---|---|---|"]
-    cols = {}
-    for label, want in (("decode", True), ("prefill", False)):
-        rows = [d for dec, d in r["steps"] if dec == want]
-        cols[label] = {k: 1000 * sum(d[k] for d in rows) / max(len(rows), 1) for k in ("svc", "wire", "compute", "total")}
-        cols[label]["n"] = len(rows)
-    names = {"svc": "metadata service (schedule + build + apply)",
-             "wire": "wire: gRPC, (de)serialization, worker validation, hand-offs",
-             "compute": "worker compute (StageTiming: make_batch + forward + sample)"}
-    for k, name in names.items():
-        d, p = cols["decode"], cols["prefill"]
-        lines.append(f"| {name} | {d[k]:.3f} | {100 * d[k] / d['total']:.1f}% | {p[k]:.3f} | "
-                     f"{100 * p[k] / p['total']:.1f}% |")
-    d, p = cols["decode"], cols["prefill"]
-    lines.append(f"| **step** ({d['n']} decode, {p['n']} prefill/mixed steps) | **{d['total']:.3f}** | 100% | "
-                 f"**{p['total']:.3f}** | 100% |")
-    return "\n".join(lines) + "\n"
-
-
 # ------------------------------------------------------------------------------------ part 3
 
 def cluster_run(args, prompts):
+    """The workload through LocalCluster; the service's Stats split its wall time per step into the
+    worker's compute (each stage's StageTiming, summed by the chain) and the rest."""
     from client import LocalCluster
+
+    def chain_busy_ms(st):
+        return sum(float(s["step_ms"]) * int(c["steps"]) for c in st.chains for s in c["stages"])
+
+    kw = dict(threads=args.threads) if args.threads else {}
     with LocalCluster(model=args.model, workers=args.workers, dtype=args.dtype,
-                      block_size=args.block_size) as c:
+                      block_size=args.block_size, **kw) as c:
         warm = workload(4, seed=1)
         c.client.wait(c.client.submit([{"prompt_token_ids": p, "max_new_tokens": 4} for p in warm]))
         base = c.client.stats()
@@ -398,9 +342,10 @@ def cluster_run(args, prompts):
         c.client.wait(job)
         wall = time.perf_counter() - t0
         st = c.client.stats()
-    steps = st.steps - base.steps
+    steps = sum(int(ch["steps"]) for ch in st.chains) - sum(int(ch["steps"]) for ch in base.chains)
     meta_s = (st.metadata_ms_per_step * st.steps - base.metadata_ms_per_step * base.steps) / 1000
-    return dict(wall=wall, steps=steps, meta_s=meta_s)
+    busy_s = (chain_busy_ms(st) - chain_busy_ms(base)) / 1000
+    return dict(wall=wall, steps=steps, meta_s=meta_s, busy_s=busy_s)
 
 
 def main():
@@ -411,7 +356,10 @@ def main():
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--skip-cluster", action="store_true", help="skip Parts 2 and 3")
+    ap.add_argument("--skip-cluster", action="store_true", help="skip Part 2")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads, in process and per worker (default: worker.model_runner."
+                         "cpu_compute_threads() in process, LocalCluster's own choice for the cluster)")
     ap.add_argument("--torch-profile", action="store_true", help="also print torch.profiler's op table")
     ap.add_argument("--cpu-time", action="store_true",
                     help="time Part 1 with this thread's CPU time instead of wall time: steadier on a busy "
@@ -420,6 +368,8 @@ def main():
     if args.cpu_time:
         global CLOCK
         CLOCK = time.thread_time
+    from worker.model_runner import cpu_compute_threads
+    torch.set_num_threads(args.threads or cpu_compute_threads())
     prompts = workload(args.prompts)
     print(f"{args.prompts} prompts of 16-512 ids, {args.new_tokens} new tokens, greedy, model {args.model} "
           f"{args.dtype}, block size {args.block_size}, {torch.get_num_threads()} torch threads, "
@@ -446,26 +396,25 @@ def main():
         print("\n### torch.profiler, steady decode forward (5 steps)\n\n```\n" + r["torch_table"] + "```\n")
 
     if not args.skip_cluster:
-        g = over_grpc(args, prompts)
-        print("\n## The worker as a process over gRPC (service code in this process)\n")
-        print(f"whole workload: {g['total']:.2f} s wall, {len(g['steps'])} steps, "
-              f"{r['tokens'] / g['total']:.0f} tok/s\n")
-        print(grpc_table(g))
         c = cluster_run(args, prompts)
-        inproc = r["total"]
-        n = len(r["per_step"])
-        print(f"\n## Distributed path (LocalCluster, {args.workers} worker(s), gRPC on loopback)\n")
-        print("| | total s | steps | ms/step | tok/s |")
-        print("|---|---|---|---|---|")
-        print(f"| in-process replay (Part 1, timers on) | {inproc:.3f} | {n} | {1000 * inproc / n:.2f} | "
-              f"{r['tokens'] / inproc:.0f} |")
-        print(f"| LocalCluster end to end | {c['wall']:.3f} | {c['steps']} | {1000 * c['wall'] / c['steps']:.2f} | "
-              f"{r['tokens'] / c['wall']:.0f} |")
-        print(f"| of which the service's own work (Stats: schedule + build + apply) | {c['meta_s']:.3f} | | "
-              f"{1000 * c['meta_s'] / c['steps']:.2f} | |")
-        if not args.cpu_time:  # CPU time and wall time do not subtract
-            wire = c["wall"] / c["steps"] - inproc / n
-            print(f"| wire: cluster minus in-process, per step (derived) | | | {1000 * wire:.2f} | |")
+        inproc, n = r["total"], len(r["per_step"])
+        per = lambda x: 1000 * x / max(c["steps"], 1)  # noqa: E731
+        print(f"\n## Distributed path (LocalCluster, {args.workers} worker(s), gRPC on loopback, "
+              f"{'%d threads' % args.threads if args.threads else 'its default threads'})\n")
+        print(f"{c['steps']} steps in {c['wall']:.3f} s: {r['tokens'] / c['wall']:.0f} tok/s "
+              f"(in-process replay above: {r['tokens'] / inproc:.0f} tok/s over {n} steps"
+              f"{', CPU time' if args.cpu_time else ''})\n")
+        print("| per step (Stats) | ms | % of step |")
+        print("|---|---|---|")
+        wall_ms = per(c["wall"])
+        for label, v in (("worker compute (stages' StageTiming, summed)", per(c["busy_s"])),
+                         ("metadata service: schedule + build + apply (overlaps compute with async "
+                          "scheduling)", per(c["meta_s"]))):
+            print(f"| {label} | {v:.2f} | {100 * v / wall_ms:.1f}% |")
+        rest = wall_ms - per(c["busy_s"])
+        print(f"| wall minus worker compute: wire, hand-offs, service work not overlapped | {rest:.2f} | "
+              f"{100 * rest / wall_ms:.1f}% |")
+        print(f"| **step** | **{wall_ms:.2f}** | 100% |")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,8 @@ SERVICE_NAME = metadata_pb2.DESCRIPTOR.services_by_name["MetadataService"].full_
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m metadata_service", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m metadata_service", description=__doc__,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051, help="0 picks a free port")
     p.add_argument("--block-size", type=int, default=16)
@@ -55,11 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve the internal surface (worker registration, heartbeats, block API) on this port "
                         "of its own; leave it unpublished (default: the client port serves both; 0 picks one)")
     p.add_argument("--worker-host", default="", help="interface of --worker-port (default: --host)")
-    p.add_argument("--token", default=os.environ.get("MINIPAGED_TOKEN"), help="client token (Bearer)")
+    p.add_argument("--token", default=None, help="client token (Bearer); default: $MINIPAGED_TOKEN")
     p.add_argument("--token-file", default="", help="read the client token from this file (a secret)")
-    p.add_argument("--worker-token", default=os.environ.get("MINIPAGED_WORKER_TOKEN"),
+    p.add_argument("--worker-token", default=None,
                    help="token workers present to register and this service presents to workers; required "
-                        "whenever the internal surface is bound to a non-loopback address")
+                        "whenever the internal surface is bound to a non-loopback address; default: "
+                        "$MINIPAGED_WORKER_TOKEN")
     p.add_argument("--worker-token-file", default="", help="read the worker token from this file (a secret)")
     p.add_argument("--tls-cert", default="", help="serve TLS with this certificate (PEM)")
     p.add_argument("--tls-key", default="", help="private key of --tls-cert")
@@ -90,6 +92,9 @@ def _read_secret(parser, path: str) -> str:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # secrets are read here, not as argparse defaults, so --help never prints one
+    args.token = args.token or os.environ.get("MINIPAGED_TOKEN")
+    args.worker_token = args.worker_token or os.environ.get("MINIPAGED_WORKER_TOKEN")
     if args.token_file:
         args.token = _read_secret(parser, args.token_file)
     if args.worker_token_file:
@@ -177,6 +182,8 @@ def main(argv=None) -> int:
         except OSError as e:
             print(f"error: cannot serve metrics on {args.host}:{args.metrics_port}: {e}", file=sys.stderr, flush=True)
             return 1
+    from minipaged.gc_tuning import tune_for_serving
+    tune_for_serving()
     engine.start()
     jobs.resume()
     for srv in servers:

@@ -148,10 +148,11 @@ class BlockPool:
     def check(self) -> list[str]:
         """Pool-local invariant violations (empty list = fine)."""
         errs = []
+        # vectorized, no sorting: pools can be millions of blocks and Stats checks this every call
         free = self._free[:self._n_free]
         lru = np.fromiter(self._lru, dtype=np.int64, count=len(self._lru))
-        allfree = np.concatenate([free.astype(np.int64), lru])   # vectorized: pools can be millions of blocks
-        if np.unique(allfree).size != allfree.size:
+        allfree = np.concatenate([free.astype(np.int64), lru])
+        if allfree.size and np.bincount(allfree, minlength=self.num_blocks).max() > 1:
             errs.append("a block is free twice")
         if (self.ref_count[allfree] != 0).any():
             errs.append("a free block has a reference")
@@ -159,8 +160,9 @@ class BlockPool:
             errs.append("referenced + free != all blocks (a block was lost)")
         if (self.ref_count < 0).any():
             errs.append("negative ref count")
-        cached = np.fromiter(self.cache.hash_of, dtype=np.int64, count=len(self.cache.hash_of))
-        if not np.isin(lru, cached).all() or np.isin(free, cached).any():
+        cached = np.zeros(self.num_blocks, dtype=bool)
+        cached[np.fromiter(self.cache.hash_of, dtype=np.int64, count=len(self.cache.hash_of))] = True
+        if not cached[lru].all() or cached[free].any():
             errs.append("cached-free / free split disagrees with the prefix cache")
         c = self.cache
         if any(c.block_of.get(h) != b for b, h in c.hash_of.items()) or len(c.block_of) != len(c.hash_of):

@@ -29,7 +29,7 @@ from minipaged.wire import FLOAT32, FLOAT64, INT32, INT64, pack, unpack
 from .block_manager import KVBlockManager
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import SAMPLING_ROW, SeqStatus, Sequence
-from .step_channel import StepChannel
+from .step_channel import ResultsChannel, StepChannel
 
 log = logging.getLogger("metadata_service.chain")
 
@@ -68,6 +68,7 @@ class ChainRunner:
         overlap = cfg.async_scheduling and self.micro_batches == 1
         self.slot_cap = 2 if overlap else 1            # steps in flight per micro-batch
         self.depth = self.micro_batches * self.slot_cap
+        self.direct = n > 1            # the last stage answers on StepResults, not back up the chain
         self.manager = KVBlockManager(num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.manager, cfg.max_num_batched_tokens, cfg.max_num_seqs,
                                    self.micro_batches, overlap, cfg.full_block_tables)
@@ -119,7 +120,11 @@ class ChainRunner:
         metadata = (("authorization", f"Bearer {self.cfg.worker_token}"),) if self.cfg.worker_token else None
         self.channel = StepChannel(self.stages[0].connect(self.engine.registry.channel_factory), metadata,
                                    self.events)
+        self.results = None
         try:
+            if self.direct:
+                self.results = ResultsChannel(self.stages[-1].connect(self.engine.registry.channel_factory),
+                                              self.epoch, metadata, self.events)
             while self.alive:
                 self._fill_pipeline()
                 try:
@@ -138,6 +143,8 @@ class ChainRunner:
             self._lose(f"internal error: {type(e).__name__}: {e}")
         finally:
             self.channel.cancel()
+            if self.results is not None:
+                self.results.cancel()
 
     def _handle(self, kind: str, item) -> None:
         if kind == "reply":
@@ -195,7 +202,7 @@ class ChainRunner:
             top_k=rows["top_k"].tobytes(), seeds=rows["seed"].tobytes(),
             # the index of the token each row samples: one more when its input is still in flight
             sample_offsets=pack([len(s.output_token_ids) + (s in pending) for s in seqs], INT32),
-            return_logprobs=any(s.params.return_logprobs for s in seqs))
+            return_logprobs=any(s.params.return_logprobs for s in seqs), reply_direct=self.direct)
         if b.block_tables is not None:
             req.block_tables, req.max_blocks_per_seq = pack(b.block_tables), b.block_tables.shape[1]
         else:
@@ -215,7 +222,9 @@ class ChainRunner:
     def _on_reply(self, reply: worker_pb2.StepReply) -> None:
         step = self.inflight.pop(reply.step_id, None)
         if step is None:
-            return  # a step of an earlier epoch
+            if reply.error_code and reply.step_id == 0:   # a stage lost the steps it had sent on
+                self._lose(f"the chain broke: {reply.error}")
+            return  # an acknowledgement, or a step of an earlier epoch
         t0 = time.perf_counter()
         b = step.batch
         self.slot_inflight[b.slot] -= 1
@@ -305,6 +314,8 @@ class ChainRunner:
         self.lost_reason = why
         log.warning("chain %d (%s) lost: %s", self.chain_id, self.label, why)
         self.channel.cancel()
+        if getattr(self, "results", None) is not None:
+            self.results.cancel()
         with self.lock:
             seqs = self.scheduler.drain()
             self.inflight.clear()

@@ -63,7 +63,8 @@ class Scheduler:
         self.full_tables = full_tables            # send whole block tables every step (for comparison)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []         # admission order: the newest is preempted first
-        self.slot_sizes = [0] * micro_batches
+        self.by_slot: list[list[Sequence]] = [[] for _ in range(micro_batches)]  # the same, per micro-batch
+        self.unforked: list[Sequence] = []        # running requests with several choices, before their fork
         self.released: list[int] = []             # ids whose worker-side state can be dropped
         self.copies: list[tuple[int, int]] = []   # forks' copy-on-write, for the next step to carry
         self.num_preemptions = 0
@@ -87,8 +88,7 @@ class Scheduler:
     def remove(self, seq: Sequence) -> None:
         """Drop a sequence wherever it is (finished or aborted) and free its blocks."""
         if seq.status is SeqStatus.RUNNING:
-            self.running.remove(seq)
-            self.slot_sizes[seq.slot] -= 1
+            self._drop_running(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._forget(seq)
@@ -99,6 +99,8 @@ class Scheduler:
         for seq in reversed(self.running):
             self._preempt(seq, count=False)
         self.running = []
+        self.by_slot = [[] for _ in range(self.micro_batches)]
+        self.unforked = []
 
     def drain(self) -> list[Sequence]:
         """Every unfinished sequence, running ones reset for recompute (a lost chain hands them on)."""
@@ -110,9 +112,20 @@ class Scheduler:
         self.released.clear()
         return out
 
+    def _drop_running(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.by_slot[seq.slot].remove(seq)
+        if seq in self.unforked:
+            self.unforked.remove(seq)
+
+    def _admit_running(self, seq: Sequence, slot: int) -> None:
+        seq.status, seq.slot = SeqStatus.RUNNING, slot
+        self.running.append(seq)
+        self.by_slot[slot].append(seq)
+        if seq.group is not None and not seq.group.forked and seq.group.parent is seq:
+            self.unforked.append(seq)
+
     def _preempt(self, seq: Sequence, count: bool = True) -> None:
-        if seq.status is SeqStatus.RUNNING:
-            self.slot_sizes[seq.slot] -= 1
         self._forget(seq)
         seq.num_computed_tokens = 0
         seq.status = SeqStatus.WAITING
@@ -127,14 +140,14 @@ class Scheduler:
         slack = len(st.block_table) * self.manager.block_size - st.sequence_length
         return slack + self.manager.num_free_blocks * self.manager.block_size
 
-    def _preempt_newest(self, slot: int, exclude=()) -> Sequence | None:
-        for i in range(len(self.running) - 1, -1, -1):
-            s = self.running[i]
-            if s.slot == slot and s not in exclude:
-                del self.running[i]
-                self._preempt(s)
-                return s
-        return None
+    def _preempt_newest(self, slot: int) -> Sequence | None:
+        mine = self.by_slot[slot]
+        if not mine:
+            return None
+        s = mine[-1]
+        self._drop_running(s)
+        self._preempt(s)
+        return s
 
     # ------------------------------------------------------------------ forks (n / best_of)
     @staticmethod
@@ -148,18 +161,17 @@ class Scheduler:
 
     def _fork_ready(self, slot: int) -> bool:
         forked = False
-        for s in list(self.running):
+        for s in list(self.unforked):
             g = s.group
-            if s.slot != slot or g is None or g.forked or g.parent is not s or self._todo(s) != 0:
+            if s.slot != slot or self._todo(s) != 0:
                 continue
             partial = s.num_computed_tokens % self.manager.block_size != 0
             if partial and self.manager.num_free_blocks < g.size - 1:
                 continue                              # no room for the copies yet: try again later
+            self.unforked.remove(s)
             for c in g.fork():
                 self.copies += self.manager.fork(s.seq_id, c.seq_id)
-                c.status = SeqStatus.RUNNING
-                self.running.append(c)
-                self.slot_sizes[slot] += 1
+                self._admit_running(c, slot)
             forked = True
         return forked
 
@@ -168,9 +180,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         forked = self._fork_ready(slot)
         decodes, chunks = [], []
-        for s in self.running:
-            if s.slot != slot:
-                continue
+        for s in self.by_slot[slot]:
             known = self._todo(s)
             grouped = s.group is not None and not s.group.forked
             if not grouped and (known == 1 or (known == 0 and self.overlap and s.inflight == 1 and not s.deferred
@@ -209,7 +219,8 @@ class Scheduler:
                 budget -= n
         # a fair share per micro-batch, so a few requests still spread over every pipeline slot
         share = min(self.max_num_seqs, -(-(len(self.running) + len(self.waiting)) // self.micro_batches))
-        while self.waiting and budget > 0 and self.slot_sizes[slot] < share:
+        mine = self.by_slot[slot]
+        while self.waiting and budget > 0 and len(mine) < share:
             s = self.waiting[0]
             created = s.seq_id not in self.manager.sequences
             if created:
@@ -225,9 +236,7 @@ class Scheduler:
                     s.num_computed_tokens = 0
                 break
             self.waiting.popleft()
-            s.status, s.slot = SeqStatus.RUNNING, slot
-            self.running.append(s)
-            self.slot_sizes[slot] += 1
+            self._admit_running(s, slot)
             if n > 0:
                 slots.append(self._append(s, n))
                 chosen.append((s, n))
@@ -237,7 +246,7 @@ class Scheduler:
         if not chosen:
             if forked:
                 return self.schedule(slot)            # the new choices decode right away
-            if not any(s.inflight for s in self.running if s.slot == slot):
+            if not any(s.inflight for s in self.by_slot[slot]):
                 self._preempt_newest(slot)  # everything stuck on blocks (only prefills): free the newest
             return None
         return self._build(chosen, slots, num_decodes, slot)

@@ -45,3 +45,39 @@ class StepChannel:
         self._cancelled = True
         self._call.cancel()
         self._requests.put(_END)
+
+
+class ResultsChannel:
+    """The last stage's StepResults stream (multi-stage chains: replies skip the way back up)."""
+
+    def __init__(self, stub, epoch: int, metadata, events: queue.SimpleQueue, timeout_s: float = 30.0):
+        self._events = events
+        self._cancelled = False
+        self._call = stub.StepResults(worker_pb2.StepResultsRequest(cache_epoch=epoch), metadata=metadata)
+        ready = threading.Event()
+        self._error: str | None = None
+        threading.Thread(target=self._read, args=(ready,), name="step-results", daemon=True).start()
+        if not ready.wait(timeout_s) or self._error:
+            self.cancel()
+            raise ConnectionError(self._error or f"the last stage did not subscribe within {timeout_s:.0f}s")
+
+    def _read(self, ready: threading.Event) -> None:
+        try:
+            first = True
+            for reply in self._call:
+                if first:                      # the stage's acknowledgement: it will publish now
+                    first = False
+                    ready.set()
+                    continue
+                self._events.put(("reply", reply))
+            why = "the last stage's results stream ended"
+        except grpc.RpcError as e:
+            why = f"{e.code().name}: {e.details()}"
+            self._error = why
+        ready.set()
+        if not self._cancelled:
+            self._events.put(("broken", f"results stream from the last stage broke: {why}"))
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        self._call.cancel()

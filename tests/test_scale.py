@@ -99,8 +99,10 @@ def test_stop_strings_and_cancels_race_the_overlap(ckpt, oracle):
         cl = c.client
         prompt = [40, 41, 42, 43, 44]
         full = cl.generate(prompt_token_ids=prompt, max_new_tokens=30, ignore_eos=True)
-        for k in (1, 4, 9):                                # stop strings that end at different steps
-            stop = full.text[k:k + 3]
+        # stop strings that end at different steps; the first, 5 characters long, matches at the very
+        # start of the output (it once leaked length-3 characters into the stream)
+        for k, n in ((0, 5), (1, 3), (4, 3), (9, 3)):
+            stop = full.text[k:k + n]
             r = cl.generate(prompt_token_ids=prompt, max_new_tokens=30, ignore_eos=True, stop=[stop])
             streamed = "".join(ch.text for ch in cl.stream(prompt_token_ids=prompt, max_new_tokens=30,
                                                            ignore_eos=True, stop=[stop]))

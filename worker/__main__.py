@@ -38,7 +38,8 @@ SHUTDOWN_GRACE_S = 5.0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m worker", description="MiniPaged-Qwen worker: one pipeline stage.")
+    p = argparse.ArgumentParser(prog="python -m worker", description="MiniPaged-Qwen worker: one pipeline stage.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--metadata", default="", help="metadata service HOST:PORT to register with (empty: standalone)")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 in containers)")
     p.add_argument("--port", type=int, default=50061, help="port to serve on (0 = pick a free one)")
@@ -65,9 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-ca", default="",
                    help="CA that signed the metadata service's and the next stage's certificates; "
                         "this worker then presents --tls-cert/--tls-key as its client certificate")
-    p.add_argument("--worker-token", default=os.environ.get("MINIPAGED_WORKER_TOKEN", ""),
-                   help="require 'authorization: Bearer TOKEN' on WorkerService calls "
-                        "(default: $MINIPAGED_WORKER_TOKEN)")
+    p.add_argument("--worker-token", default=None,
+                   help="require 'authorization: Bearer TOKEN' on WorkerService calls; default: "
+                        "$MINIPAGED_WORKER_TOKEN")
     p.add_argument("--worker-token-file", default="",
                    help="read the worker token from this file (a compose/Kubernetes secret)")
     p.add_argument("--heartbeat-ms", type=int, default=1000,
@@ -104,6 +105,7 @@ def resolve_args(argv=None) -> argparse.Namespace:
     """Parse and check the flags against the model config (cheap: config.json only, no weights)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.worker_token = args.worker_token or os.environ.get("MINIPAGED_WORKER_TOKEN", "")  # not a default: --help
     try:
         args.config = load_model_config(args.model)
         args.layer_start, args.layer_end = parse_layers(args.layers, args.config.num_hidden_layers)
@@ -177,6 +179,8 @@ def main(argv=None) -> int:
     if not args.num_blocks and budget <= 0:
         log.error("no memory left for the K/V cache on %s (use --kv-cache-bytes or --num-blocks)", args.device)
         return 2
+    from minipaged.gc_tuning import tune_for_serving
+    tune_for_serving()  # the model is loaded: freeze it out of the collector's sight
     servicer = WorkerServicer(runner, model_name=args.model, device=device, dtype=args.dtype,
                               backend=backend, kv_cache_bytes=budget, fixed_num_blocks=args.num_blocks,
                               replica_group=args.replica_group, simulate=args.simulate)

@@ -100,6 +100,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         self.channel_factory = lambda address, options: grpc.insecure_channel(address, options=options)
         self.next_epoch: int | None = None
         self.streams: set = set()     # live StepStreams (InitCache ends them: their epoch is over)
+        self.results: queue.SimpleQueue | None = None   # the StepResults subscriber of this epoch
 
     # ---- capacity / info -------------------------------------------------------------------------
     def max_blocks(self, block_size: int) -> int:
@@ -141,6 +142,9 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                           f"num_blocks {nb} exceeds this stage's capacity of {limit} blocks of {bs} ({src})")
         for stream in list(self.streams):  # steps of the old epoch must not reach the new cache
             stream.cancel()
+        if self.results is not None:
+            self.results.put(None)
+            self.results = None
         with self.lock:
             # not ready while the old cache is dropped and the new one allocated
             self.epoch, self.num_blocks, self.block_size = 0, 0, 0
@@ -256,12 +260,15 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             sampled = [s for s, d in zip(a.seq_ids, a.do_sample.tolist()) if d] if a.seq_ids else []
             self.steps_served += 1
             if self.runner.is_last:
+                out.timings.extend(request.upstream_timings)   # empty unless the reply goes direct
                 out.timings.append(timing)
                 out.cache_epoch = self.epoch
                 if self.runner.is_first and sampled and out.sampled_token_ids:
                     self.store.record_sampled(sampled, wire.unpack(out.sampled_token_ids), forwarded=False)
                 return StepOutcome(out, None, timing, sampled, ready_at)
             out.cache_epoch = self._pin_next_epoch()
+            if request.reply_direct:
+                out.upstream_timings.append(timing)
             return StepOutcome(None, out, timing, sampled, ready_at)
 
     def _compute(self, request, a):
@@ -320,6 +327,26 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         if first:
             self.store.record_sampled(o.sampled_ids, wire.unpack(down.sampled_token_ids), forwarded=True)
         return _relayed(down, o.timing, request.step_id, self.epoch)
+
+    def StepResults(self, request, context):
+        """The last stage's replies to reply_direct steps of this epoch, in order."""
+        if not self.runner.is_last or self.epoch == 0 or request.cache_epoch != self.epoch:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"StepResults needs the last stage at the chain's epoch (this stage serves "
+                          f"[{self.runner.layer_start}, {self.runner.layer_end}), epoch {self.epoch})")
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        if self.results is not None:
+            self.results.put(None)               # one subscriber per epoch: the newest wins
+        self.results = q
+        context.add_callback(lambda: q.put(None))
+        yield pb.StepReply(step_id=0, cache_epoch=self.epoch)   # subscribed: steps may flow now
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            reply, ready_at = item
+            _wait_until(ready_at)
+            yield reply
 
     def StepStream(self, request_iterator, context):
         stream = _Stream(self)
@@ -397,6 +424,15 @@ class _Stream:
                                        cache_epoch=self.s.epoch), 0.0))
             return
         if o.reply is not None:
+            if request.reply_direct and not self.s.runner.is_first:
+                results = self.s.results
+                if results is not None:
+                    results.put((o.reply, o.ready_at))
+                else:
+                    self.out.put((pb.StepReply(step_id=request.step_id, error_code=grpc.StatusCode.FAILED_PRECONDITION.value[0],
+                                               error="the last stage has no StepResults subscriber for this epoch",
+                                               cache_epoch=self.s.epoch), 0.0))
+                return
             self.out.put((o.reply, o.ready_at))
             return
         if self.link is None:
@@ -406,7 +442,7 @@ class _Stream:
         self.sent[request.step_id] = (o.timing, o.sampled_ids if first else [])
         if first:
             self.s.store.note_forwarded(o.sampled_ids)
-        self.link.send(o.forward, o.ready_at)
+        self.link.send(o.forward, o.ready_at, track=not request.reply_direct)
 
     def _relay(self, down: pb.StepReply) -> None:
         timing, sampled = self.sent.pop(down.step_id, (pb.StageTiming(), []))

@@ -28,6 +28,7 @@ class StageLink:
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._on_reply, self._on_failed = on_reply, on_failed
         self._outstanding: list[int] = []          # step ids sent, reply not yet back (in order)
+        self._direct_sent = False
         self._lock = threading.Lock()
         self._call = stub.StepStream(self._iter(), metadata=metadata or None)
         self._relay = threading.Thread(target=self._run, name="stage-link-relay", daemon=True)
@@ -44,9 +45,14 @@ class StageLink:
                 time.sleep(delay)
             yield request
 
-    def send(self, request: pb.StepRequest, ready_at: float = 0.0) -> None:
+    def send(self, request: pb.StepRequest, ready_at: float = 0.0, track: bool = True) -> None:
+        """`track`: a reply comes back on this stream (not so for reply_direct steps, whose last
+        stage answers the metadata service itself)."""
         with self._lock:
-            self._outstanding.append(request.step_id)
+            if track:
+                self._outstanding.append(request.step_id)
+            else:
+                self._direct_sent = True
         self._requests.put((request, ready_at))
 
     def _run(self) -> None:
@@ -58,13 +64,15 @@ class StageLink:
                     elif reply.step_id in self._outstanding:
                         self._outstanding.remove(reply.step_id)
                 self._on_reply(reply)
-            code, why = grpc.StatusCode.UNAVAILABLE, "the stream ended with steps outstanding"
+            code, why, broke = grpc.StatusCode.UNAVAILABLE, "the stream ended with steps outstanding", False
         except grpc.RpcError as e:
-            code, why = e.code(), e.details() or e.code().name
+            code, why, broke = e.code(), e.details() or e.code().name, True
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 code = grpc.StatusCode.UNAVAILABLE
         with self._lock:
             lost, self._outstanding = self._outstanding, []
+            if broke and self._direct_sent:
+                lost.append(0)   # steps whose replies go direct were lost too: 0 = "the chain broke"
         for step_id in lost:
             self._on_failed(step_id, grpc.StatusCode.UNAVAILABLE if code == grpc.StatusCode.CANCELLED else code,
                             f"next stage {self.address}: {why}")

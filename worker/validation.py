@@ -140,10 +140,10 @@ def _validate(req, lim: StepLimits, store, placeholder_timeout_s) -> StepArrays:
         if itemsize is None:
             _fail(f"hidden_dtype {req.hidden_dtype!r} is not one of {sorted(HIDDEN_DTYPE_BYTES)}")
         want = T * lim.hidden_size * itemsize
-        if len(req.hidden_states) != want:
+        hidden = req.hidden_states  # once: each access of a bytes field copies it
+        if len(hidden) != want:
             _fail(f"hidden_states: expected T*hidden = {T}*{lim.hidden_size} {req.hidden_dtype} values "
-                  f"({want} bytes), got {len(req.hidden_states)} bytes")
-        hidden = req.hidden_states
+                  f"({want} bytes), got {len(hidden)} bytes")
 
     _range("positions", positions, 0, lim.max_position)
     seq_lens = wire.unpack(req.seq_lens, wire.INT32, name="seq_lens", count=B)

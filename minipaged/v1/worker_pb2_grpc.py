@@ -54,6 +54,11 @@ class WorkerServiceStub:
                 request_serializer=minipaged_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
                 response_deserializer=minipaged_dot_v1_dot_worker__pb2.StepReply.FromString,
                 _registered_method=True)
+        self.StepResults = channel.unary_stream(
+                '/minipaged.v1.WorkerService/StepResults',
+                request_serializer=minipaged_dot_v1_dot_worker__pb2.StepResultsRequest.SerializeToString,
+                response_deserializer=minipaged_dot_v1_dot_worker__pb2.StepReply.FromString,
+                _registered_method=True)
         self.CopyBlocks = channel.unary_unary(
                 '/minipaged.v1.WorkerService/CopyBlocks',
                 request_serializer=minipaged_dot_v1_dot_worker__pb2.CopyBlocksRequest.SerializeToString,
@@ -96,6 +101,13 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StepResults(self, request, context):
+        """The last stage's replies to steps sent with reply_direct, in order (one subscriber per epoch).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CopyBlocks(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -129,6 +141,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
             'StepStream': grpc.stream_stream_rpc_method_handler(
                     servicer.StepStream,
                     request_deserializer=minipaged_dot_v1_dot_worker__pb2.StepRequest.FromString,
+                    response_serializer=minipaged_dot_v1_dot_worker__pb2.StepReply.SerializeToString,
+            ),
+            'StepResults': grpc.unary_stream_rpc_method_handler(
+                    servicer.StepResults,
+                    request_deserializer=minipaged_dot_v1_dot_worker__pb2.StepResultsRequest.FromString,
                     response_serializer=minipaged_dot_v1_dot_worker__pb2.StepReply.SerializeToString,
             ),
             'CopyBlocks': grpc.unary_unary_rpc_method_handler(
@@ -249,6 +266,33 @@ class WorkerService:
             target,
             '/minipaged.v1.WorkerService/StepStream',
             minipaged_dot_v1_dot_worker__pb2.StepRequest.SerializeToString,
+            minipaged_dot_v1_dot_worker__pb2.StepReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StepResults(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/minipaged.v1.WorkerService/StepResults',
+            minipaged_dot_v1_dot_worker__pb2.StepResultsRequest.SerializeToString,
             minipaged_dot_v1_dot_worker__pb2.StepReply.FromString,
             options,
             channel_credentials,

@@ -146,7 +146,7 @@ def test_one_qwen3_attention_layer_matches_transformers(impl, atol):
     from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3RotaryEmbedding
 
     from minipaged.config import ModelConfig
-    from worker.model import Attention, RotaryEmbedding, StepBatch
+    from worker.model import Attention, RotaryEmbedding, StepBatch, fuse_hf_weights
 
     hf_cfg = Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                          intermediate_size=128, num_hidden_layers=1, vocab_size=32,
@@ -157,7 +157,7 @@ def test_one_qwen3_attention_layer_matches_transformers(impl, atol):
         for p in hf.parameters():
             p.copy_(torch.randn_like(p) * (0.1 if p.dim() > 1 else 1.0))
     ours = Attention(ModelConfig.from_dict(hf_cfg.to_dict(), "layer"), TorchBackend()).to(DT)
-    ours.load_state_dict(hf.state_dict())
+    ours.load_state_dict(fuse_hf_weights(hf.state_dict()))
 
     T, block_size = 13, 4
     x = torch.randn(1, T, 64, dtype=DT)
@@ -214,3 +214,93 @@ def test_paged_cache_layout_copy_blocks_and_checksum():
     assert blocks_for_budget(per_block * 7 + 5, 2, 2, 4, D, torch.float64) == 7
     assert blocks_for_budget(per_block * 7, 2, 2, 4, D, "float32") == 14
     assert cache.nbytes == 5 * per_block
+
+
+# ---- the torch backend on a CPU device: decode through the compiled loop (worker/attention_cpu)
+
+
+def native_backend():
+    from worker.attention_cpu import CpuTorchBackend
+    be = CpuTorchBackend()
+    if not be.native:
+        pytest.skip("no C++ compiler: the CPU decode library could not be built")
+    return be
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float64, 1e-13), (torch.float32, 2e-6)])
+@pytest.mark.parametrize("block_size", [1, 7, 16])
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_native_decode_matches_torch_and_reference(block_size, group, dtype, atol):
+    Hkv = 2
+    seq_lens = [1, 9, 23, 16, 0]          # the last one has no context: zeros, like the torch path
+    kc, vc, tables, _ = paged_context(seq_lens[:-1] + [1], block_size, Hkv, seed=block_size + 3 * group)
+    kc, vc = kc.to(dtype), vc.to(dtype)
+    q = torch.randn(len(seq_lens), Hkv * group, D, dtype=dtype)
+    sl = torch.tensor(seq_lens, dtype=torch.int32)
+    out = native_backend().paged_decode(q, kc, vc, tables, sl, 0.25)
+    assert out.dtype == dtype and out.shape == q.shape
+    torch.testing.assert_close(out, TorchBackend().paged_decode(q, kc, vc, tables, sl, 0.25), rtol=0, atol=atol)
+    torch.testing.assert_close(out[:-1], reference_paged_decode(q[:-1], kc, vc, tables[:-1], sl[:-1], 0.25),
+                               rtol=0, atol=atol)
+    assert not out[-1].any()
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float64, 1e-13), (torch.float32, 2e-6)])
+@pytest.mark.parametrize("block_size", [1, 7, 16])
+@pytest.mark.parametrize("group", [1, 2, 4, 16])
+def test_native_prefill_matches_torch_and_reference(block_size, group, dtype, atol):
+    Hkv, d = 1 if group == 16 else 2, 64 // (8 if dtype == torch.float64 else 4)  # d: whole vectors
+    seq_lens = [5, 1, 40, 13, 30]
+    qlens = [5, 1, 6, 13, 29]        # 2 and 4 have a cached prefix; 1 is a decode row (mixed step)
+    g = torch.Generator().manual_seed(block_size * 7 + group)
+    need = [-(-n // block_size) for n in seq_lens]
+    kc = torch.randn(sum(need) + 2, Hkv, block_size, d, generator=g, dtype=dtype)
+    vc = torch.randn(sum(need) + 2, Hkv, block_size, d, generator=g, dtype=dtype)
+    perm = torch.randperm(kc.shape[0], generator=g)
+    tables = torch.full((len(seq_lens), max(need)), -1, dtype=torch.int32)
+    for b, start in enumerate(np.cumsum([0] + need[:-1])):
+        tables[b, :need[b]] = perm[start:start + need[b]].to(torch.int32)
+    qsl = torch.tensor(np.concatenate([[0], np.cumsum(qlens)]), dtype=torch.int32)
+    q = torch.randn(int(qsl[-1]), Hkv * group, d, generator=g, dtype=dtype)
+    sl = torch.tensor(seq_lens, dtype=torch.int32)
+    out = native_backend().paged_prefill(q, kc, vc, tables, sl, qsl, max(qlens), 0.3)
+    torch.testing.assert_close(out, TorchBackend().paged_prefill(q, kc, vc, tables, sl, qsl, max(qlens), 0.3),
+                               rtol=0, atol=atol)
+    torch.testing.assert_close(out, reference_paged_prefill(q, kc, vc, tables, sl, qsl, max(qlens), 0.3),
+                               rtol=0, atol=atol)
+
+
+def test_native_prefill_refuses_queries_outside_the_batch():
+    kc, vc, tables, _ = paged_context([5, 9], 4, 1, seed=2)
+    kc, vc = kc.float(), vc.float()
+    q = torch.randn(14, 2, D)
+    be = native_backend()
+    qsl = torch.tensor([0, 5, 14], dtype=torch.int32)
+    bad = tables.clone()
+    bad[1, 2] = -1                                             # a hole inside the used part
+    with pytest.raises(IndexError, match="sequence 1"):
+        be.paged_prefill(q, kc, vc, bad, torch.tensor([5, 9], dtype=torch.int32), qsl, 9, 0.5)
+
+
+def test_native_decode_refuses_blocks_outside_the_cache():
+    kc, vc, tables, _ = paged_context([5, 9], 4, 1, seed=1)
+    q = torch.randn(2, 2, D, dtype=DT)
+    be = native_backend()
+    bad = tables.clone()
+    bad[1, 1] = kc.shape[0]                                    # one past the last block
+    with pytest.raises(IndexError, match="sequence 1"):
+        be.paged_decode(q, kc, vc, bad, torch.tensor([5, 9], dtype=torch.int32), 0.5)
+    with pytest.raises(IndexError, match="sequence 0"):        # longer than its table row
+        be.paged_decode(q, kc, vc, tables, torch.tensor([4 * tables.shape[1] + 1, 9], dtype=torch.int32), 0.5)
+
+
+def test_native_decode_can_be_switched_off():
+    import os
+    import subprocess
+    import sys
+    code = ("from worker.attention import get_backend; from worker.attention_cpu import CpuTorchBackend; "
+            "b = get_backend('torch', 'cpu'); assert isinstance(b, CpuTorchBackend); print(b.native)")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root,
+                         env={**os.environ, "MINIPAGED_CPU_KERNELS": "0"})
+    assert out.stdout.strip() == "False"

@@ -256,3 +256,29 @@ def test_weights_loading_and_fingerprint(checkpoints, tmp_path):
     hf.config.save_pretrained(binary)
     sdb = load_state_dict(binary, load_model_config(binary), 1, 2)
     assert sdb.keys() == sd1.keys() and all(torch.equal(sdb[k], sd1[k]) for k in sd1)
+
+
+def test_fused_cpu_steps_match_the_torch_ops():
+    """qk_norm_rope and silu_mul (worker/cpu_kernels.cpp, float32 on the CPU) against the module
+    code they replace: RMSNorm (HF's ops) then RoPE, and F.silu(gate) * up."""
+    from worker import cpu_kernels
+    from worker.model import RMSNorm, RotaryEmbedding, apply_rope
+    if cpu_kernels.load_library() is None:
+        pytest.skip("no C++ compiler: the CPU kernels could not be built")
+    g = torch.Generator().manual_seed(0)
+    T, H, Hkv, D, inter = 37, 8, 2, 64, 96
+    qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=g)
+    qn, kn = RMSNorm(D, 1e-6), RMSNorm(D, 1e-6)
+    with torch.no_grad():
+        qn.weight.copy_(torch.rand(D, generator=g) + 0.5)
+        kn.weight.copy_(torch.rand(D, generator=g) + 0.5)
+    cos, sin = RotaryEmbedding(D, 1e6)(torch.randint(0, 4000, (T,), generator=g), torch.float32)
+    q, k = cpu_kernels.qk_norm_rope(qkv, H, Hkv, D, qn.weight, kn.weight, 1e-6, cos, sin)
+    with torch.no_grad():
+        want_q = apply_rope(qn(qkv[:, :H * D].view(T, H, D)), cos, sin)
+        want_k = apply_rope(kn(qkv[:, H * D:(H + Hkv) * D].view(T, Hkv, D)), cos, sin)
+    torch.testing.assert_close(q, want_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k, want_k, rtol=1e-5, atol=1e-5)
+    gate_up = torch.randn(T, 2 * inter, generator=g) * 6                # both signs, |g| up to ~25
+    want = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    torch.testing.assert_close(cpu_kernels.silu_mul(gate_up, inter), want, rtol=1e-5, atol=1e-6)

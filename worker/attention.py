@@ -37,9 +37,13 @@ class AttentionBackend(Protocol):
 
 
 def get_backend(name: str, device: torch.device | str | None = None) -> AttentionBackend:
-    """"torch" works everywhere; the CUDA ones are imported lazily so that CPU machines never
-    import PyCUDA."""
+    """"torch" works everywhere; on a CPU device its decode runs one compiled loop
+    (worker/attention_cpu.py; pure torch where no compiler is found or MINIPAGED_CPU_KERNELS=0).
+    The CUDA ones are imported lazily so that CPU machines never import PyCUDA."""
     if name == "torch":
+        if device is None or torch.device(device).type == "cpu":
+            from worker.attention_cpu import CpuTorchBackend
+            return CpuTorchBackend()
         from worker.attention_torch import TorchBackend
         return TorchBackend()
     if name == "pycuda":

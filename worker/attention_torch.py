@@ -6,7 +6,8 @@ dim] layout (no permute copy), and the softmax is a segment softmax over each se
 So a step reads only the blocks its sequences use, not B x the longest context.
 
 Prefill runs each sequence's chunk through `scaled_dot_product_attention` against its gathered
-context with a bottom-right causal mask (a cached prefix precedes the chunk). Decode rows of a
+context: causal when the chunk is the whole context, else with a bottom-right causal mask (a
+cached prefix precedes the chunk). Decode rows of a
 mixed step take the decode path. Scores are float64 for float64 models (exact parity with the
 oracle) and float32 otherwise."""
 from __future__ import annotations
@@ -49,13 +50,17 @@ class TorchBackend:
 
     def write_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
         slots = slot_mapping.long()
-        valid = slots >= 0
-        slots, key, value = slots[valid], key[valid], value[valid]
-        block_size = key_cache.shape[2]
-        blk, off = slots // block_size, slots % block_size
-        # Advanced indices around a slice: the indexed view is [n, Hkv, D], matching key/value.
-        key_cache[blk, :, off] = key.to(key_cache.dtype)
-        value_cache[blk, :, off] = value.to(value_cache.dtype)
+        if not bool((slots >= 0).all()):           # padding (-1) is skipped
+            keep = slots >= 0
+            slots, key, value = slots[keep], key[keep], value[keep]
+        _, Hkv, bs, D = key_cache.shape
+        # One copy per cache: seen as rows [num_blocks * Hkv * bs, D], token t's head h goes to
+        # row (block * Hkv + h) * bs + offset.
+        heads = torch.arange(Hkv, device=slots.device)
+        rows = (((slots // bs) * Hkv)[:, None] + heads[None, :]) * bs + (slots % bs)[:, None]
+        rows = rows.reshape(-1)
+        key_cache.view(-1, D).index_copy_(0, rows, key.reshape(-1, D).to(key_cache.dtype))
+        value_cache.view(-1, D).index_copy_(0, rows, value.reshape(-1, D).to(value_cache.dtype))
 
     def paged_decode(self, query, key_cache, value_cache, block_tables, seq_lens, scale):
         B, H, D = query.shape
@@ -101,18 +106,21 @@ class TorchBackend:
             out[rows] = self.paged_decode(query[rows], key_cache, value_cache, block_tables[dec],
                                           seq_lens[dec], scale)
         bs, cdt = key_cache.shape[2], _compute_dtype(query.dtype)
-        G = query.shape[1] // key_cache.shape[1]
-        tables, lens = block_tables.long(), seq_lens.long()
-        # one SDPA per prefill chunk: a handful per step (the token budget bounds them), never per token
+        tables = block_tables.long()
+        starts, lens = qsl.tolist(), seq_lens.tolist()
+        # one SDPA per prefill chunk: a handful per step (the token budget bounds them), never per
+        # token; 4-D inputs (3-D ones take SDPA's slower math path on the CPU), GQA without copies
         for b in (~is_dec).nonzero().squeeze(1).tolist():
-            lo, hi, L = int(qsl[b]), int(qsl[b + 1]), int(lens[b])
+            lo, hi, L = starts[b], starts[b + 1], lens[b]
             blocks = tables[b, :(L + bs - 1) // bs]
-            k = gather_context(key_cache, blocks, L).to(cdt).repeat_interleave(G, dim=0)   # [H, L, D]
-            v = gather_context(value_cache, blocks, L).to(cdt).repeat_interleave(G, dim=0)
-            q = query[lo:hi].to(cdt).transpose(0, 1)                                      # [H, qlen, D]
+            k = gather_context(key_cache, blocks, L).to(cdt)[None]                 # [1, Hkv, L, D]
+            v = gather_context(value_cache, blocks, L).to(cdt)[None]
+            q = query[lo:hi].to(cdt).transpose(0, 1)[None]                         # [1, H, qlen, D]
             qlen = hi - lo
-            # bottom-right causal: query i sits at position L - qlen + i and sees keys <= it
-            mask = torch.ones(qlen, L, dtype=torch.bool, device=query.device).tril(L - qlen)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-            out[lo:hi] = o.transpose(0, 1).to(query.dtype)
+            if qlen == L:  # the chunk is the whole context: plain causal
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            else:  # after a cached prefix, bottom-right causal: query i sits at L - qlen + i
+                mask = torch.ones(qlen, L, dtype=torch.bool, device=query.device).tril(L - qlen)
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+            out[lo:hi] = o[0].transpose(0, 1).to(query.dtype)
         return out

@@ -2,11 +2,18 @@
 
 Numerics follow Hugging Face `modeling_qwen3` op for op (the oracle, DESIGN section 6): RMSNorm
 casts to float32 exactly as HF does, RoPE's inv_freq/cos/sin are computed in float32 like HF and
-then cast to the model dtype, and residual additions happen in the same order. Only attention
-differs in form: it reads K/V from the paged cache through the step's block tables.
+then cast to the model dtype, and residual additions happen in the same order. Attention differs
+in form: it reads K/V from the paged cache through the step's block tables.
+
+Like vLLM, the q/k/v projections are one matrix (`qkv_proj`, rows q|k|v) and gate/up another
+(`gate_up_proj`, rows gate|up): one GEMM instead of three and two, which matters most for decode
+steps, where the GEMMs are small and their per-call cost shows. Each output element is still the
+dot product of one weight row with the input. `load_weights` stacks the checkpoint's separate
+tensors into them (`fuse_hf_weights`), so checkpoints keep Hugging Face's names.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minipaged.config import ModelConfig
+from worker import cpu_kernels
 from worker.attention import AttentionBackend, get_backend
 from worker.paged_cache import PagedKVCache, as_dtype
 
@@ -35,6 +43,34 @@ class StepBatch:
         return self.positions.shape[0]
 
 
+def _onednn_fp32_gemm() -> bool:
+    """Can float32 GEMMs go to oneDNN? torch's F.linear calls MKL's sgemm, which on AMD CPUs runs
+    its non-AVX-512 code: ~100 GFLOP/s per core here, where oneDNN (the GEMM torch's Inductor and
+    vLLM's CPU backend use) does ~230. Checked once against F.linear; MINIPAGED_CPU_KERNELS=0
+    keeps F.linear."""
+    if os.environ.get("MINIPAGED_CPU_KERNELS", "1") == "0" or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        x, w = torch.randn(3, 8), torch.randn(5, 8)
+        got = torch.ops.mkldnn._linear_pointwise(x, w, torch.ones(5), "none", [], "")
+        return torch.allclose(got, F.linear(x, w, torch.ones(5)), rtol=1e-5, atol=1e-5)
+    except (AttributeError, RuntimeError):
+        return False
+
+
+ONEDNN_FP32_GEMM = _onednn_fp32_gemm()
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose float32 CPU GEMM is oneDNN's when available (see _onednn_fp32_gemm);
+    float64 (the parity mode) and other devices use F.linear."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if ONEDNN_FP32_GEMM and x.dtype == torch.float32 and x.device.type == "cpu":
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -42,11 +78,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Exactly HF's Qwen3RMSNorm: statistics in float32 (even for float64 models), cast back.
+        # Exactly HF's Qwen3RMSNorm: statistics in float32 (even for float64 models), cast back,
+        # times the weight (the in-place steps work on fresh tensors and change no value).
         dtype = x.dtype
         x = x.to(torch.float32)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        rstd = x.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
+        return (x * rstd).to(dtype).mul_(self.weight)
 
 
 class RotaryEmbedding(nn.Module):
@@ -73,6 +110,30 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos) + (rotate_half(x) * sin)
 
 
+# Checkpoint tensors that this module stacks into one parameter: (fused name, parts in row order).
+FUSED = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")))
+
+
+def fuse_hf_weights(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Hugging Face names -> this module's: each complete q/k/v (gate/up) set under one prefix
+    becomes one `qkv_proj` (`gate_up_proj`) tensor, rows concatenated in that order. Works for
+    whole-model names (`model.layers.3.self_attn.q_proj.weight`) and for one module's."""
+    out = dict(state_dict)
+    for fused, parts in FUSED:
+        for suffix in ("weight", "bias"):
+            first = f"{parts[0]}.{suffix}"
+            for name in state_dict:
+                if name != first and not name.endswith("." + first):
+                    continue
+                prefix = name[:-len(first)]
+                names = [f"{prefix}{part}.{suffix}" for part in parts]
+                if all(n in state_dict for n in names):
+                    out[f"{prefix}{fused}.{suffix}"] = torch.cat([state_dict[n] for n in names])
+                    for n in names:
+                        del out[n]
+    return out
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend):
         super().__init__()
@@ -80,20 +141,25 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = (config.num_attention_heads,
                                                             config.num_key_value_heads, D)
         self.scale = D ** -0.5
-        self.q_proj = nn.Linear(H, self.num_heads * D, bias=bias)
-        self.k_proj = nn.Linear(H, self.num_kv_heads * D, bias=bias)
-        self.v_proj = nn.Linear(H, self.num_kv_heads * D, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * D, H, bias=bias)
+        self.qkv_sizes = [self.num_heads * D, self.num_kv_heads * D, self.num_kv_heads * D]
+        self.qkv_proj = Linear(H, sum(self.qkv_sizes), bias=bias)   # rows: q | k | v
+        self.o_proj = Linear(self.num_heads * D, H, bias=bias)
         self.q_norm = RMSNorm(D, config.rms_norm_eps)                   # QK-norm, per head, before RoPE
         self.k_norm = RMSNorm(D, config.rms_norm_eps)
         self.backend = backend
 
     def forward(self, x, cos, sin, batch: StepBatch, key_cache, value_cache):
         T = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(T, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split(self.qkv_sizes, dim=-1)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if cpu_kernels.fused_ok(qkv) and self.head_dim <= 512:  # same steps, one pass (float32, CPU)
+            q, k = cpu_kernels.qk_norm_rope(qkv, self.num_heads, self.num_kv_heads, self.head_dim,
+                                            self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin)
+        else:
+            q = self.q_norm(q.view(T, self.num_heads, self.head_dim))
+            k = self.k_norm(k.view(T, self.num_kv_heads, self.head_dim))
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         self.backend.write_kv(k, v, key_cache, value_cache, batch.slot_mapping)
         if batch.is_decode:
             o = self.backend.paged_decode(q, key_cache, value_cache, batch.block_tables,
@@ -108,13 +174,16 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        H, inter = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(H, inter, bias=False)
-        self.up_proj = nn.Linear(H, inter, bias=False)
-        self.down_proj = nn.Linear(inter, H, bias=False)
+        H, self.inter = config.hidden_size, config.intermediate_size
+        self.gate_up_proj = Linear(H, 2 * self.inter, bias=False)    # rows: gate | up
+        self.down_proj = Linear(self.inter, H, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = self.gate_up_proj(x)
+        if cpu_kernels.fused_ok(gate_up):                # same steps, one pass (float32, CPU)
+            return self.down_proj(cpu_kernels.silu_mul(gate_up, self.inter))
+        gate, up = gate_up.split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -126,8 +195,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, h, cos, sin, batch, key_cache, value_cache):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch, key_cache, value_cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        # residual + sublayer(h), added into the sublayer's fresh output
+        h = self.self_attn(self.input_layernorm(h), cos, sin, batch, key_cache, value_cache).add_(h)
+        return self.mlp(self.post_attention_layernorm(h)).add_(h)
 
 
 class Qwen3Stage(nn.Module):
@@ -151,7 +221,7 @@ class Qwen3Stage(nn.Module):
             self.layers = nn.ModuleList(DecoderLayer(config, self.backend)
                                         for _ in range(layer_end - layer_start))
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last else None
-            self.lm_head = (nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = (Linear(config.hidden_size, config.vocab_size, bias=False)
                             if self.is_last else None)
         self.to(self.dtype).to_empty(device=self.device)
         self.requires_grad_(False)       # inference only: lets inference-mode tensors mix freely
@@ -160,7 +230,8 @@ class Qwen3Stage(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def _local_name(self, name: str) -> str | None:
-        """HF checkpoint name -> this module's parameter name (None if not this stage's)."""
+        """Checkpoint name (HF's, after fuse_hf_weights) -> this module's parameter name (None if
+        not this stage's)."""
         if name.startswith("model.layers."):
             i = int(name.split(".")[2])
             if not self.layer_start <= i < self.layer_end:
@@ -180,10 +251,12 @@ class Qwen3Stage(nn.Module):
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         params = dict(self.named_parameters())          # tied parameters are listed once
         loaded = set()
-        for name, tensor in state_dict.items():
+        for name, tensor in fuse_hf_weights(state_dict).items():
             local = self._local_name(name)
             if local is None:
                 continue
+            if local not in params:
+                raise ValueError(f"{name}: no such parameter here (an incomplete q/k/v or gate/up set?)")
             p = params[local]
             if p.shape != tensor.shape:
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(p.shape)}")

@@ -1,0 +1,422 @@
+"""Where a step's time goes, end to end: metadata service, wire, worker (and inside the forward).
+
+Part 1 replays the e2e workload (bench/e2e.py: 64 prompts of 16-512 random ids, 64 new tokens,
+greedy, ignore_eos) in ONE process, through the real code of both planes in the order the wire
+would run it: the service schedules, builds and serializes the StepRequest; the worker parses,
+validates, builds the batch, runs the forward, samples and serializes its reply; the service parses
+it and applies the tokens. Each phase has a timer, and so has every module and attention-backend
+call inside the forward (nested timers: a module's time excludes its timed children). Steps are
+split into pure decode steps (every sequence has one query token: the steady state) and the rest
+(prefill chunks, mixed steps).
+
+Part 2 runs the same workload through LocalCluster (the service and the worker as processes, gRPC
+on loopback, the SDK as client) and splits its wall time per step with the service's Stats: the
+worker's compute (each stage's StageTiming, summed per chain), the service's own work (which async
+scheduling overlaps with compute), and the rest: the wire, hand-offs, unoverlapped host work.
+
+    .venv/bin/python bench/profile_step.py [--model tiny|PATH] [--dtype float32] [--workers 1]
+        [--prompts 64] [--new-tokens 64] [--block-size 16] [--threads N] [--skip-cluster]
+        [--torch-profile] [--cpu-time]
+
+Timers add a few microseconds per module call (about 0.2 ms per decode step of the tiny model);
+the `forward, untimed` row of Part 1 is the same forward with no timer at all, for reference.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from e2e import workload  # noqa: E402
+
+
+CLOCK = time.perf_counter   # --cpu-time: time.thread_time (this thread's CPU time)
+
+
+class Timers:
+    """Nested timers: `with timers("name"):` adds the block's time to `name` and takes it off the
+    enclosing timer's own time, so the rows of one step add up to the step."""
+
+    def __init__(self):
+        self.own = collections.Counter()     # name -> exclusive seconds
+        self.calls = collections.Counter()
+        self._stack: list[list] = []         # [name, start, seconds spent in children]
+
+    def __call__(self, name: str):
+        return _Span(self, name)
+
+    def push(self, name):
+        self._stack.append([name, CLOCK(), 0.0])
+
+    def pop(self):
+        name, start, children = self._stack.pop()
+        dt = CLOCK() - start
+        self.own[name] += dt - children
+        self.calls[name] += 1
+        if self._stack:
+            self._stack[-1][2] += dt
+
+    def snapshot(self):
+        return collections.Counter(self.own)
+
+
+class _Span:
+    def __init__(self, timers, name):
+        self.timers, self.name = timers, name
+
+    def __enter__(self):
+        self.timers.push(self.name)
+
+    def __exit__(self, *exc):
+        self.timers.pop()
+
+
+def instrument(stage: torch.nn.Module, backend, timers: Timers) -> None:
+    """Time every submodule (layer indices folded into `*`) and every attention-backend call."""
+    for name, module in stage.named_modules():
+        if not name:
+            continue
+        label = "fwd: " + re.sub(r"\.\d+\.", ".*.", name + ".").rstrip(".")
+        module.register_forward_pre_hook(lambda m, a, label=label: timers.push(label))
+        module.register_forward_hook(lambda m, a, o: timers.pop())
+    for method in ("write_kv", "paged_decode", "paged_prefill"):
+        fn = getattr(backend, method, None)
+        if fn is None:
+            continue
+
+        def timed(*a, _fn=fn, _label=f"attn backend: {method}", **k):
+            with timers(_label):
+                return _fn(*a, **k)
+        setattr(backend, method, timed)
+
+
+# ------------------------------------------------------------------------------------ part 1
+
+def service_shell(num_blocks: int, block_size: int):
+    """The metadata service's per-step code without its threads or sockets: a Scheduler sending
+    full block tables (the worker here keeps no SequenceStore) and a ChainRunner used only for
+    its packing and apply paths, as bench/scale.py does."""
+    from metadata_service.block_manager import KVBlockManager
+    from metadata_service.chain import ChainConfig, ChainRunner
+    from metadata_service.scheduler import Scheduler
+
+    class Engine:  # what ChainRunner._apply calls back
+        eos_ids: set = set()
+
+        def finish(self, *a, **k):
+            pass
+
+        def stream_tokens(self, *a, **k):
+            pass
+
+    cfg = ChainConfig(block_size=block_size)
+    svc = ChainRunner.__new__(ChainRunner)
+    svc.cfg, svc.epoch, svc.next_step_id, svc.wire_bytes, svc.generated_tokens = cfg, 1, 1, 0, 0
+    svc.direct = False                                      # one stage: the reply comes back on the Step
+    svc.engine, svc.manager = Engine(), KVBlockManager(num_blocks, block_size)
+    svc.scheduler = Scheduler(svc.manager, cfg.max_num_batched_tokens, cfg.max_num_seqs, full_tables=True)
+    return svc
+
+
+def replay(args, prompts):
+    """The whole workload through both planes' code in one process, one timer per phase."""
+    from metadata_service.sequence import SamplingParams, Sequence
+    from minipaged import wire
+    from minipaged.v1 import worker_pb2
+    from worker.__main__ import keep_freed_memory
+    from worker.model_runner import ModelRunner
+    from worker.validation import StepLimits, validate_step
+
+    keep_freed_memory()  # as the worker process does at start (re-faulting pages would dominate)
+    runner = ModelRunner(args.model, 0, None, args.dtype, "cpu")
+    cfg = runner.config
+    num_blocks = 256 * 1024 * 1024 // runner.kv_bytes_per_block(args.block_size)  # the worker's CPU default
+    runner.init_cache(num_blocks, args.block_size)
+    limits = StepLimits(cfg.vocab_size, cfg.hidden_size, cfg.max_position_embeddings, num_blocks,
+                        args.block_size, True)
+    timers = Timers()
+    svc = service_shell(num_blocks, args.block_size)
+
+    def add_all(ps, new_tokens):
+        for p in ps:
+            svc.scheduler.add(Sequence(list(p), SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)))
+
+    def run_step(t: Timers):
+        with t("svc: schedule"):
+            b = svc.scheduler.schedule()
+        with t("svc: build StepRequest"):
+            req = svc._step_request(b, [])
+        with t("svc: serialize"):
+            data = req.SerializeToString()
+        with t("worker: parse"):
+            req = worker_pb2.StepRequest.FromString(data)
+        with t("worker: validate"):
+            a = validate_step(req, limits)
+        with t("worker: make_batch"):
+            batch = runner.make_batch(a.input_ids, a.positions, a.slot_mapping, a.query_start_loc,
+                                      a.seq_lens, a.block_tables)
+        with t("worker: forward (glue)"):
+            hidden = runner.execute(batch)
+        with t("worker: sample (glue)"):
+            ids = runner.sample(hidden, a.query_start_loc, a.do_sample, a.temperature,
+                                a.top_p, a.top_k, a.seeds, a.sample_offsets)[0]
+        with t("worker: build + serialize reply"):
+            reply = worker_pb2.StepReply(step_id=req.step_id, sampled_token_ids=wire.pack(ids)).SerializeToString()
+        with t("svc: parse reply"):
+            reply = worker_pb2.StepReply.FromString(reply)
+        with t("svc: apply"):
+            svc.scheduler.step_done(b)
+            svc._apply(b, reply)
+        return batch.is_decode, batch.num_tokens
+
+    # warm-up on other prompts (first-call allocations), as bench/e2e.py does
+    add_all(workload(4, seed=1), 4)
+    while svc.scheduler.has_work():
+        run_step(Timers())
+    # the forward's and the sampler's insides get their own timers from here on
+    instrument(runner.stage, runner.stage.backend, timers)
+    import worker.sampler as sampler_mod
+    real_sample = sampler_mod.sample
+
+    def timed_sample(*a, **k):
+        with timers("sampler"):
+            return real_sample(*a, **k)
+    sampler_mod.sample = timed_sample
+    real_logits = runner.stage.compute_logits
+
+    def timed_logits(*a, **k):
+        with timers("lm_head + logits"):
+            return real_logits(*a, **k)
+    runner.stage.compute_logits = timed_logits
+
+    add_all(prompts, args.new_tokens)
+    per_step = []
+    t_all = CLOCK()
+    while svc.scheduler.has_work():
+        before = timers.snapshot()
+        t0 = CLOCK()
+        is_decode, ntok = run_step(timers)
+        wall = CLOCK() - t0
+        per_step.append((is_decode, ntok, wall, timers.snapshot() - before))
+    total = CLOCK() - t_all
+    sampler_mod.sample = real_sample
+
+    untimed = None
+    if any(d for d, *_ in per_step):  # the same decode forward once more with no timer (reference)
+        untimed = untimed_decode_ms(runner, cfg, prompts, args)
+    torch_table = torch_profile(runner, prompts, args) if args.torch_profile else None
+    return dict(per_step=per_step, total=total, untimed=untimed, torch_table=torch_table,
+                tokens=args.new_tokens * len(prompts))
+
+
+def in_worker_thread(fn, *a):
+    """Run fn on a fresh thread, as the worker runs Steps on a gRPC executor thread. It matters:
+    with 2 OpenMP threads on a busy 2-core machine, torch ops issued from the main thread ran ~10x
+    slower than the same ops from any other thread (libgomp's handling of the initial thread)."""
+    out = []
+    t = threading.Thread(target=lambda: out.append(fn(*a)))
+    t.start()
+    t.join()
+    if not out:
+        raise RuntimeError("the replay thread failed (see its traceback above)")
+    return out[0]
+
+
+def decode_batch(runner, prompts, args, extra: int):
+    """A decode step of every prompt at context len(prompt) + extra, contiguous block tables."""
+    bs, B = args.block_size, len(prompts)
+    lens = np.array([len(p) + extra for p in prompts])
+    nblk = (lens + bs - 1) // bs
+    tables = np.full((B, nblk.max()), -1, np.int32)
+    tables[np.arange(nblk.max())[None, :] < nblk[:, None]] = np.arange(nblk.sum())
+    pos = lens - 1
+    slots = tables[np.arange(B), pos // bs] * bs + pos % bs
+    ids = np.random.default_rng(extra).integers(0, runner.config.vocab_size, B).astype(np.int32)
+    qsl = np.arange(B + 1, dtype=np.int32)
+    return runner.make_batch(ids, pos.astype(np.int32), slots.astype(np.int32), qsl,
+                             lens.astype(np.int32), tables), qsl
+
+
+def untimed_decode_ms(runner, cfg, prompts, args, reps=15):
+    """Median ms of a steady decode step (forward + sample) at mid-generation context, no timers."""
+    from worker.model_runner import ModelRunner
+    clean = ModelRunner(args.model, 0, None, args.dtype, "cpu")
+    clean.kv_cache = runner.kv_cache              # same K/V (contents do not matter for time)
+    B = len(prompts)
+    zeros, ones = np.zeros(B), np.ones(B)
+    times = []
+    for r in range(reps + 3):
+        batch, qsl = decode_batch(clean, prompts, args, args.new_tokens // 2 + r)
+        t0 = CLOCK()
+        h = clean.execute(batch)
+        clean.sample(h, qsl, ones, zeros, ones, zeros, zeros, zeros)
+        times.append(CLOCK() - t0)
+    return 1000 * float(np.median(times[3:]))
+
+
+def torch_profile(runner, prompts, args, steps=5):
+    from torch.profiler import ProfilerActivity, profile
+    batch, qsl = decode_batch(runner, prompts, args, args.new_tokens // 2)
+    runner.execute(batch)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            runner.execute(batch)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+
+
+GROUPS = [  # display order of phase prefixes
+    "svc: schedule", "svc: build StepRequest", "svc: serialize", "worker: parse", "worker: validate",
+    "worker: make_batch", "worker: forward (glue)", "fwd:", "attn backend:", "lm_head + logits",
+    "sampler", "worker: sample (glue)", "worker: build + serialize reply", "svc: parse reply", "svc: apply"]
+
+
+def order_key(name):
+    for i, g in enumerate(GROUPS):
+        if name.startswith(g):
+            return (i, name)
+    return (len(GROUPS), name)
+
+
+def breakdown_table(per_step, want_decode: bool) -> tuple[str, float, int]:
+    rows = [s for s in per_step if s[0] == want_decode]
+    if not rows:
+        return "(no such steps)\n", 0.0, 0
+    n = len(rows)
+    acc = collections.Counter()
+    for *_, c in rows:
+        acc.update(c)
+    step_ms = 1000 * sum(r[2] for r in rows) / n
+    tokens = sum(r[1] for r in rows) / n
+    lines = [f"| phase | ms/step | % of step |", "|---|---|---|"]
+    for name in sorted(acc, key=order_key):
+        ms = 1000 * acc[name] / n
+        lines.append(f"| {name} | {ms:.3f} | {100 * ms / step_ms:.1f}% |")
+    timed = 1000 * sum(acc.values()) / n
+    lines.append(f"| (outside any timer) | {step_ms - timed:.3f} | {100 * (step_ms - timed) / step_ms:.1f}% |")
+    lines.append(f"| **step** ({n} steps, {tokens:.0f} tokens/step on average) | **{step_ms:.3f}** | 100% |")
+    return "\n".join(lines) + "\n", step_ms, n
+
+
+def summary_rows(per_step):
+    """Service / worker / (in-process) totals per step type."""
+    out = {}
+    for label, sel in (("decode", True), ("prefill/mixed", False)):
+        rows = [s for s in per_step if s[0] == sel]
+        if not rows:
+            continue
+        svc = sum(v for *_, c in rows for k, v in c.items() if k.startswith("svc:"))
+        wall = sum(r[2] for r in rows)
+        out[label] = dict(n=len(rows), wall=wall, svc=svc, worker=wall - svc)
+    return out
+
+
+# ------------------------------------------------------------------------------------ part 3
+
+def cluster_run(args, prompts):
+    """The workload through LocalCluster; the service's Stats split its wall time per step into the
+    worker's compute (each stage's StageTiming, summed by the chain) and the rest."""
+    from client import LocalCluster
+
+    def chain_busy_ms(st):
+        return sum(float(s["step_ms"]) * int(c["steps"]) for c in st.chains for s in c["stages"])
+
+    kw = dict(threads=args.threads) if args.threads else {}
+    with LocalCluster(model=args.model, workers=args.workers, dtype=args.dtype,
+                      block_size=args.block_size, **kw) as c:
+        warm = workload(4, seed=1)
+        c.client.wait(c.client.submit([{"prompt_token_ids": p, "max_new_tokens": 4} for p in warm]))
+        base = c.client.stats()
+        t0 = time.perf_counter()
+        job = c.client.submit([{"prompt_token_ids": p, "max_new_tokens": args.new_tokens, "ignore_eos": True}
+                               for p in prompts])
+        c.client.wait(job)
+        wall = time.perf_counter() - t0
+        st = c.client.stats()
+    steps = sum(int(ch["steps"]) for ch in st.chains) - sum(int(ch["steps"]) for ch in base.chains)
+    meta_s = (st.metadata_ms_per_step * st.steps - base.metadata_ms_per_step * base.steps) / 1000
+    busy_s = (chain_busy_ms(st) - chain_busy_ms(base)) / 1000
+    return dict(wall=wall, steps=steps, meta_s=meta_s, busy_s=busy_s)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--skip-cluster", action="store_true", help="skip Part 2")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads, in process and per worker (default: worker.model_runner."
+                         "cpu_compute_threads() in process, LocalCluster's own choice for the cluster)")
+    ap.add_argument("--torch-profile", action="store_true", help="also print torch.profiler's op table")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="time Part 1 with this thread's CPU time instead of wall time: steadier on a busy "
+                         "machine, but only meaningful with 1 torch thread (other threads' work is not counted)")
+    args = ap.parse_args()
+    if args.cpu_time:
+        global CLOCK
+        CLOCK = time.thread_time
+    from worker.model_runner import cpu_compute_threads
+    torch.set_num_threads(args.threads or cpu_compute_threads())
+    prompts = workload(args.prompts)
+    print(f"{args.prompts} prompts of 16-512 ids, {args.new_tokens} new tokens, greedy, model {args.model} "
+          f"{args.dtype}, block size {args.block_size}, {torch.get_num_threads()} torch threads, "
+          f"{'CPU' if args.cpu_time else 'wall'} time in Part 1, load average {os.getloadavg()[0]:.1f}\n")
+
+    r = in_worker_thread(replay, args, prompts)
+    print("## In-process replay (both planes' code, no wire)\n")
+    print(f"whole workload: {r['total']:.2f} s, {len(r['per_step'])} steps, "
+          f"{r['tokens'] / r['total']:.0f} tok/s in process\n")
+    for label, want in (("Steady decode step", True), ("Prefill / mixed step", False)):
+        table, step_ms, n = breakdown_table(r["per_step"], want)
+        print(f"### {label}\n")
+        print(table)
+    if r["untimed"] is not None:
+        print(f"decode step forward + sample with no timers (same batch shape at mid-generation): "
+              f"{r['untimed']:.3f} ms\n")
+    sums = summary_rows(r["per_step"])
+    print("| step type | steps | total s | service s | worker s | worker share |")
+    print("|---|---|---|---|---|---|")
+    for label, v in sums.items():
+        print(f"| {label} | {v['n']} | {v['wall']:.3f} | {v['svc']:.3f} | {v['worker']:.3f} | "
+              f"{100 * v['worker'] / v['wall']:.1f}% |")
+    if r["torch_table"]:
+        print("\n### torch.profiler, steady decode forward (5 steps)\n\n```\n" + r["torch_table"] + "```\n")
+
+    if not args.skip_cluster:
+        c = cluster_run(args, prompts)
+        inproc, n = r["total"], len(r["per_step"])
+        per = lambda x: 1000 * x / max(c["steps"], 1)  # noqa: E731
+        print(f"\n## Distributed path (LocalCluster, {args.workers} worker(s), gRPC on loopback, "
+              f"{'%d threads' % args.threads if args.threads else 'its default threads'})\n")
+        print(f"{c['steps']} steps in {c['wall']:.3f} s: {r['tokens'] / c['wall']:.0f} tok/s "
+              f"(in-process replay above: {r['tokens'] / inproc:.0f} tok/s over {n} steps"
+              f"{', CPU time' if args.cpu_time else ''})\n")
+        print("| per step (Stats) | ms | % of step |")
+        print("|---|---|---|")
+        wall_ms = per(c["wall"])
+        for label, v in (("worker compute (stages' StageTiming, summed)", per(c["busy_s"])),
+                         ("metadata service: schedule + build + apply (overlaps compute with async "
+                          "scheduling)", per(c["meta_s"]))):
+            print(f"| {label} | {v:.2f} | {100 * v / wall_ms:.1f}% |")
+        rest = wall_ms - per(c["busy_s"])
+        print(f"| wall minus worker compute: wire, hand-offs, service work not overlapped | {rest:.2f} | "
+              f"{100 * rest / wall_ms:.1f}% |")
+        print(f"| **step** | **{wall_ms:.2f}** | 100% |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""The serving path: our HTTP gateway against vLLM's OpenAI server, same checkpoint, same load.
+
+Both expose POST /v1/completions (OpenAI's API with vLLM's extensions: ignore_eos, min_tokens);
+each gets the e2e workload (bench/e2e.py: 64 prompts of 16-512 random ids, 64 new tokens, greedy)
+as 64 concurrent requests with token-id prompts, after a warm-up on other prompts, `--repeat`
+times, alternating. Ours: LocalCluster(http=True) (metadata service + worker + gateway processes),
+with LocalCluster's default thread count and with cores - 1; vLLM: its OpenAI api_server from its
+own venv (--vllm-python; started once, its start-up not timed). The table gives completion tok/s
+(usage.completion_tokens over the wall time of the whole batch of requests) and the ratio.
+
+    .venv/bin/python bench/serving.py --vllm-python /work/vllm-venv/bin/python [--repeat 2]
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from client import LocalCluster  # noqa: E402
+from client.cluster import free_port  # noqa: E402
+from e2e import hf_model, save_checkpoint, workload  # noqa: E402
+from worker.model_runner import cpu_compute_threads  # noqa: E402
+
+
+def post(url: str, body: dict, timeout: float = 600) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def load(base_url: str, model: str, prompts, new_tokens: int) -> dict:
+    """All prompts at once, one request each; returns wall time and completion tokens."""
+    def one(p):
+        r = post(f"{base_url}/v1/completions", {"model": model, "prompt": p, "max_tokens": new_tokens,
+                                                "min_tokens": new_tokens, "ignore_eos": True, "temperature": 0})
+        return r["usage"]["completion_tokens"]
+    t0 = time.perf_counter()
+    with cf.ThreadPoolExecutor(len(prompts)) as ex:
+        tokens = sum(ex.map(one, prompts))
+    return dict(wall=time.perf_counter() - t0, tokens=tokens)
+
+
+def wait_http(url: str, proc, timeout: float = 600) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            urllib.request.urlopen(url, timeout=2).read()
+            return
+        except OSError:
+            time.sleep(1)
+    raise TimeoutError(url)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--vllm-python", default="")
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    args = ap.parse_args()
+    prompts = workload(args.prompts)
+    warm = workload(4, seed=1)
+    workdir = tempfile.mkdtemp(prefix="minipaged-serving-")
+    ckpt = save_checkpoint(hf_model(), os.path.join(workdir, "tiny-qwen3"))
+    runs: dict[str, list[dict]] = {}
+    vllm = vllm_log = None
+    try:
+        if args.vllm_python:
+            port = free_port()
+            vllm_log = open(os.path.join(workdir, "vllm-serve.log"), "w")
+            env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OMP_NUM_THREADS")}
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            vllm = subprocess.Popen(
+                [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", ckpt,
+                 "--served-model-name", "tiny", "--dtype", "float32", "--block-size", "32",
+                 "--max-model-len", "4096", "--skip-tokenizer-init", "--port", str(port), "--host", "127.0.0.1"],
+                stdout=vllm_log, stderr=subprocess.STDOUT, cwd=workdir, env=env)
+            vllm_url = f"http://127.0.0.1:{port}"
+            wait_http(f"{vllm_url}/health", vllm)
+            load(vllm_url, "tiny", warm, 4)
+        for _ in range(args.repeat):
+            for label, threads in (("minipaged gateway, 1 worker", None),
+                                   (f"minipaged gateway, 1 worker, {cpu_compute_threads()} thread(s)",
+                                    cpu_compute_threads())):
+                kw = dict(threads=threads) if threads else {}
+                with LocalCluster(model=ckpt, workers=1, dtype="float32", http=True, **kw) as c:
+                    model = json.loads(urllib.request.urlopen(f"{c.http_url}/v1/models").read())["data"][0]["id"]
+                    load(c.http_url, model, warm, 4)
+                    runs.setdefault(label, []).append(load(c.http_url, model, prompts, args.new_tokens))
+            if vllm is not None:
+                runs.setdefault("vLLM OpenAI server (vllm-cpu 0.32)", []).append(
+                    load(vllm_url, "tiny", prompts, args.new_tokens))
+    finally:
+        if vllm is not None:
+            vllm.terminate()
+            try:
+                vllm.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                vllm.kill()
+            vllm_log.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+    tps = {k: [r["tokens"] / r["wall"] for r in v] for k, v in runs.items()}
+    mean = {k: sum(v) / len(v) for k, v in tps.items()}
+    ref = next((mean[k] for k in mean if k.startswith("vLLM")), None)
+    print(f"\n{args.prompts} concurrent /v1/completions requests, token-id prompts of 16-512, {args.new_tokens} "
+          f"new tokens each, greedy, ignore_eos; load average {os.getloadavg()[0]:.1f} at the end\n")
+    print("| server | completion tok/s (mean) | each run | x vLLM server |")
+    print("|---|---|---|---|")
+    for k in runs:
+        each = ", ".join(f"{x:.0f}" for x in tps[k])
+        print(f"| {k} | {mean[k]:.0f} | {each} | {mean[k] / ref:.2f} |" if ref else
+              f"| {k} | {mean[k]:.0f} | {each} | - |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""The torch backend on a CPU device: the same torch code, with attention in compiled loops.
+
+`TorchBackend` (worker/attention_torch.py) stays the pure-torch reference that the kernel tests
+compare against. `CpuTorchBackend` is what `get_backend("torch", "cpu")` gives a worker: it inherits
+everything, and its `paged_decode` / `paged_prefill` call the loops of worker/cpu_kernels.cpp,
+which read K/V straight from the cache through the block tables: decode reads each sequence's
+blocks once instead of gathering them into a buffer for two batched matmuls (~3x per layer), and
+prefill runs each tile of queries as a small register-blocked GEMM against the rows it may see,
+instead of gather + SDPA (whose GEMMs are MKL's slow path on AMD CPUs). Without the library (no
+compiler, or MINIPAGED_CPU_KERNELS=0) it is the pure-torch backend.
+"""
+from __future__ import annotations
+
+import torch
+
+from worker.attention_torch import TorchBackend
+from worker.cpu_kernels import load_library
+
+
+def _i32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.int32).contiguous()
+
+
+class CpuTorchBackend(TorchBackend):
+    """TorchBackend whose decode and prefill attention run the compiled loops when they can
+    (float32/float64 CPU tensors); write_kv and everything else is the torch code."""
+    name = "torch"
+
+    def __init__(self):
+        super().__init__()
+        self._lib = load_library()
+
+    @property
+    def native(self) -> bool:
+        return self._lib is not None
+
+    def _kernel(self, kind: str, query, key_cache, value_cache):
+        """The compiled entry point for these tensors, or None (then the torch code runs)."""
+        if self._lib is None or query.device.type != "cpu" or query.dtype not in _SUFFIX:
+            return None
+        if key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
+            return None
+        if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+            raise ValueError(f"paged_{kind}: the K/V caches must be contiguous")
+        return getattr(self._lib, f"minipaged_paged_{kind}_{_SUFFIX[query.dtype]}")
+
+    def paged_decode(self, query, key_cache, value_cache, block_tables, seq_lens, scale):
+        fn = self._kernel("decode", query, key_cache, value_cache)
+        if fn is None:
+            return super().paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
+        B, H, D = query.shape
+        num_blocks, Hkv, block_size, _ = key_cache.shape
+        query, tables, lens = query.contiguous(), _i32(block_tables), _i32(seq_lens)
+        out = torch.empty_like(query)
+        bad = fn(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), num_blocks,
+                 tables.data_ptr(), tables.shape[1], lens.data_ptr(), B, H, Hkv, block_size, D,
+                 float(scale), out.data_ptr(), torch.get_num_threads())
+        if bad:
+            b = bad - 1
+            raise IndexError(f"paged_decode: sequence {b} (seq_len {int(lens[b])}) reads a block "
+                             f"outside [0, {num_blocks}) or past its block table row of {tables.shape[1]}")
+        return out
+
+    def paged_prefill(self, query, key_cache, value_cache, block_tables, seq_lens,
+                      query_start_loc, max_query_len, scale):
+        fn = self._kernel("prefill", query, key_cache, value_cache)
+        if fn is None or query.shape[-1] % (64 // query.element_size()):  # whole vectors of d
+            fn = None
+        if fn is None:
+            return super().paged_prefill(query, key_cache, value_cache, block_tables, seq_lens,
+                                         query_start_loc, max_query_len, scale)
+        qsl = query_start_loc.long()
+        qlens = qsl[1:] - qsl[:-1]
+        is_dec = qlens == 1
+        if bool(is_dec.all()):
+            return self.paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
+        T, H, D = query.shape
+        num_blocks, Hkv, block_size, _ = key_cache.shape
+        query = query.contiguous()
+        out = torch.empty_like(query)
+        if bool(is_dec.any()):  # decode rows of a mixed step: the decode loop, at their offsets
+            dec = is_dec.nonzero().squeeze(1)
+            rows = qsl[dec]
+            out[rows] = self.paged_decode(query[rows], key_cache, value_cache, block_tables[dec],
+                                          seq_lens[dec], scale)
+        pre = (~is_dec).nonzero().squeeze(1)
+        tables, lens = _i32(block_tables[pre]), _i32(seq_lens[pre])
+        starts, qls = _i32(qsl[:-1][pre]), _i32(qlens[pre])
+        bad = fn(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), num_blocks,
+                 tables.data_ptr(), tables.shape[1], lens.data_ptr(), starts.data_ptr(), qls.data_ptr(),
+                 pre.numel(), T, H, Hkv, block_size, D, float(scale), out.data_ptr(),
+                 torch.get_num_threads())
+        if bad:
+            b = int(pre[bad - 1])
+            raise IndexError(f"paged_prefill: sequence {b} (seq_len {int(seq_lens[b])}, query length "
+                             f"{int(qlens[b])}) reads a block outside [0, {num_blocks}), past its block "
+                             f"table row, or queries outside the {T} tokens")
+        return out
+
+
+_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}

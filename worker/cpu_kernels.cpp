@@ -1,0 +1,436 @@
+// CPU kernels (worker/cpu_kernels.py builds and loads this file): the torch backend's paged
+// attention, decode and prefill, each as one compiled loop over the cache (worker/attention_cpu.py;
+// the torch code stays the reference), and two fused elementwise steps of the Qwen3 block
+// (qk_norm_rope, silu_mul; worker/model.py, float32 only).
+//
+// Decode: the torch formulation gathers every block a batch uses into a contiguous buffer, then
+// runs two batched matmuls over it, so K and V cross memory about three times, and a decode step
+// of a small model is mostly that traffic. Here each sequence reads its K and V blocks once,
+// straight from the cache through its block table, whole blocks at a time (all kv heads: one
+// contiguous run), and every query head of a GQA group is served from that read.
+// Prefill: see paged_prefill below (register-blocked tiles instead of gather + SDPA, whose CPU
+// GEMMs are MKL's slow path on AMD CPUs).
+//
+// Layout (DESIGN section 4): key_cache / value_cache [num_blocks, Hkv, block_size, D], contiguous;
+// context position p of sequence b lives in block block_tables[b, p / block_size] at offset
+// p % block_size; query head h reads kv head h / G. query [B, H, D], out [B, H, D], contiguous.
+//
+// Numerics: scores = (q . k) * scale in the compute type T (float for float32 models, double for
+// float64 ones, like the torch backend), a max-subtracted exp, P.V, one division by the sum at the
+// end. Plain loops with `omp simd` (no -ffast-math: linking it would switch the whole process to
+// flush-to-zero; -fno-trapping-math, which changes no value, lets exp_nonpositive vectorize).
+// Parallel with the OpenMP runtime torch already loaded (same libgomp soname), with as many
+// threads as torch uses (the caller passes torch.get_num_threads()).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// Blocks sit anywhere in the cache, so the hardware prefetcher cannot see the next one coming;
+// asking for it a couple of blocks ahead hides most of the memory latency (~25% faster here).
+constexpr int kPrefetchBlocks = 2;
+
+template <typename T>
+inline void prefetch(const T* p, int64_t n) {
+  for (int64_t i = 0; i < n; i += 64 / sizeof(T)) __builtin_prefetch(p + i, 0, 3);
+}
+
+// exp(x) for x <= 0 (softmax weights: score - row max) in a form the compiler vectorizes: libm's
+// expf is a call per element, and a long causal prefill computes millions of them. Cephes' expf:
+// x = n ln2 + r (ln2 in two parts), a degree-6 polynomial for exp(r), 2^n through the exponent
+// bits; relative error ~2e-7 (about 1 ulp). Below -87.3 the weight is 0. float64 (the parity mode)
+// keeps std::exp.
+inline float exp_nonpositive(float x) {
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (int32_t(n) + 127) << 23;  // 2^n, n >= -126 above the cut-off
+  return x < -87.3f ? 0.0f : p * __builtin_bit_cast(float, bits);
+}
+inline double exp_nonpositive(double x) { return std::exp(x); }
+
+// Every block a sequence reads must exist: returns 1 + the first bad sequence, or 0. (The worker
+// validates Steps before they get here; this keeps a wrong direct call an error, not a crash.)
+int check_tables(const int32_t* block_tables, int max_blocks, const int32_t* seq_lens, int B,
+                 int block_size, int num_blocks) {
+  for (int b = 0; b < B; ++b) {
+    const int len = seq_lens[b];
+    if (len < 0 || int64_t(len) > int64_t(max_blocks) * block_size) return b + 1;
+    for (int j = 0; j < (len + block_size - 1) / block_size; ++j) {
+      const int32_t blk = block_tables[int64_t(b) * max_blocks + j];
+      if (blk < 0 || blk >= num_blocks) return b + 1;
+    }
+  }
+  return 0;
+}
+
+// kD > 0: the head dim as a compile-time constant (the dot products unroll; ~25% faster for 64),
+// 0: any head dim, at run time. See dispatch() for the instantiated ones.
+template <typename T, int kD>
+int paged_decode(const T* query, const T* key_cache, const T* value_cache, int num_blocks,
+                 const int32_t* block_tables, int max_blocks, const int32_t* seq_lens,
+                 int B, int H, int Hkv, int block_size, int head_dim, T scale, T* out, int num_threads) {
+  const int D = kD > 0 ? kD : head_dim;
+  if (const int bad = check_tables(block_tables, max_blocks, seq_lens, B, block_size, num_blocks))
+    return bad;
+  const int G = H / Hkv;
+  const int64_t head_stride = int64_t(block_size) * D;     // one kv head of one block
+  const int64_t block_stride = Hkv * head_stride;          // one block, all kv heads
+  int max_len = 1;
+  for (int b = 0; b < B; ++b) max_len = std::max(max_len, int(seq_lens[b]));
+
+#pragma omp parallel num_threads(std::max(1, std::min(num_threads, B)))
+  {
+    std::vector<T> scores(size_t(H) * max_len);  // this thread's [H, len] scores, then weights
+    std::vector<T> acc(size_t(H) * D);
+#pragma omp for schedule(dynamic, 1)
+    for (int b = 0; b < B; ++b) {
+      const int len = seq_lens[b];
+      const T* q = query + int64_t(b) * H * D;
+      T* o = out + int64_t(b) * H * D;
+      const int32_t* table = block_tables + int64_t(b) * max_blocks;
+      if (len <= 0) {  // empty context: zeros, like the torch backend
+        std::fill(o, o + int64_t(H) * D, T(0));
+        continue;
+      }
+      // 1. scores[h, p] = (q[h] . k[p]) * scale, block by block
+      const int num_blocks_used = (len + block_size - 1) / block_size;
+      for (int j = 0; j < std::min(kPrefetchBlocks, num_blocks_used); ++j)
+        prefetch(key_cache + int64_t(table[j]) * block_stride, block_stride);
+      for (int p0 = 0; p0 < len; p0 += block_size) {
+        const int j = p0 / block_size;
+        const T* kb = key_cache + int64_t(table[j]) * block_stride;
+        const int n = std::min(block_size, len - p0);
+        const int ahead = j + kPrefetchBlocks;  // K ahead, then the first V blocks
+        if (ahead < num_blocks_used)
+          prefetch(key_cache + int64_t(table[ahead]) * block_stride, block_stride);
+        else if (ahead - num_blocks_used < num_blocks_used)
+          prefetch(value_cache + int64_t(table[ahead - num_blocks_used]) * block_stride, block_stride);
+        for (int h = 0; h < H; ++h) {
+          const T* qh = q + int64_t(h) * D;
+          const T* kh = kb + (h / G) * head_stride;
+          T* s = scores.data() + size_t(h) * len + p0;
+          for (int i = 0; i < n; ++i) {
+            const T* k = kh + int64_t(i) * D;
+            T dot = 0;
+#pragma omp simd reduction(+ : dot)
+            for (int d = 0; d < D; ++d) dot += qh[d] * k[d];
+            s[i] = dot * scale;
+          }
+        }
+      }
+      // 2. weights = exp(s - max) per head, and their sum
+      for (int h = 0; h < H; ++h) {
+        T* s = scores.data() + size_t(h) * len;
+        T mx = -std::numeric_limits<T>::infinity();
+        for (int p = 0; p < len; ++p) mx = std::max(mx, s[p]);
+#pragma omp simd
+        for (int p = 0; p < len; ++p) s[p] = exp_nonpositive(s[p] - mx);
+        T sum = 0;
+        for (int p = 0; p < len; ++p) sum += s[p];
+        acc[size_t(h) * D] = sum;  // parked here until step 3 needs the row
+      }
+      std::vector<T> denom(H);
+      for (int h = 0; h < H; ++h) denom[h] = acc[size_t(h) * D];
+      // 3. out[h] = sum_p w[h, p] * v[p] / sum, block by block
+      std::fill(acc.begin(), acc.end(), T(0));
+      for (int p0 = 0; p0 < len; p0 += block_size) {
+        const int j = p0 / block_size;
+        const T* vb = value_cache + int64_t(table[j]) * block_stride;
+        const int n = std::min(block_size, len - p0);
+        if (j + kPrefetchBlocks < num_blocks_used)
+          prefetch(value_cache + int64_t(table[j + kPrefetchBlocks]) * block_stride, block_stride);
+        for (int h = 0; h < H; ++h) {
+          const T* vh = vb + (h / G) * head_stride;
+          const T* w = scores.data() + size_t(h) * len + p0;
+          T* a = acc.data() + size_t(h) * D;
+          for (int i = 0; i < n; ++i) {
+            const T* v = vh + int64_t(i) * D;
+            const T wi = w[i];
+#pragma omp simd
+            for (int d = 0; d < D; ++d) a[d] += wi * v[d];
+          }
+        }
+      }
+      for (int h = 0; h < H; ++h)
+        for (int d = 0; d < D; ++d) o[int64_t(h) * D + d] = acc[size_t(h) * D + d] / denom[h];
+    }
+  }
+  return 0;
+}
+
+// Varlen causal prefill: sequence s's q_lens[s] queries are the last q_lens[s] positions of its
+// context of seq_lens[s] tokens (a cached prefix may precede them); query row t of the chunk sees
+// context positions 0 .. seq_len - q_len + t. A work item is one (sequence, kv head): its K rows
+// are gathered once, transposed in groups of kLanes positions, so that scoring a tile of query
+// rows (TQ tokens x the G heads of the group) is a small GEMM whose inner loop runs along
+// positions with its accumulators in registers; then a per-row causal softmax, then P.V. Two
+// passes rather than an online softmax: a tile's scores fit in L2 for any context.
+template <typename T, int kD>
+int paged_prefill(const T* query, const T* key_cache, const T* value_cache, int num_blocks,
+                  const int32_t* block_tables, int max_blocks, const int32_t* seq_lens,
+                  const int32_t* q_starts, const int32_t* q_lens, int S, int num_tokens, int H,
+                  int Hkv, int block_size, int head_dim, T scale, T* out, int num_threads) {
+  const int D = kD > 0 ? kD : head_dim;
+  if (const int bad = check_tables(block_tables, max_blocks, seq_lens, S, block_size, num_blocks))
+    return bad;
+  for (int s = 0; s < S; ++s)
+    if (q_lens[s] < 1 || q_lens[s] > seq_lens[s] || q_starts[s] < 0 ||
+        int64_t(q_starts[s]) + q_lens[s] > num_tokens)
+      return s + 1;
+  constexpr int kLanes = 64 / sizeof(T);   // positions per GEMM column block: one vector
+  constexpr int kRowBlock = 8;             // score rows whose accumulators live in registers
+  constexpr int kTileRows = 16;            // query rows (tokens x heads) scored together
+  constexpr int kPvRows = 4;               // output rows whose accumulators live in registers
+  if (D % kLanes != 0) return -1;          // the caller checks; vectors of d must tile D
+  const int G = H / Hkv;
+  const int TQ = std::max(1, kTileRows / G);                       // tokens per tile
+  const int RP = (TQ * G + kRowBlock - 1) / kRowBlock * kRowBlock;  // rows, padded
+  const int64_t head_stride = int64_t(block_size) * D;
+  const int64_t block_stride = Hkv * head_stride;
+  int max_len = 1;
+  for (int s = 0; s < S; ++s) max_len = std::max(max_len, int(seq_lens[s]));
+  const int max_pad = (max_len + kLanes - 1) / kLanes * kLanes;
+
+#pragma omp parallel num_threads(std::max(1, std::min(num_threads, S * Hkv)))
+  {
+    std::vector<T> k_t(size_t(max_pad) * D), q_tile(size_t(RP) * D), o_tile(size_t(RP) * D);
+    static_assert(kRowBlock % kPvRows == 0, "RP must be a multiple of kPvRows");
+    std::vector<T> scores(size_t(RP) * max_pad), denom(RP);
+    std::vector<const T*> v_rows(max_len);
+#pragma omp for schedule(dynamic, 1)
+    for (int item = 0; item < S * Hkv; ++item) {
+      const int s = item / Hkv, kvh = item % Hkv;
+      const int len = seq_lens[s], qlen = q_lens[s], prefix = len - qlen;
+      const int32_t* table = block_tables + int64_t(s) * max_blocks;
+      auto row_of = [&](const T* cache, int p) {
+        return cache + int64_t(table[p / block_size]) * block_stride + kvh * head_stride +
+               int64_t(p % block_size) * D;
+      };
+      // K transposed per group of kLanes positions: k_t[c][d][i] = k[c * kLanes + i][d]
+      const int len_pad = (len + kLanes - 1) / kLanes * kLanes;
+      for (int p = 0; p < len_pad; ++p) {
+        T* dst = k_t.data() + size_t(p / kLanes) * D * kLanes + p % kLanes;
+        if (p < len) {
+          const T* k = row_of(key_cache, p);
+          for (int d = 0; d < D; ++d) dst[size_t(d) * kLanes] = k[d];
+        } else {
+          for (int d = 0; d < D; ++d) dst[size_t(d) * kLanes] = T(0);
+        }
+      }
+      for (int p = 0; p < len; ++p) v_rows[p] = row_of(value_cache, p);
+
+      for (int t0 = 0; t0 < qlen; t0 += TQ) {
+        const int nt = std::min(TQ, qlen - t0), R = nt * G;
+        const int keys = prefix + t0 + nt;                    // what the tile's last row sees
+        const int keys_pad = (keys + kLanes - 1) / kLanes * kLanes;
+        // the tile's queries: row r = (token t0 + r / G, head kvh * G + r % G); padding is zero
+        std::fill(q_tile.begin(), q_tile.end(), T(0));
+        for (int r = 0; r < R; ++r) {
+          const T* q = query + (int64_t(q_starts[s] + t0 + r / G) * H + kvh * G + r % G) * D;
+          std::copy(q, q + D, q_tile.begin() + size_t(r) * D);
+        }
+        // 1. scores[r, p] = (q[r] . k[p]) * scale, kLanes positions x kRowBlock rows at a time
+        for (int p0 = 0; p0 < keys; p0 += kLanes) {
+          const T* kt = k_t.data() + size_t(p0 / kLanes) * D * kLanes;
+          for (int r0 = 0; r0 < RP; r0 += kRowBlock) {
+            T acc[kRowBlock][kLanes] = {};
+            for (int d = 0; d < D; ++d) {
+              for (int rr = 0; rr < kRowBlock; ++rr) {
+                const T qv = q_tile[size_t(r0 + rr) * D + d];
+#pragma omp simd
+                for (int i = 0; i < kLanes; ++i) acc[rr][i] += qv * kt[size_t(d) * kLanes + i];
+              }
+            }
+            for (int rr = 0; rr < kRowBlock; ++rr)
+              for (int i = 0; i < kLanes; ++i)
+                scores[size_t(r0 + rr) * keys_pad + p0 + i] = acc[rr][i] * scale;
+          }
+        }
+        // 2. causal softmax per row: row r sees positions 0 .. prefix + t0 + r / G
+        for (int r = 0; r < R; ++r) {
+          T* row = scores.data() + size_t(r) * keys_pad;
+          const int visible = prefix + t0 + r / G + 1;
+          T mx = -std::numeric_limits<T>::infinity();
+          for (int p = 0; p < visible; ++p) mx = std::max(mx, row[p]);
+#pragma omp simd
+          for (int p = 0; p < visible; ++p) row[p] = exp_nonpositive(row[p] - mx);
+          T sum = 0;
+          for (int p = 0; p < visible; ++p) sum += row[p];
+          std::fill(row + visible, row + keys_pad, T(0));
+          denom[r] = sum;
+        }
+        // 3. out[r] = sum_p w[r, p] * v[p]: kPvRows rows x one vector of d at a time, two
+        //    accumulators each (even / odd positions) so that the FMAs do not wait on each other
+        for (int r0 = 0; r0 < R; r0 += kPvRows) {
+          for (int d0 = 0; d0 < D; d0 += kLanes) {
+            T acc[kPvRows][2][kLanes] = {};
+            const T* w = scores.data() + size_t(r0) * keys_pad;
+            int p = 0;
+            for (; p + 1 < keys; p += 2) {
+              const T* v0 = v_rows[p] + d0;
+              const T* v1 = v_rows[p + 1] + d0;
+              for (int rr = 0; rr < kPvRows; ++rr) {
+                const T w0 = w[size_t(rr) * keys_pad + p], w1 = w[size_t(rr) * keys_pad + p + 1];
+#pragma omp simd
+                for (int i = 0; i < kLanes; ++i) {
+                  acc[rr][0][i] += w0 * v0[i];
+                  acc[rr][1][i] += w1 * v1[i];
+                }
+              }
+            }
+            if (p < keys) {
+              const T* v0 = v_rows[p] + d0;
+              for (int rr = 0; rr < kPvRows; ++rr) {
+                const T w0 = w[size_t(rr) * keys_pad + p];
+#pragma omp simd
+                for (int i = 0; i < kLanes; ++i) acc[rr][0][i] += w0 * v0[i];
+              }
+            }
+            for (int rr = 0; rr < kPvRows; ++rr)
+              for (int i = 0; i < kLanes; ++i)
+                o_tile[size_t(r0 + rr) * D + d0 + i] = acc[rr][0][i] + acc[rr][1][i];
+          }
+        }
+        for (int r = 0; r < R; ++r) {
+          T* o = out + (int64_t(q_starts[s] + t0 + r / G) * H + kvh * G + r % G) * D;
+          for (int d = 0; d < D; ++d) o[d] = o_tile[size_t(r) * D + d] / denom[r];
+        }
+      }
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+// QK-norm then RoPE, the steps between the qkv projection and attention (HF's Qwen3Attention):
+// for each token and head, x = the head's D values of qkv; x = x / sqrt(mean(x^2) + eps) * w (w:
+// q_norm or k_norm weight); then out = x * cos + rotate_half(x) * sin, rotate_half(x) =
+// (-x[D/2:], x[:D/2]). One pass over q and k instead of ~22 torch ops, each a full read and write.
+void qk_norm_rope(const float* qkv, int64_t row_stride, int T, int H, int Hkv, int D,
+                  const float* q_weight, const float* k_weight, float eps, const float* cos,
+                  const float* sin, float* q_out, float* k_out, int num_threads) {
+  const int half = D / 2;
+#pragma omp parallel for num_threads(std::max(1, num_threads)) schedule(static)
+  for (int t = 0; t < T; ++t) {
+    const float* c = cos + int64_t(t) * D;
+    const float* s = sin + int64_t(t) * D;
+    for (int h = 0; h < H + Hkv; ++h) {
+      const float* x = qkv + int64_t(t) * row_stride + int64_t(h) * D;   // q heads, then k heads
+      const float* w = h < H ? q_weight : k_weight;
+      float* o = h < H ? q_out + (int64_t(t) * H + h) * D : k_out + (int64_t(t) * Hkv + h - H) * D;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int d = 0; d < D; ++d) ss += x[d] * x[d];
+      const float rstd = 1.f / std::sqrt(ss / float(D) + eps);
+      float y[512];                                   // D <= 512 (checked by the caller)
+#pragma omp simd
+      for (int d = 0; d < D; ++d) y[d] = x[d] * rstd * w[d];
+#pragma omp simd
+      for (int d = 0; d < half; ++d) {
+        o[d] = y[d] * c[d] - y[d + half] * s[d];
+        o[d + half] = y[d + half] * c[d + half] + y[d] * s[d + half];
+      }
+    }
+  }
+}
+
+// SwiGLU's middle: out = silu(gate) * up, silu(g) = g / (1 + exp(-g)), written with exp of a
+// non-positive argument only (the vectorized exp above): g >= 0: g / (1 + e), g < 0: g e / (1 + e),
+// e = exp(-|g|).
+void silu_mul(const float* gate_up, int64_t row_stride, int T, int I, float* out, int num_threads) {
+#pragma omp parallel for num_threads(std::max(1, num_threads)) schedule(static)
+  for (int t = 0; t < T; ++t) {
+    const float* g = gate_up + int64_t(t) * row_stride;
+    const float* u = g + I;
+    float* o = out + int64_t(t) * I;
+#pragma omp simd
+    for (int i = 0; i < I; ++i) {
+      const float e = exp_nonpositive(-std::fabs(g[i]));
+      const float silu = (g[i] >= 0.f ? g[i] : g[i] * e) / (1.f + e);
+      o[i] = silu * u[i];
+    }
+  }
+}
+
+// The common head dims get their own instantiation; others run the generic one.
+template <template <typename, int> class Kernel, typename T, typename... Args>
+int dispatch(int head_dim, Args... args) {
+  switch (head_dim) {
+    case 64: return Kernel<T, 64>::run(args...);
+    case 128: return Kernel<T, 128>::run(args...);
+    default: return Kernel<T, 0>::run(args...);
+  }
+}
+template <typename T, int kD>
+struct Decode {
+  template <typename... A> static int run(A... a) { return paged_decode<T, kD>(a...); }
+};
+template <typename T, int kD>
+struct Prefill {
+  template <typename... A> static int run(A... a) { return paged_prefill<T, kD>(a...); }
+};
+
+// Returns 0, or 1 + the index of a sequence whose seq_len or block ids are out of range.
+extern "C" {
+
+int minipaged_paged_decode_f32(const float* query, const float* key_cache, const float* value_cache,
+                               int num_blocks, const int32_t* block_tables, int max_blocks,
+                               const int32_t* seq_lens, int B, int H, int Hkv, int block_size, int D,
+                               double scale, float* out, int num_threads) {
+  return dispatch<Decode, float>(D, query, key_cache, value_cache, num_blocks, block_tables, max_blocks,
+                                 seq_lens, B, H, Hkv, block_size, D, float(scale), out, num_threads);
+}
+
+int minipaged_paged_decode_f64(const double* query, const double* key_cache, const double* value_cache,
+                               int num_blocks, const int32_t* block_tables, int max_blocks,
+                               const int32_t* seq_lens, int B, int H, int Hkv, int block_size, int D,
+                               double scale, double* out, int num_threads) {
+  return dispatch<Decode, double>(D, query, key_cache, value_cache, num_blocks, block_tables, max_blocks,
+                                  seq_lens, B, H, Hkv, block_size, D, scale, out, num_threads);
+}
+
+int minipaged_paged_prefill_f32(const float* query, const float* key_cache, const float* value_cache,
+                                int num_blocks, const int32_t* block_tables, int max_blocks,
+                                const int32_t* seq_lens, const int32_t* q_starts, const int32_t* q_lens,
+                                int S, int num_tokens, int H, int Hkv, int block_size, int D,
+                                double scale, float* out, int num_threads) {
+  return dispatch<Prefill, float>(D, query, key_cache, value_cache, num_blocks, block_tables, max_blocks,
+                                  seq_lens, q_starts, q_lens, S, num_tokens, H, Hkv, block_size, D,
+                                  float(scale), out, num_threads);
+}
+
+int minipaged_paged_prefill_f64(const double* query, const double* key_cache, const double* value_cache,
+                                int num_blocks, const int32_t* block_tables, int max_blocks,
+                                const int32_t* seq_lens, const int32_t* q_starts, const int32_t* q_lens,
+                                int S, int num_tokens, int H, int Hkv, int block_size, int D,
+                                double scale, double* out, int num_threads) {
+  return dispatch<Prefill, double>(D, query, key_cache, value_cache, num_blocks, block_tables, max_blocks,
+                                   seq_lens, q_starts, q_lens, S, num_tokens, H, Hkv, block_size, D,
+                                   scale, out, num_threads);
+}
+
+void minipaged_qk_norm_rope_f32(const float* qkv, int row_stride, int T, int H, int Hkv, int D,
+                                const float* q_weight, const float* k_weight, float eps,
+                                const float* cos, const float* sin, float* q_out, float* k_out,
+                                int num_threads) {
+  qk_norm_rope(qkv, row_stride, T, H, Hkv, D, q_weight, k_weight, eps, cos, sin, q_out, k_out,
+               num_threads);
+}
+
+void minipaged_silu_mul_f32(const float* gate_up, int row_stride, int T, int I, float* out,
+                            int num_threads) {
+  silu_mul(gate_up, row_stride, T, I, out, num_threads);
+}
+
+}  // extern "C"

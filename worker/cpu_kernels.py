@@ -1,0 +1,133 @@
+"""The CPU kernels library (worker/cpu_kernels.cpp): paged attention loops and two fused
+elementwise steps of the Qwen3 block, called through ctypes on torch tensors.
+
+It is compiled on first use with the machine's C++ compiler (`g++ -O3 -march=native -fopenmp`,
+about a second) into build/cpu_kernels/<hash>/, where the hash covers the source, the flags, the
+compiler and the CPU's feature flags, so a copy of the repo moved to another machine rebuilds
+instead of running illegal instructions. Concurrent builders write to a temporary name and rename
+it into place. Without a compiler (or with MINIPAGED_CPU_KERNELS=0) `load_library()` is None and
+every caller runs its torch code, after a single log line saying so.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import subprocess
+import tempfile
+import threading
+
+import torch
+
+log = logging.getLogger("worker.cpu_kernels")
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.cpp")
+REPO_ROOT = os.path.dirname(os.path.dirname(SOURCE))
+BUILD_DIR = os.environ.get("MINIPAGED_CPU_KERNEL_DIR", os.path.join(REPO_ROOT, "build", "cpu_kernels"))
+CXX = os.environ.get("CXX", "g++")
+FLAGS = ["-x", "c++", "-std=c++17", "-O3", "-march=native", "-fopenmp", "-fno-trapping-math",
+         "-fno-math-errno", "-fPIC", "-shared", "-Wall", "-Wextra"]
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def library_path() -> str:
+    h = hashlib.sha256()
+    with open(SOURCE, "rb") as f:
+        h.update(f.read())
+    version = subprocess.run([CXX, "--version"], capture_output=True, text=True).stdout
+    for part in (" ".join(FLAGS), version, _cpu_flags()):
+        h.update(part.encode())
+    return os.path.join(BUILD_DIR, h.hexdigest()[:16], "libminipaged_cpu_kernels.so")
+
+
+def build_library() -> str:
+    """Compile the library unless this exact build exists; return its path. Raises on failure."""
+    path = library_path()
+    if os.path.exists(path):
+        return path
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
+    os.close(fd)
+    cmd = [CXX, *FLAGS, SOURCE, "-o", tmp]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr}")
+    os.replace(tmp, path)
+    return path
+
+
+def load_library() -> ctypes.CDLL | None:
+    """The compiled library, or None when it is switched off or cannot be built (logged once)."""
+    global _lib, _tried
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        if os.environ.get("MINIPAGED_CPU_KERNELS", "1") == "0":
+            log.info("MINIPAGED_CPU_KERNELS=0: the CPU kernels are off, everything runs in torch")
+            return None
+        try:
+            lib = ctypes.CDLL(build_library())
+        except (OSError, RuntimeError) as e:
+            log.warning("CPU kernels unavailable, everything runs in torch: %s", e)
+            return None
+        P, I = ctypes.c_void_p, ctypes.c_int
+        for fn in (lib.minipaged_paged_decode_f32, lib.minipaged_paged_decode_f64):
+            fn.argtypes = [P, P, P, I, P, I, P, I, I, I, I, I, ctypes.c_double, P, I]
+            fn.restype = ctypes.c_int
+        for fn in (lib.minipaged_paged_prefill_f32, lib.minipaged_paged_prefill_f64):
+            fn.argtypes = [P, P, P, I, P, I, P, P, P, I, I, I, I, I, I, ctypes.c_double, P, I]
+            fn.restype = ctypes.c_int
+        lib.minipaged_qk_norm_rope_f32.argtypes = [P, I, I, I, I, I, P, P, ctypes.c_float, P, P, P, P, I]
+        lib.minipaged_silu_mul_f32.argtypes = [P, I, I, I, P, I]
+        for fn in (lib.minipaged_qk_norm_rope_f32, lib.minipaged_silu_mul_f32):
+            fn.restype = None
+        _lib = lib
+        return _lib
+
+
+def fused_ok(x: torch.Tensor) -> bool:
+    """May the fused elementwise kernels take this activation? float32 on the CPU, unit stride
+    along the last dim, and the library built. (float64, the parity mode, keeps HF's exact ops.)"""
+    return (x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1
+            and load_library() is not None)
+
+
+def qk_norm_rope(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                 q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                 cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """qkv [T, (H + 2 Hkv) D] rows q|k|v -> q [T, H, D], k [T, Hkv, D]: per-head RMSNorm (QK-norm)
+    then rotate-half RoPE at cos/sin [T, D], in one pass instead of ~22 torch ops."""
+    T = qkv.shape[0]
+    q = torch.empty(T, num_heads, head_dim, dtype=qkv.dtype)
+    k = torch.empty(T, num_kv_heads, head_dim, dtype=qkv.dtype)
+    cos, sin = cos.contiguous(), sin.contiguous()
+    load_library().minipaged_qk_norm_rope_f32(
+        qkv.data_ptr(), qkv.stride(0), T, num_heads, num_kv_heads, head_dim, q_weight.data_ptr(),
+        k_weight.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr(),
+        torch.get_num_threads())
+    return q, k
+
+
+def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+    """gate_up [T, 2I] rows gate|up -> silu(gate) * up [T, I], in one pass."""
+    T = gate_up.shape[0]
+    out = torch.empty(T, inter, dtype=gate_up.dtype)
+    load_library().minipaged_silu_mul_f32(gate_up.data_ptr(), gate_up.stride(0), T, inter,
+                                          out.data_ptr(), torch.get_num_threads())
+    return out
+
+

@@ -7,6 +7,8 @@ import logging
 import os
 import sys
 
+import uvicorn
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m gateway", description=__doc__,
@@ -15,10 +17,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the metadata service, HOST:PORT (HOST alone: port 50051; env MINIPAGED_ADDRESS)")
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
-    p.add_argument("--token", default=os.environ.get("MINIPAGED_TOKEN"),
+    p.add_argument("--token", default=None,
                    help="API key: HTTP clients must send 'Authorization: Bearer T' to /v1/*; also presented "
                         "to the metadata service unless --metadata-token is given (env MINIPAGED_TOKEN)")
-    p.add_argument("--metadata-token", default=os.environ.get("MINIPAGED_METADATA_TOKEN"),
+    p.add_argument("--metadata-token", default=None,
                    help="token for the metadata service when it differs from --token (env MINIPAGED_METADATA_TOKEN)")
     p.add_argument("--model", default=os.environ.get("MINIPAGED_MODEL"),
                    help="the --model the workers load (tiny or a checkpoint directory readable here): names "
@@ -33,12 +35,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
+    # secrets from the environment are read here, not as defaults, so --help never prints one
+    args.token = args.token or os.environ.get("MINIPAGED_TOKEN")
+    args.metadata_token = args.metadata_token or os.environ.get("MINIPAGED_METADATA_TOKEN")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    import uvicorn
-
     from client.messages import normalize_address
 
     from .app import GatewayConfig, create_app
@@ -48,10 +56,20 @@ def main(argv=None) -> int:
                            tls_cert=args.tls_cert or None, tls_key=args.tls_key or None,
                            default_max_tokens=args.default_max_tokens)
     app = create_app(config)
-    # uvicorn handles SIGTERM/SIGINT: it stops accepting, finishes in-flight requests, exits 0
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10,
-                lifespan="on")
-    return 0
+    # uvicorn handles SIGTERM/SIGINT: it stops accepting and finishes in-flight requests
+    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                    timeout_graceful_shutdown=10, lifespan="on"))
+    server.run()
+    return 0 if server.started else 1
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's graceful stop, without re-raising the signal once drained: a drained stop is a clean
+    exit (0), not the signal's 143."""
+
+    def handle_exit(self, sig, frame) -> None:
+        super().handle_exit(sig, frame)
+        self._captured_signals.clear()
 
 
 if __name__ == "__main__":

@@ -84,9 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
 def _read_secret(parser, path: str) -> str:
     try:
         with open(path) as f:
-            return f.read().strip()
+            secret = f.read().strip()
     except OSError as e:
         parser.error(f"cannot read {path}: {e}")
+    if not secret:  # an empty secret file would silently mean "no token"
+        parser.error(f"{path} is empty: a token file must hold the token")
+    return secret
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -135,6 +135,8 @@ def resolve_args(argv=None) -> argparse.Namespace:
                 args.worker_token = f.read().strip()
         except OSError as e:
             parser.error(f"--worker-token-file: {e}")
+        if not args.worker_token:  # an empty secret file would silently mean "no token"
+            parser.error(f"--worker-token-file {args.worker_token_file} is empty")
     return args
 
 

@@ -254,10 +254,12 @@ class Engine:
         epoch = secrets.randbits(62) + 1
         try:
             for i in reversed(range(len(stages))):
-                nxt = stages[i + 1].address if i + 1 < len(stages) else ""
+                nxt = stages[i + 1] if i + 1 < len(stages) else None
+                data = (f"{nxt.address.rsplit(':', 1)[0]}:{nxt.info.data_port}"
+                        if nxt is not None and nxt.info.data_port else "")
                 reply = stages[i].connect(self.registry.channel_factory).InitCache(worker_pb2.InitCacheRequest(
-                    num_blocks=cap, block_size=self.block_size, next_stage_address=nxt,
-                    next_stage_token=self.worker_token or "", cache_epoch=epoch),
+                    num_blocks=cap, block_size=self.block_size, next_stage_address=nxt.address if nxt else "",
+                    next_stage_token=self.worker_token or "", cache_epoch=epoch, next_stage_data_address=data),
                     timeout=self.init_timeout_s, metadata=self._auth())
             epoch = reply.cache_epoch  # stage 0's word is what Steps must carry
         except grpc.RpcError as e:

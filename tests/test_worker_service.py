@@ -153,7 +153,8 @@ def test_info_and_health(single):
 def test_hidden_states_wire_roundtrip(single):
     """Stage to stage, hidden states travel as raw bytes in their own dtype (bfloat16 included)."""
     h = torch.randn(5, 256).to(torch.bfloat16)
-    fwd = single.servicer._forward_request(pb.StepRequest(input_ids=b"\0" * 20, step_id=3), h)
+    fwd, beside = single.servicer._forward_request(pb.StepRequest(input_ids=b"\0" * 20, step_id=3), h)
+    assert beside is None  # no data link configured: the bytes travel inside the message
     assert fwd.hidden_dtype == "bfloat16" and not fwd.input_ids and fwd.step_id == 3
     back = torch.frombuffer(bytearray(fwd.hidden_states), dtype=torch.bfloat16).view(5, 256)
     assert torch.equal(back, h)

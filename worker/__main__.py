@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--simulate", default="", metavar="h200|PROFILE.json",
                    help="a simulated worker: no weights, no compute; each step sleeps for a roofline timing "
                         "model's time (worker/simulator.py) and returns deterministic pseudo-random tokens")
+    p.add_argument("--data-port", type=int, default=0,
+                   help="TCP data link for hidden states from the previous stage (0 picks a port, -1 = none: "
+                        "they come on the gRPC stream; never with TLS, whose stream is encrypted)")
     p.add_argument("--metrics-port", type=int, default=-1,
                    help="serve Prometheus text on this port (0 picks one; default off)")
     p.add_argument("--log-level", default="INFO")
@@ -196,6 +199,13 @@ def main(argv=None) -> int:
         log.error("cannot serve on %s:%d: %s", args.host, args.port, e)
         print(f"error: cannot serve on {args.host}:{args.port}: {e}", file=sys.stderr, flush=True)
         return 1
+    if args.data_port >= 0 and not args.tls_cert and not runner.is_first:
+        from worker.data_link import DataServer
+        try:
+            servicer.data_server = DataServer(servicer, args.host, args.data_port, args.worker_token)
+        except OSError as e:
+            print(f"error: cannot serve the data link on {args.host}:{args.data_port}: {e}", file=sys.stderr, flush=True)
+            return 1
     if args.metrics_port >= 0:
         from worker import metrics
         try:

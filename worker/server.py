@@ -40,6 +40,7 @@ from minipaged.tls import add_port
 from minipaged.v1 import worker_pb2 as pb
 from minipaged.v1 import worker_pb2_grpc as pb_grpc
 from worker.stage_link import StageLink
+from worker.step_stream import StepError, StepPipe, relayed, upstream_code, wait_until
 from worker.step_state import SequenceStore
 from worker.validation import StepLimits, StepPrecondition, StepValidationError, validate_step
 
@@ -63,12 +64,6 @@ def new_epoch() -> int:
 MAX_BLOCK_SIZE = 1024
 
 
-class StepError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code, self.message = code, message
-
-
 @dataclass
 class StepOutcome:
     reply: pb.StepReply | None           # the last stage's answer
@@ -76,6 +71,7 @@ class StepOutcome:
     timing: pb.StageTiming
     sampled_ids: list[int]               # sequence ids this step samples (stage 0 tracks their tokens)
     ready_at: float = 0.0                # time.monotonic() when the device has the results (see below)
+    hidden: bytes | None = None          # the forward's hidden states when they travel outside it
 
 
 class WorkerServicer(pb_grpc.WorkerServiceServicer):
@@ -101,6 +97,9 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         self.next_epoch: int | None = None
         self.streams: set = set()     # live StepStreams (InitCache ends them: their epoch is over)
         self.results: queue.SimpleQueue | None = None   # the StepResults subscriber of this epoch
+        self.data_server = None            # worker/data_link.py: hidden states from the previous stage
+        self.next_data_address = ""        # the next stage's data link ("" = forward on its StepStream)
+        self.next_token = ""
 
     # ---- capacity / info -------------------------------------------------------------------------
     def max_blocks(self, block_size: int) -> int:
@@ -120,7 +119,8 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             fixed_num_blocks=self.fixed_num_blocks, cache_epoch=self.epoch, num_blocks=self.num_blocks,
             block_size=self.block_size, backend=self.backend, dtype_bytes=self.dtype_bytes,
             replica_group=self.replica_group, simulate=self.simulate,
-            weight_bytes=int(getattr(self.runner, "weight_bytes", 0)))
+            weight_bytes=int(getattr(self.runner, "weight_bytes", 0)),
+            data_port=self.data_server.port if self.data_server is not None else 0)
 
     def Info(self, request, context):
         return self.info()
@@ -154,6 +154,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             except (RuntimeError, MemoryError) as e:  # CPU OOM is a RuntimeError (torch's OOM is one too)
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"allocating {nb} blocks of {bs}: {e}")
             self._connect_next(request.next_stage_address, request.next_stage_token, request.cache_epoch)
+            self.next_data_address = request.next_stage_data_address
             self.num_blocks, self.block_size = nb, bs
             self.limits = StepLimits(self.cfg.vocab_size, self.cfg.hidden_size, self.cfg.max_position_embeddings,
                                      nb, bs, self.runner.is_first)
@@ -167,6 +168,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         # without one, the next stage's own epoch is pinned at the first forward.
         self.next_address, self.next_epoch = address, (chain_epoch or None)
         self.next_meta = (("authorization", f"Bearer {token}"),) if token else ()
+        self.next_token = token
         self.next_channel = self.channel_factory(address, GRPC_OPTIONS) if address else None
         self.next_stub = pb_grpc.WorkerServiceStub(self.next_channel) if address else None
 
@@ -217,17 +219,18 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                 except StepError as e:
                     context.abort(e.code, e.message)
                 except grpc.RpcError as e:
-                    context.abort(_upstream_code(e.code()), f"next stage {self.next_address}: {e.details()}")
+                    context.abort(upstream_code(e.code()), f"next stage {self.next_address}: {e.details()}")
         return pb.CopyBlocksReply(copied=int(src.size))
 
     # ---- step ------------------------------------------------------------------------------------
-    def _process(self, request) -> StepOutcome:
+    def _process(self, request, hidden: bytes | None = None) -> StepOutcome:
         """Validate, then run one step on this stage. Raises StepError; a rejected step leaves the
-        cache and the remembered state untouched."""
+        cache and the remembered state untouched. `hidden`: the previous stage's hidden states when
+        they came outside the message (the TCP data link)."""
         with self.lock:
             self._check_epoch(request.cache_epoch)
             try:
-                a = validate_step(request, self.limits, self.store, PLACEHOLDER_WAIT_S)
+                a = validate_step(request, self.limits, self.store, PLACEHOLDER_WAIT_S, hidden)
             except StepValidationError as e:
                 raise StepError(grpc.StatusCode.INVALID_ARGUMENT, f"step {request.step_id}: {e}") from None
             except StepPrecondition as e:
@@ -243,7 +246,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                     self.store.commit_tables(a.seq_ids, a.block_tables, *a.table_delta)
                 if a.copy_src is not None and a.copy_src.size:
                     self.runner.kv_cache.copy_blocks(a.copy_src, a.copy_dst)
-                out = self._compute(request, a)  # the sampled reply, or the request for the next stage
+                out, payload = self._compute(request, a)  # the sampled reply, or the next stage's request
             except Exception as e:  # a bug or a device failure: say where, never hang the chain
                 log.exception("step %d failed", request.step_id)
                 code = (grpc.StatusCode.RESOURCE_EXHAUSTED if "out of memory" in str(e).lower()
@@ -269,7 +272,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             out.cache_epoch = self._pin_next_epoch()
             if request.reply_direct:
                 out.upstream_timings.append(timing)
-            return StepOutcome(None, out, timing, sampled, ready_at)
+            return StepOutcome(None, out, timing, sampled, ready_at, payload)
 
     def _compute(self, request, a):
         hidden_in = None
@@ -278,15 +281,22 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         batch = self.runner.make_batch(a.input_ids, a.positions, a.slot_mapping, a.query_start_loc,
                                        a.seq_lens, a.block_tables)
         hidden = self.runner.execute(batch, hidden_in)
-        return self._sample(request, a, hidden) if self.runner.is_last else self._forward_request(request, hidden)
+        if self.runner.is_last:
+            return self._sample(request, a, hidden), None
+        return self._forward_request(request, hidden)
 
-    def _forward_request(self, request, hidden) -> pb.StepRequest:
+    def _forward_request(self, request, hidden) -> tuple[pb.StepRequest, bytes | None]:
+        """The next stage's request; the hidden-state bytes go inside it, or beside it (returned)
+        when the TCP data link carries them."""
         request.ClearField("hidden_states")  # (already decoded) not copied into the forward
         fwd = pb.StepRequest()
         fwd.CopyFrom(request)
         fwd.ClearField("input_ids")
-        fwd.hidden_states, fwd.hidden_dtype = self.runner.encode_hidden(hidden)
-        return fwd
+        payload, fwd.hidden_dtype = self.runner.encode_hidden(hidden)
+        if self.next_data_address:
+            return fwd, payload
+        fwd.hidden_states = payload
+        return fwd, None
 
     def _sample(self, request, a, hidden) -> pb.StepReply:
         reply = pb.StepReply(step_id=request.step_id)
@@ -312,21 +322,23 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             o = self._process(request)
         except StepError as e:
             context.abort(e.code, e.message)
-        _wait_until(o.ready_at)
+        wait_until(o.ready_at)
         if o.reply is not None:
             return o.reply
         first = self.runner.is_first and o.sampled_ids
         if first:
             self.store.note_forwarded(o.sampled_ids)
+        if o.hidden is not None:  # unary steps always carry the bytes inside the message
+            o.forward.hidden_states = o.hidden
         try:
             down = self.next_stub.Step(o.forward, metadata=self.next_meta, timeout=self.rpc_timeout_s)
         except grpc.RpcError as e:
             if first:
                 self.store.record_sampled(o.sampled_ids, None, forwarded=True)
-            context.abort(_upstream_code(e.code()), f"next stage {self.next_address}: {e.details()}")
+            context.abort(upstream_code(e.code()), f"next stage {self.next_address}: {e.details()}")
         if first:
             self.store.record_sampled(o.sampled_ids, wire.unpack(down.sampled_token_ids), forwarded=True)
-        return _relayed(down, o.timing, request.step_id, self.epoch)
+        return relayed(down, o.timing, request.step_id, self.epoch)
 
     def StepResults(self, request, context):
         """The last stage's replies to reply_direct steps of this epoch, in order."""
@@ -345,11 +357,11 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             if item is None:
                 return
             reply, ready_at = item
-            _wait_until(ready_at)
+            wait_until(ready_at)
             yield reply
 
     def StepStream(self, request_iterator, context):
-        stream = _Stream(self)
+        stream = StepPipe(self)
         context.add_callback(stream.cancel)
         self.streams.add(stream)
         threading.Thread(target=stream.pump, args=(request_iterator,), name="step-stream", daemon=True).start()
@@ -359,109 +371,31 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                 if item is None:
                     return
                 reply, ready_at = item
-                _wait_until(ready_at)  # an asynchronous device: not before its results exist
+                wait_until(ready_at)  # an asynchronous device: not before its results exist
                 yield reply
         finally:
             self.streams.discard(stream)
             stream.cancel()
 
+    def open_link(self, on_reply, on_failed):
+        """The link a pipe forwards on: the TCP data link when the next stage offers one, else its
+        StepStream."""
+        if self.next_data_address:
+            from worker.data_link import TcpStageLink
+            try:
+                return TcpStageLink(self.next_data_address, self.next_token, self._pin_next_epoch(), on_reply,
+                                    on_failed)
+            except (OSError, ConnectionError) as e:
+                raise StepError(grpc.StatusCode.UNAVAILABLE, f"data link to {self.next_data_address}: {e}") from None
+        return StageLink(self.next_stub, self.next_address, self.next_meta, on_reply, on_failed)
+
     def close(self) -> None:
+        if self.data_server is not None:
+            self.data_server.close()
         for stream in list(self.streams):
             stream.cancel()
         if self.next_channel is not None:
             self.next_channel.close()
-
-
-def _wait_until(t: float) -> None:
-    delay = t - time.monotonic()
-    if delay > 0:
-        time.sleep(delay)
-
-
-def _upstream_code(code: grpc.StatusCode) -> grpc.StatusCode:
-    """A next stage that is down or too slow is UNAVAILABLE to whoever called us."""
-    return grpc.StatusCode.UNAVAILABLE if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                                                   grpc.StatusCode.CANCELLED) else code
-
-
-def _relayed(down: pb.StepReply, timing: pb.StageTiming, step_id: int, epoch: int) -> pb.StepReply:
-    return pb.StepReply(step_id=step_id, sampled_token_ids=down.sampled_token_ids, logprobs=down.logprobs,
-                        logits=down.logits, timings=[timing, *down.timings], cache_epoch=epoch,
-                        error_code=down.error_code, error=down.error, top_logprob_ids=down.top_logprob_ids,
-                        top_logprobs=down.top_logprobs)
-
-
-class _Stream:
-    """One StepStream: runs its steps in order and keeps the replies in order."""
-
-    def __init__(self, servicer: WorkerServicer):
-        self.s = servicer
-        self.out: queue.SimpleQueue = queue.SimpleQueue()
-        self.link: StageLink | None = None
-        self.sent: dict[int, tuple[pb.StageTiming, list[int]]] = {}   # forwarded step -> (timing, sampled)
-        self.cancelled = threading.Event()
-
-    def pump(self, request_iterator) -> None:
-        try:
-            for request in request_iterator:
-                if self.cancelled.is_set():
-                    break
-                self._one(request)
-        except grpc.RpcError:
-            pass  # the caller went away
-        except Exception:  # never leave the caller waiting on a dead pump
-            log.exception("step stream failed")
-        finally:
-            if self.link is not None:
-                self.link.close(wait_s=self.s.rpc_timeout_s)  # relay what is still down the chain
-            self.out.put(None)
-
-    def _one(self, request) -> None:
-        try:
-            o = self.s._process(request)
-        except StepError as e:
-            self.out.put((pb.StepReply(step_id=request.step_id, error_code=e.code.value[0], error=e.message,
-                                       cache_epoch=self.s.epoch), 0.0))
-            return
-        if o.reply is not None:
-            if request.reply_direct and not self.s.runner.is_first:
-                results = self.s.results
-                if results is not None:
-                    results.put((o.reply, o.ready_at))
-                else:
-                    self.out.put((pb.StepReply(step_id=request.step_id, error_code=grpc.StatusCode.FAILED_PRECONDITION.value[0],
-                                               error="the last stage has no StepResults subscriber for this epoch",
-                                               cache_epoch=self.s.epoch), 0.0))
-                return
-            self.out.put((o.reply, o.ready_at))
-            return
-        if self.link is None:
-            self.link = StageLink(self.s.next_stub, self.s.next_address, self.s.next_meta,
-                                  self._relay, self._failed)
-        first = self.s.runner.is_first and o.sampled_ids
-        self.sent[request.step_id] = (o.timing, o.sampled_ids if first else [])
-        if first:
-            self.s.store.note_forwarded(o.sampled_ids)
-        self.link.send(o.forward, o.ready_at, track=not request.reply_direct)
-
-    def _relay(self, down: pb.StepReply) -> None:
-        timing, sampled = self.sent.pop(down.step_id, (pb.StageTiming(), []))
-        if sampled:
-            toks = wire.unpack(down.sampled_token_ids) if not down.error_code else None
-            self.s.store.record_sampled(sampled, toks, forwarded=True)
-        self.out.put((_relayed(down, timing, down.step_id, self.s.epoch), 0.0))
-
-    def _failed(self, step_id: int, code: grpc.StatusCode, message: str) -> None:
-        _, sampled = self.sent.pop(step_id, (None, []))
-        if sampled:
-            self.s.store.record_sampled(sampled, None, forwarded=True)
-        self.out.put((pb.StepReply(step_id=step_id, error_code=code.value[0], error=message,
-                                   cache_epoch=self.s.epoch), 0.0))
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-        if self.link is not None:
-            self.link.cancel()
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):

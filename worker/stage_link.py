@@ -45,9 +45,12 @@ class StageLink:
                 time.sleep(delay)
             yield request
 
-    def send(self, request: pb.StepRequest, ready_at: float = 0.0, track: bool = True) -> None:
+    def send(self, request: pb.StepRequest, ready_at: float = 0.0, track: bool = True,
+             hidden: bytes | None = None) -> None:
         """`track`: a reply comes back on this stream (not so for reply_direct steps, whose last
         stage answers the metadata service itself)."""
+        if hidden is not None:
+            request.hidden_states = hidden    # this link carries them inside the message
         with self._lock:
             if track:
                 self._outstanding.append(request.step_id)

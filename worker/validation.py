@@ -94,17 +94,17 @@ MAX_TOP_LOGPROBS = 20
 
 
 def validate_step(req, lim: StepLimits, store: SequenceStore | None = None,
-                  placeholder_timeout_s: float = 30.0) -> StepArrays:
+                  placeholder_timeout_s: float = 30.0, hidden: bytes | None = None) -> StepArrays:
     """Decode and check a StepRequest against this worker's limits (and, for delta tables and
     placeholder inputs, its SequenceStore, read only). Raises StepValidationError or
     StepPrecondition; changes nothing."""
     try:
-        return _validate(req, lim, store, placeholder_timeout_s)
+        return _validate(req, lim, store, placeholder_timeout_s, hidden)
     except WireError as e:
         raise StepValidationError(str(e)) from None
 
 
-def _validate(req, lim: StepLimits, store, placeholder_timeout_s) -> StepArrays:
+def _validate(req, lim: StepLimits, store, placeholder_timeout_s, hidden_bytes=None) -> StepArrays:
     qsl = wire.unpack(req.query_start_loc, wire.INT32, name="query_start_loc")
     if qsl.size < 2:
         _fail(f"query_start_loc: needs B+1 >= 2 entries (at least one sequence), got {qsl.size}")
@@ -140,7 +140,8 @@ def _validate(req, lim: StepLimits, store, placeholder_timeout_s) -> StepArrays:
         if itemsize is None:
             _fail(f"hidden_dtype {req.hidden_dtype!r} is not one of {sorted(HIDDEN_DTYPE_BYTES)}")
         want = T * lim.hidden_size * itemsize
-        hidden = req.hidden_states  # once: each access of a bytes field copies it
+        # once: each access of a bytes field copies it (or given apart: the TCP data link)
+        hidden = req.hidden_states if hidden_bytes is None else hidden_bytes
         if len(hidden) != want:
             _fail(f"hidden_states: expected T*hidden = {T}*{lim.hidden_size} {req.hidden_dtype} values "
                   f"({want} bytes), got {len(hidden)} bytes")

@@ -11,7 +11,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("address", "model_name", "model_fingerprint", "num_layers", "layer_start", "layer_end", "hidden_size", "vocab_size", "num_attention_heads", "num_kv_heads", "head_dim", "dtype", "device", "max_position_embeddings", "eos_token_ids", "kv_cache_bytes", "fixed_num_blocks", "cache_epoch", "num_blocks", "block_size", "backend", "dtype_bytes", "replica_group", "simulate", "weight_bytes")
+    __slots__ = ("address", "model_name", "model_fingerprint", "num_layers", "layer_start", "layer_end", "hidden_size", "vocab_size", "num_attention_heads", "num_kv_heads", "head_dim", "dtype", "device", "max_position_embeddings", "eos_token_ids", "kv_cache_bytes", "fixed_num_blocks", "cache_epoch", "num_blocks", "block_size", "backend", "dtype_bytes", "replica_group", "simulate", "weight_bytes", "data_port")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class WorkerInfo(_message.Message):
     REPLICA_GROUP_FIELD_NUMBER: _ClassVar[int]
     SIMULATE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     address: str
     model_name: str
     model_fingerprint: str
@@ -62,21 +63,24 @@ class WorkerInfo(_message.Message):
     replica_group: str
     simulate: str
     weight_bytes: int
-    def __init__(self, address: _Optional[str] = ..., model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_layers: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[bytes] = ..., kv_cache_bytes: _Optional[int] = ..., fixed_num_blocks: _Optional[int] = ..., cache_epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., backend: _Optional[str] = ..., dtype_bytes: _Optional[int] = ..., replica_group: _Optional[str] = ..., simulate: _Optional[str] = ..., weight_bytes: _Optional[int] = ...) -> None: ...
+    data_port: int
+    def __init__(self, address: _Optional[str] = ..., model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_layers: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[bytes] = ..., kv_cache_bytes: _Optional[int] = ..., fixed_num_blocks: _Optional[int] = ..., cache_epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., backend: _Optional[str] = ..., dtype_bytes: _Optional[int] = ..., replica_group: _Optional[str] = ..., simulate: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class InitCacheRequest(_message.Message):
-    __slots__ = ("num_blocks", "block_size", "next_stage_address", "next_stage_token", "cache_epoch")
+    __slots__ = ("num_blocks", "block_size", "next_stage_address", "next_stage_token", "cache_epoch", "next_stage_data_address")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NEXT_STAGE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NEXT_STAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     CACHE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NEXT_STAGE_DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     block_size: int
     next_stage_address: str
     next_stage_token: str
     cache_epoch: int
-    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., next_stage_address: _Optional[str] = ..., next_stage_token: _Optional[str] = ..., cache_epoch: _Optional[int] = ...) -> None: ...
+    next_stage_data_address: str
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., next_stage_address: _Optional[str] = ..., next_stage_token: _Optional[str] = ..., cache_epoch: _Optional[int] = ..., next_stage_data_address: _Optional[str] = ...) -> None: ...
 
 class InitCacheReply(_message.Message):
     __slots__ = ("cache_epoch", "num_blocks", "block_size")

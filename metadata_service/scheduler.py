@@ -181,8 +181,9 @@ class Scheduler:
         forked = self._fork_ready(slot)
         decodes, chunks = [], []
         for s in self.by_slot[slot]:
-            known = self._todo(s)
-            grouped = s.group is not None and not s.group.forked
+            g = s.group
+            known = s.num_tokens - s.num_computed_tokens if g is None else self._todo(s)
+            grouped = g is not None and not g.forked
             if not grouped and (known == 1 or (known == 0 and self.overlap and s.inflight == 1 and not s.deferred
                                                and s.pending_sample and not s.params.penalized)):
                 decodes.append(s)

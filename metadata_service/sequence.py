@@ -45,15 +45,14 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     top_logprobs: int = 0
     show_logprobs: bool = False              # the caller asked for them (best_of computes them anyway)
+    # derived once (read for every sequence of every step):
+    penalized: bool = field(init=False)      # its next sample depends on every token so far
+    extras: bool = field(init=False)         # needs worker/logits_processors.py
 
-    @property
-    def penalized(self) -> bool:
-        """Its next sample depends on every token so far (so it never decodes a pending token)."""
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-
-    @property
-    def extras(self) -> bool:
-        return self.penalized or self.min_new_tokens > 0 or self.top_logprobs > 0
+    def __post_init__(self):
+        self.penalized = (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                          or self.frequency_penalty != 0.0)
+        self.extras = self.penalized or self.min_new_tokens > 0 or self.top_logprobs > 0
 
 
 @dataclass

@@ -4,7 +4,7 @@ Each step serves one micro-batch (a `slot`): its running sequences first (decode
 block-manager call, then the next chunk of any prefill still in flight), then waiting sequences,
 admitted into this slot, their prefills chunked to fit the budget, so prefill chunks and decodes
 share a step. A sequence belongs to one slot; `max_num_seqs` and the token budget are per micro-
-batch, so an N-stage chain holds N+1 micro-batches of the size one worker would run.
+batch, so an N-stage chain holds several micro-batches, each up to the size one worker would run.
 
 Steps may be scheduled while earlier ones are in flight:
 - known tokens never wait: the next prefill chunk goes out while the previous one is computing;

@@ -8,9 +8,15 @@ same StepRequest (without its hidden_states bytes) leads each frame, the same or
 steps (worker/step_stream.py), errors come back on the same connection, and the last stage of a
 multi-stage chain still answers the metadata service on StepResults.
 
-Frames (little endian). Client hello: b"MPD1", u32 token length, token, u64 cache epoch; the server
-answers b"OK" or closes. Then steps: b"S", u32 header length, u64 hidden length, the StepRequest
-bytes, the hidden bytes. Back: u32 length, a StepReply. The hello carries the worker token (compared
+Between stages on one host the bytes themselves go through a shared-memory ring
+(worker/shm_ring.py: one memcpy a side instead of the kernel's socket copies); the socket still
+carries every frame, in order.
+
+Frames (little endian). Client hello: b"MPD2", u32 token length, token, u64 cache epoch, u32 ring
+name length, ring name (empty: none); the server answers b"OS" (ring opened), b"OK" (inline bytes)
+or b"NO" and closes. Then steps: b"S", u32 header length, u64 hidden length, the StepRequest bytes,
+the hidden bytes; or b"M", the same lengths, the StepRequest bytes, u64 ring offset, u64 ring end.
+Back: u32 length, a StepReply. The hello carries the worker token (compared
 in constant time); the link is offered only without TLS (with TLS, hidden states stay on the gRPC
 stream, which is encrypted)."""
 from __future__ import annotations
@@ -25,11 +31,24 @@ import threading
 import grpc
 
 from minipaged.v1 import worker_pb2 as pb
+from worker.shm_ring import ShmRingReader, ShmRingWriter, capacity_from_env
 from worker.step_stream import StepPipe, wait_until
 
 log = logging.getLogger("worker.data_link")
 _HELLO, _STEP, _REPLY = struct.Struct("<4sI"), struct.Struct("<cIQ"), struct.Struct("<I")
+_RING = struct.Struct("<QQ")
 _END = object()
+
+
+def payload_parts(payload) -> tuple:
+    """Hidden states leave a stage as bytes, a bytearray, a memoryview or a tuple of them (the
+    simulator's ids + shared zeros): sent part by part, never joined in Python."""
+    return payload if isinstance(payload, tuple) else (payload,)
+
+
+def payload_bytes(payload) -> bytes:
+    """One bytes object, for the paths that put hidden states inside a protobuf message."""
+    return payload if isinstance(payload, bytes) else b"".join(payload_parts(payload))
 
 
 def _recv_exact(sock: socket.socket, n: int, into: bytearray | None = None) -> bytearray:
@@ -64,14 +83,21 @@ class DataServer:
     def _serve(self, conn: socket.socket) -> None:
         try:
             magic, n = _HELLO.unpack(_recv_exact(conn, _HELLO.size))
-            if magic != b"MPD1" or n > 4096:
+            if magic != b"MPD2" or n > 4096:
                 return
             token = bytes(_recv_exact(conn, n))
-            (epoch,) = struct.unpack("<Q", _recv_exact(conn, 8))
-            if not hmac.compare_digest(token, self.token) or epoch != self.s.epoch or not epoch:
+            epoch, m = struct.unpack("<QI", _recv_exact(conn, 12))
+            name = bytes(_recv_exact(conn, m)).decode("ascii", "replace") if m <= 256 else ""
+            if not hmac.compare_digest(token, self.token) or epoch != self.s.epoch or not epoch or m > 256:
                 conn.sendall(b"NO")       # wrong token or a stale epoch: nothing runs
                 return
-            conn.sendall(b"OK")
+            ring = None
+            if name:
+                try:
+                    ring = ShmRingReader(name)
+                except (OSError, ValueError):
+                    ring = None           # another host or another /dev/shm: the bytes come inline
+            conn.sendall(b"OS" if ring is not None else b"OK")
         except (OSError, ConnectionError, struct.error):
             conn.close()
             return
@@ -80,20 +106,26 @@ class DataServer:
         writer = threading.Thread(target=self._write_replies, args=(conn, pipe), name="data-replies", daemon=True)
         writer.start()
         try:
-            pipe.pump(self._frames(conn, pipe))
+            pipe.pump(self._frames(conn, pipe, ring))
         finally:
             self.s.streams.discard(pipe)
             writer.join(5)
             conn.close()
 
     @staticmethod
-    def _frames(conn: socket.socket, pipe: StepPipe):
+    def _frames(conn: socket.socket, pipe: StepPipe, ring: ShmRingReader | None):
         while not pipe.cancelled.is_set():
             try:
                 kind, hlen, blen = _STEP.unpack(_recv_exact(conn, _STEP.size))
                 header = _recv_exact(conn, hlen)
-                hidden = bytes(_recv_exact(conn, blen)) if blen else None
-            except (OSError, ConnectionError):
+                if kind == b"M" and ring is not None:
+                    offset, end = _RING.unpack(_recv_exact(conn, _RING.size))
+                    hidden = ring.take(offset, blen, end)
+                elif kind == b"S":
+                    hidden = _recv_exact(conn, blen) if blen else None   # a bytearray: no second copy
+                else:
+                    return                # not a frame of this protocol: drop the link
+            except (OSError, ConnectionError, struct.error):
                 return                    # the previous stage hung up (or was cancelled)
             yield pb.StepRequest.FromString(bytes(header)), hidden
 
@@ -123,16 +155,32 @@ class TcpStageLink:
         self.address = address
         self.sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        t = token.encode()
-        self.sock.sendall(_HELLO.pack(b"MPD1", len(t)) + t + struct.pack("<Q", epoch))
-        if bytes(_recv_exact(self.sock, 2)) != b"OK":
+        self.ring = None
+        capacity = capacity_from_env()
+        if capacity:
+            try:
+                self.ring = ShmRingWriter(capacity)
+            except OSError as e:          # no /dev/shm, or not room for the ring in it
+                log.info("no shared-memory ring for %s (%s): hidden states go inline", address, e)
+        t, name = token.encode(), (self.ring.name.encode() if self.ring else b"")
+        try:
+            self.sock.sendall(_HELLO.pack(b"MPD2", len(t)) + t + struct.pack("<QI", epoch, len(name)) + name)
+            answer = bytes(_recv_exact(self.sock, 2))
+        finally:
+            if self.ring is not None:
+                self.ring.unlink()        # opened by the next stage or never: the name is not needed
+        if answer not in (b"OK", b"OS"):
             self.sock.close()
             raise ConnectionError(f"the next stage {address} refused the data link (token or epoch)")
+        if answer == b"OK":
+            self.ring = None              # the next stage cannot see our /dev/shm
+        log.info("data link to %s: %s", address, f"shared-memory ring of {self.ring.capacity >> 20} MiB"
+                 if self.ring is not None else "hidden states inline")
         self.sock.settimeout(None)
         self._on_reply, self._on_failed = on_reply, on_failed
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._outstanding: list[int] = []
-        self._direct_sent, self._closed = False, False
+        self._direct_sent, self._closed, self._broken = False, False, False
         self._lock = threading.Lock()
         threading.Thread(target=self._write, name="data-link-send", daemon=True).start()
         self._reader = threading.Thread(target=self._read, name="data-link-recv", daemon=True)
@@ -159,11 +207,17 @@ class TcpStageLink:
             request, ready_at, hidden = item
             wait_until(ready_at)          # hidden states leave an asynchronous device once they exist
             header = request.SerializeToString()
+            parts = payload_parts(hidden) if hidden is not None else ()
+            length = sum(len(p) for p in parts)
             try:
-                self.sock.sendall(_STEP.pack(b"S", len(header), len(hidden or b"")) + header)
-                if hidden:
-                    self.sock.sendall(hidden)   # no copy in Python: the kernel reads the bytes
-            except OSError:
+                if self.ring is not None and 0 < length <= self.ring.capacity:
+                    offset, end = self.ring.put(parts, stopped=lambda: self._broken)
+                    self.sock.sendall(_STEP.pack(b"M", len(header), length) + header + _RING.pack(offset, end))
+                    continue
+                self.sock.sendall(_STEP.pack(b"S", len(header), length) + header)
+                for part in parts:
+                    self.sock.sendall(part)     # no copy in Python: the kernel reads the bytes
+            except (OSError, ConnectionError):
                 return                    # the reader reports the break
 
     def _read(self) -> None:
@@ -178,6 +232,7 @@ class TcpStageLink:
                 self._on_reply(reply)
         except (OSError, ConnectionError, struct.error):
             broke = not self._closed
+        self._broken = True               # a writer waiting for ring space gives up
         with self._lock:
             lost, self._outstanding = self._outstanding, []
             if broke and self._direct_sent:
@@ -192,7 +247,7 @@ class TcpStageLink:
             self._reader.join(wait_s)
 
     def cancel(self) -> None:
-        self._closed = True
+        self._closed = self._broken = True
         self._q.put(_END)
         try:
             self.sock.shutdown(socket.SHUT_RDWR)

@@ -91,8 +91,9 @@ class ModelRunner:
         return h.view(torch.uint8).numpy().tobytes(), str(h.dtype).removeprefix("torch.")
 
     def decode_hidden(self, data: bytes, dtype: str, num_tokens: int) -> torch.Tensor:
-        # bytearray: one copy into writable memory (the stage may compute in place)
-        h = torch.frombuffer(bytearray(data), dtype=as_dtype(dtype)).view(num_tokens, self.config.hidden_size)
+        # writable memory (the stage may compute in place): the data link's own bytearray, else a copy
+        buf = data if isinstance(data, bytearray) else bytearray(data)
+        h = torch.frombuffer(buf, dtype=as_dtype(dtype)).view(num_tokens, self.config.hidden_size)
         return h.to(self.device, self.dtype)
 
     def make_batch(self, input_ids, positions, slot_mapping, query_start_loc, seq_lens,

@@ -39,6 +39,7 @@ from minipaged.rpc import DecodeGuardInterceptor
 from minipaged.tls import add_port
 from minipaged.v1 import worker_pb2 as pb
 from minipaged.v1 import worker_pb2_grpc as pb_grpc
+from worker.data_link import payload_bytes
 from worker.stage_link import StageLink
 from worker.step_stream import StepError, StepPipe, relayed, upstream_code, wait_until
 from worker.step_state import SequenceStore
@@ -295,7 +296,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         payload, fwd.hidden_dtype = self.runner.encode_hidden(hidden)
         if self.next_data_address:
             return fwd, payload
-        fwd.hidden_states = payload
+        fwd.hidden_states = payload_bytes(payload)
         return fwd, None
 
     def _sample(self, request, a, hidden) -> pb.StepReply:
@@ -329,7 +330,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         if first:
             self.store.note_forwarded(o.sampled_ids)
         if o.hidden is not None:  # unary steps always carry the bytes inside the message
-            o.forward.hidden_states = o.hidden
+            o.forward.hidden_states = payload_bytes(o.hidden)
         try:
             down = self.next_stub.Step(o.forward, metadata=self.next_meta, timeout=self.rpc_timeout_s)
         except grpc.RpcError as e:

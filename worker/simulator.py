@@ -182,7 +182,7 @@ class SimRunner:
             return SimHidden(hidden_in.input_ids, batch.positions, hidden_in.payload)
         return SimHidden(np.asarray(batch.input_ids, dtype=np.int32), batch.positions)
 
-    def encode_hidden(self, hidden: SimHidden) -> tuple[bytes, str]:
+    def encode_hidden(self, hidden: SimHidden) -> tuple[bytes | tuple, str]:
         """The size real hidden states have: the input ids, then zeros (a later stage passes the
         received bytes on unchanged: no copy)."""
         if hidden.payload is not None:
@@ -191,7 +191,8 @@ class SimRunner:
         tail = T * self.config.hidden_size * self.bytes - 4 * T
         if len(self._zeros) < tail:
             self._zeros = bytes(max(tail, 2 * len(self._zeros)))
-        return hidden.input_ids.astype("<i4").tobytes() + memoryview(self._zeros)[:tail], self.dtype_name
+        # two parts, sent one after the other: the zeros are shared and never change
+        return (hidden.input_ids.astype("<i4").tobytes(), memoryview(self._zeros)[:tail]), self.dtype_name
 
     def decode_hidden(self, data: bytes, dtype: str, num_tokens: int) -> SimHidden:
         return SimHidden(np.frombuffer(data, dtype="<i4", count=num_tokens), None, data)

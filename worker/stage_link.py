@@ -16,6 +16,7 @@ from typing import Callable
 import grpc
 
 from minipaged.v1 import worker_pb2 as pb
+from worker.data_link import payload_bytes
 
 log = logging.getLogger("worker.stage_link")
 _END = object()
@@ -50,7 +51,7 @@ class StageLink:
         """`track`: a reply comes back on this stream (not so for reply_direct steps, whose last
         stage answers the metadata service itself)."""
         if hidden is not None:
-            request.hidden_states = hidden    # this link carries them inside the message
+            request.hidden_states = payload_bytes(hidden)    # this link carries them inside the message
         with self._lock:
             if track:
                 self._outstanding.append(request.step_id)

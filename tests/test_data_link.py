@@ -1,0 +1,77 @@
+"""The data link between stages: the shared-memory ring (worker/shm_ring.py) on its own, then whole
+two-stage chains with the ring and with the bytes inline, token-exact against transformers."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from client import LocalCluster
+from tests.test_e2e import ckpt, oracle, prompts  # noqa: F401 (fixtures)
+from tests.test_scale import exact_job, settle_all
+from worker.shm_ring import SHM_DIR, ShmRingReader, ShmRingWriter
+
+
+def ring_pair(capacity):
+    w = ShmRingWriter(capacity)
+    r = ShmRingReader(w.name)
+    w.unlink()
+    return w, r
+
+
+def test_ring_round_trips_payloads_in_parts_and_skips_the_wrap():
+    w, r = ring_pair(100)
+    assert not os.path.exists(os.path.join(SHM_DIR, w.name))     # nothing left behind in /dev/shm
+    seen = []
+    for i, n in enumerate([30, 30, 30, 30, 70, 1, 99, 100]):
+        payload = bytes((i + k) % 256 for k in range(n))
+        offset, end = w.put((payload[:7], memoryview(payload)[7:]))
+        assert offset + n <= 100                                  # never split across the end
+        out = r.take(offset, n, end)
+        assert isinstance(out, bytearray) and bytes(out) == payload
+        seen.append(offset)
+    assert seen[:4] == [0, 30, 60, 0]                             # the 4th skipped the 10-byte tail
+
+
+def test_a_writer_waits_for_room_until_the_reader_frees_it():
+    w, r = ring_pair(64)
+    first = w.put((b"a" * 40,))
+    done = []
+    t = threading.Thread(target=lambda: done.append(w.put((b"b" * 40,))))
+    t.start()
+    time.sleep(0.05)
+    assert not done                                               # no room until the first is taken
+    assert bytes(r.take(first[0], 40, first[1])) == b"a" * 40
+    t.join(5)
+    offset, end = done[0]
+    assert bytes(r.take(offset, 40, end)) == b"b" * 40
+
+
+def test_a_stopped_link_gives_up_waiting_and_bad_frames_are_refused():
+    w, r = ring_pair(64)
+    w.put((b"x" * 60,))
+    with pytest.raises(ConnectionError):
+        w.put((b"y" * 10,), stopped=lambda: True)
+    with pytest.raises(ValueError):
+        w.put((b"z" * 65,))                                       # bigger than the ring: sent inline
+    with pytest.raises(ConnectionError):
+        r.take(40, 30, 70)                                        # out of bounds: the link drops
+    with pytest.raises(ValueError):
+        ShmRingReader("../../etc/passwd")                         # only ring names are opened
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shm_mb", ["64", "0"], ids=["shared-memory", "inline"])
+def test_two_stages_are_exact_with_the_ring_and_inline(ckpt, oracle, shm_mb):
+    before = {n for n in os.listdir(SHM_DIR) if n.startswith("minipaged-")}
+    with LocalCluster(model=ckpt, workers=2, dtype="float64", block_size=4,
+                      env={"MINIPAGED_DATA_SHM_MB": shm_mb},
+                      extra_service_args=["--max-num-batched-tokens", "32"]) as c:
+        exact_job(c.client, oracle, prompts(12, 1, 60, seed=41), 8)
+        settle_all(c.client)
+        logs = c.logs(200)
+    want = "shared-memory ring of 64 MiB" if shm_mb != "0" else "hidden states inline"
+    assert f": {want}" in logs
+    assert {n for n in os.listdir(SHM_DIR) if n.startswith("minipaged-")} <= before

@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=256, help="running sequences per micro-batch")
     p.add_argument("--micro-batches", type=int, default=0,
                    help="micro-batches in flight per chain (0: one stage 1, overlapped by async scheduling; "
-                        "two stages 3; more, 3 per stage)")
+                        "N stages N + N // 2)")
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="schedule step k+1 only after step k's tokens are back (one-stage chains)")
     p.add_argument("--router", choices=POLICIES, default="prefix",

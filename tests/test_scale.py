@@ -34,11 +34,11 @@ def settle_all(client):
 def test_three_stages_keep_nine_micro_batches_in_flight_exactly(ckpt, oracle):
     # 4 layers over 3 stages; a small per-step budget so prompts are chunked across micro-batches
     with LocalCluster(model=ckpt, workers=3, dtype="float64", block_size=4,
-                      extra_service_args=["--max-num-batched-tokens", "24"]) as c:
+                      extra_service_args=["--max-num-batched-tokens", "24", "--micro-batches", "9"]) as c:
         exact_job(c.client, oracle, prompts(20, 1, 40, seed=31), 10)
         st = settle_all(c.client)
         (chain,) = st.chains
-        assert chain["micro_batches"] == 9 and len(chain["stages"]) == 3   # 3 per stage (chain.py)
+        assert chain["micro_batches"] == 9 and len(chain["stages"]) == 3   # more than the default (4)
         assert all(s["busy_fraction"] > 0 for s in chain["stages"])
 
 

@@ -40,10 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     p.add_argument("--max-num-seqs", type=int, default=256, help="running sequences per micro-batch")
     p.add_argument("--micro-batches", type=int, default=0,
-                   help="micro-batches in flight per chain (0: one stage 1, overlapped by async scheduling; "
-                        "N stages N + N // 2)")
+                   help="micro-batches in flight per chain (0: one stage 1; N CPU stages N; N GPU or simulated "
+                        "stages N + N // 2). Up to N are overlapped by async scheduling")
     p.add_argument("--no-async-scheduling", action="store_true",
-                   help="schedule step k+1 only after step k's tokens are back (one-stage chains)")
+                   help="schedule a micro-batch's next step only after its tokens are back")
     p.add_argument("--router", choices=POLICIES, default="prefix",
                    help="how new sequences pick a replica chain")
     p.add_argument("--full-block-tables", action="store_true",

@@ -51,15 +51,22 @@ class ChainConfig:
     worker_token: str = ""
 
 
-def default_micro_batches(stages: int) -> int:
-    """Micro-batches a chain keeps in flight: one stage 1 (its two overlapped steps hide the host);
-    N stages N + N // 2. A micro-batch's round trip crosses every stage's host path, so a chain
-    needs more than N in flight to keep each stage fed, but each one more makes every micro-batch
-    smaller (weights read per token go up). Measured on 2 cores with simulated H200 stages and the
-    shared-memory data link: 2 stages 3 -> 96-98% busy (4: 95-98%, fewer tokens/s); 4 stages
-    5 / 6 / 8 / 12 -> 3.20 / 3.38 / 3.26 / 3.02x of one worker, 84 / 91 / 91 / 91% busy; 8 stages
-    (9 processes on 2 cores: host-bound) 12 / 24 -> 2.56 / 2.70x. `--micro-batches` overrides."""
-    return 1 if stages == 1 else stages + stages // 2
+def default_micro_batches(stages: int, host_compute: bool = False) -> int:
+    """Micro-batches a chain keeps in flight. One stage: 1 (its two overlapped steps hide the host).
+    Stages that compute on the host's own cores (CPU workers): N, with async scheduling across the
+    pipeline. A GPU runs beside the host, so extra micro-batches hide the host's work; on a CPU the
+    cores that would hide it are the ones computing, and each extra micro-batch only makes every
+    one smaller (tiny model, 2 stages on 2 cores: 3 micro-batches 0.84-0.92x of one worker, 2 with
+    overlap 0.89-1.08x). GPU (and simulated) stages: N + N // 2. A micro-batch's round trip
+    crosses every stage's host path, so more than N must be in flight, but each one more makes every
+    micro-batch smaller (weights read per token go up). Measured on 2 cores with simulated H200
+    stages and the shared-memory data link: 2 stages 3 -> 96-98% busy (4: 95-98%, fewer tokens/s;
+    2 with overlap: 86-87%); 4 stages 5 / 6 / 8 / 12 -> 3.20 / 3.38 / 3.26 / 3.02x of one worker,
+    84 / 91 / 91 / 91% busy; 8 stages (9 processes on 2 cores: host-bound) 12 / 24 -> 2.56 / 2.70x.
+    `--micro-batches` overrides."""
+    if stages == 1:
+        return 1
+    return stages if host_compute else stages + stages // 2
 
 
 @dataclass
@@ -75,11 +82,16 @@ class ChainRunner:
         self.chain_id, self.stages, self.epoch, self.cfg, self.engine = chain_id, stages, epoch, cfg, engine
         self.group = group
         n = len(stages)
-        self.micro_batches = cfg.micro_batches or default_micro_batches(n)
-        overlap = cfg.async_scheduling and self.micro_batches == 1
+        host_compute = all(w.info.device == "cpu" and not w.info.simulate for w in stages)
+        self.micro_batches = cfg.micro_batches or default_micro_batches(n, host_compute)
+        # With no more micro-batches than stages, a stage would wait for each micro-batch's tokens
+        # to come back: async scheduling sends its next step first (inputs -1). Stage 0 fills those
+        # in, so it must see the sampled tokens: replies then come back up the chain through it.
+        # With more micro-batches than stages, the last stage answers directly (StepResults).
+        overlap = cfg.async_scheduling and self.micro_batches <= n
         self.slot_cap = 2 if overlap else 1            # steps in flight per micro-batch
         self.depth = self.micro_batches * self.slot_cap
-        self.direct = n > 1            # the last stage answers on StepResults, not back up the chain
+        self.direct = n > 1 and not overlap
         self.manager = KVBlockManager(num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.manager, cfg.max_num_batched_tokens, cfg.max_num_seqs,
                                    self.micro_batches, overlap, cfg.full_block_tables)
@@ -267,7 +279,7 @@ class ChainRunner:
         mask = b.do_sample.tolist()
         eos, finished_status, engine = self.engine.eos_ids, SeqStatus.FINISHED, self.engine
         finished, fill_ids, fill_toks = [], [], []
-        j = -1
+        j, kept = -1, 0
         now = 0.0
         for seq, gen, d in zip(b.seqs, b.gens, mask):
             if not d:
@@ -284,6 +296,7 @@ class ChainRunner:
                 seq.first_token_at = now = now or time.monotonic()
             seq.output_token_ids.append(tok)
             seq.num_tokens += 1
+            kept += 1
             if logprobs is not None:
                 seq.output_logprobs.append(logprobs[j])
             p = seq.params
@@ -300,7 +313,7 @@ class ChainRunner:
                                      seq.output_top[-1:] if p.top_logprobs else [])
         if fill_ids:
             self.manager.fill_tokens(fill_ids, fill_toks)
-        self.generated_tokens += len(tokens)
+        self.generated_tokens += kept        # tokens requests kept (not one computed and dropped)
         for seq, reason in finished:
             self.scheduler.remove(seq)
         for seq, reason in finished:

@@ -42,6 +42,19 @@ def test_three_stages_keep_nine_micro_batches_in_flight_exactly(ckpt, oracle):
         assert all(s["busy_fraction"] > 0 for s in chain["stages"])
 
 
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_cpu_pipelines_overlap_steps_exactly(ckpt, oracle, micro_batches):
+    """CPU stages keep N micro-batches (the default here: 2) with async scheduling across the chain:
+    a micro-batch's next step goes out before its tokens are back (inputs -1), and stage 0 fills
+    them in from the replies, which come back up the chain. One micro-batch once hung: stage 0
+    never saw the tokens it was to fill in."""
+    extra = ["--max-num-batched-tokens", "24"] + (["--micro-batches", "1"] if micro_batches == 1 else [])
+    with LocalCluster(model=ckpt, workers=2, dtype="float64", block_size=4, extra_service_args=extra) as c:
+        exact_job(c.client, oracle, prompts(14, 1, 40, seed=33), 12)
+        st = settle_all(c.client)
+        assert st.chains[0]["micro_batches"] == micro_batches
+
+
 @pytest.mark.parametrize("replicas", [2, 3])
 def test_replicas_share_the_work_exactly(ckpt, oracle, replicas):
     with LocalCluster(model=ckpt, workers=1, replicas=replicas, dtype="float64") as c:
@@ -82,20 +95,22 @@ def test_a_lost_replica_recomputes_elsewhere_and_rejoins(ckpt, oracle):
         settle_all(c.client)
 
 
-def test_seeded_sampling_is_the_same_with_and_without_async_scheduling(ckpt):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_seeded_sampling_is_the_same_with_and_without_async_scheduling(ckpt, workers):
     """Token i of a seeded request uses randomness (seed, i) however the steps were scheduled."""
     reqs = [{"prompt_token_ids": p, "max_new_tokens": 16, "temperature": 1.0, "top_k": 20, "seed": 7 + i,
              "ignore_eos": True} for i, p in enumerate(prompts(6, 2, 20, seed=81))]
     outs = []
     for extra in ([], ["--no-async-scheduling"]):
-        with LocalCluster(model=ckpt, workers=1, dtype="float64", extra_service_args=extra) as c:
+        with LocalCluster(model=ckpt, workers=workers, dtype="float64", extra_service_args=extra) as c:
             outs.append([r.token_ids for r in c.client.wait(c.client.submit(reqs))])
     assert outs[0] == outs[1]
 
 
-def test_stop_strings_and_cancels_race_the_overlap(ckpt, oracle):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_stop_strings_and_cancels_race_the_overlap(ckpt, oracle, workers):
     """With async scheduling one extra token may be computed after a stop; it is never returned."""
-    with LocalCluster(model=ckpt, workers=1, dtype="float64") as c:
+    with LocalCluster(model=ckpt, workers=workers, dtype="float64") as c:
         cl = c.client
         prompt = [40, 41, 42, 43, 44]
         full = cl.generate(prompt_token_ids=prompt, max_new_tokens=30, ignore_eos=True)

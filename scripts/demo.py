@@ -3,7 +3,8 @@ of 32 prompts through the SDK, one OpenAI-style HTTP request, then the stats.
 
 Several prompts share a long common prefix (a "system prompt"), so once the first of them has run
 its full KV blocks are reused from the prefix cache instead of being recomputed. The two stages keep
-three micro-batches in flight, so both are busy at once."""
+two micro-batches in flight, each with its next step already sent (async scheduling), so both are
+busy at once."""
 from __future__ import annotations
 
 import json

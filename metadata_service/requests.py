@@ -46,12 +46,13 @@ def normalize(req: metadata_pb2.GenerateRequest, engine) -> metadata_pb2.Generat
         raise RequestError(bad, str(e)) from None
     if ids is None:
         ids = engine.tokenizer.encode(req.prompt)
-    ids = [int(i) for i in ids]
-    if not ids:
+    ids = np.asarray(ids, dtype=np.int64)   # vectorized: a job may bring millions of prompt tokens
+    if not ids.size:
         raise RequestError(bad, "the prompt is empty: give prompt or prompt_token_ids with at least one token")
     vocab = engine.vocab_size
-    if vocab and (min(ids) < 0 or max(ids) >= vocab):
-        raise RequestError(bad, f"prompt token ids must be in [0, {vocab}); got min {min(ids)}, max {max(ids)}")
+    lo, hi = int(ids.min()), int(ids.max())
+    if vocab and (lo < 0 or hi >= vocab):
+        raise RequestError(bad, f"prompt token ids must be in [0, {vocab}); got min {lo}, max {hi}")
     if stop_ids.size and vocab and (stop_ids.min() < 0 or stop_ids.max() >= vocab):
         raise RequestError(bad, f"stop_token_ids must be in [0, {vocab})")
     if req.max_new_tokens < 1:
@@ -80,9 +81,9 @@ def normalize(req: metadata_pb2.GenerateRequest, engine) -> metadata_pb2.Generat
         raise RequestError(bad, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}")
     if len(req.stop) > 16 or any(len(s) > 256 for s in req.stop):
         raise RequestError(bad, "at most 16 stop strings of at most 256 characters each")
-    total = len(ids) + req.max_new_tokens
+    total = int(ids.size) + req.max_new_tokens
     if total > engine.max_model_len:
-        raise RequestError(bad, f"prompt ({len(ids)} tokens) + max_new_tokens ({req.max_new_tokens}) = {total} "
+        raise RequestError(bad, f"prompt ({ids.size} tokens) + max_new_tokens ({req.max_new_tokens}) = {total} "
                                 f"exceeds max_model_len {engine.max_model_len}")
     need = -(-total // engine.block_size) * best_of   # at worst every choice holds its own copy
     pool = engine.max_pool_blocks  # a sequence lives in one chain's pool: the largest one bounds it

@@ -276,7 +276,7 @@ def main() -> int:
     args.per_worker = 32 if q else 256
     args.lo, args.hi, args.new = (256, 512, 16) if q else (512, 1536, 128)
     args.prefix_per = 4 if q else 32
-    args.repeat_prefix = 1 if q else 5
+    args.repeat_prefix = 1 if q else 9
     args.wire_steps = 5 if q else 50
     args.cpu_prompts, args.repeat = (16, 1) if q else (64, 9)
     print(f"bench/scale.py {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores; "

@@ -10,13 +10,13 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from typing import Callable
 
 import grpc
 
 from minipaged.v1 import worker_pb2 as pb
 from worker.data_link import payload_bytes
+from worker.step_stream import wait_until
 
 log = logging.getLogger("worker.stage_link")
 _END = object()
@@ -41,9 +41,7 @@ class StageLink:
             if item is _END:
                 return
             request, ready_at = item
-            delay = ready_at - time.monotonic()
-            if delay > 0:       # hidden states leave an asynchronous device once they exist
-                time.sleep(delay)
+            wait_until(ready_at)   # hidden states leave an asynchronous device once they exist
             yield request
 
     def send(self, request: pb.StepRequest, ready_at: float = 0.0, track: bool = True,

@@ -73,7 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a worker may stay silent (no heartbeat) before its chain fails over")
     p.add_argument("--worker-wait", type=float, default=60.0,
                    help="seconds streams wait for a lost worker chain before failing with UNAVAILABLE")
-    p.add_argument("--step-timeout", type=float, default=120.0)
+    p.add_argument("--step-timeout", type=float, default=120.0,
+                   help="a step not back within this many seconds, plus 4x the time the chain's slowest "
+                        "step per token so far predicts for it, fails its chain as a lost lease does "
+                        "(recompute elsewhere; the late stage joins no chain until idle); 0: no deadline")
     p.add_argument("--grace", type=float, default=10.0, help="shutdown grace period (SIGTERM)")
     p.add_argument("--metrics-port", type=int, default=-1,
                    help="serve Prometheus text on this port (vLLM's metric names; 0 picks one; default off)")

@@ -49,6 +49,7 @@ class ChainConfig:
     enable_prefix_caching: bool = True
     full_block_tables: bool = False  # send whole tables every step (the pre-delta wire, to compare)
     worker_token: str = ""
+    step_timeout_s: float = 120.0    # --step-timeout: the deadline's fixed part (0: no deadline)
 
 
 def default_micro_batches(stages: int, host_compute: bool = False) -> int:
@@ -104,6 +105,9 @@ class ChainRunner:
         self.next_step_id = 1
         self.alive = True
         self.lost_reason = ""
+        self.missed_deadline = False           # lost because a step did not come back in time
+        self.last_reply_at = time.monotonic()
+        self.slowest_s_per_token = 0.0         # the deadline's variable part, from this chain's replies
         self._thread = threading.Thread(target=self._run, name=f"chain-{chain_id}", daemon=True)
         # figures for Stats
         self.started = time.monotonic()
@@ -150,6 +154,7 @@ class ChainRunner:
                                               self.epoch, metadata, self.events)
             while self.alive:
                 self._fill_pipeline()
+                self._check_deadline()
                 try:
                     kind, item = self.events.get(timeout=0.5 if self.inflight else 0.05)
                 except queue.Empty:
@@ -187,6 +192,27 @@ class ChainRunner:
             self._lose(item)
         elif kind == "lost":
             self._lose(item)
+
+    def step_deadline_s(self, step: InflightStep) -> float:
+        """--step-timeout, plus 4x what this chain's slowest step per token so far predicts for
+        this step's tokens: a legitimate long prefill chunk on a slow device never trips it."""
+        return self.cfg.step_timeout_s + 4.0 * step.batch.num_tokens * self.slowest_s_per_token
+
+    def _check_deadline(self) -> None:
+        """The oldest step in flight must come back within its deadline, counted from when it was
+        sent or from the last reply, whichever is later (steps ahead of it in the pipe are not its
+        delay). A late step fails the chain exactly as a lost lease does: heartbeats say the
+        processes live, the deadline says their devices still work."""
+        if not self.inflight or self.cfg.step_timeout_s <= 0:
+            return
+        head = next(iter(self.inflight.values()))
+        waited = time.monotonic() - max(head.sent_at, self.last_reply_at)
+        limit = self.step_deadline_s(head)
+        if waited > limit:
+            self.missed_deadline = True
+            self._lose(f"step {head.step_id} has not come back after {waited:.1f}s (deadline {limit:.1f}s: "
+                       f"--step-timeout {self.cfg.step_timeout_s:g}s + 4x the predicted time): a stage's "
+                       f"device is hung or far slower than before")
 
     def _fill_pipeline(self) -> None:
         """Send steps while the pipeline has room and some micro-batch has work."""
@@ -249,6 +275,7 @@ class ChainRunner:
                 self._lose(f"the chain broke: {reply.error}")
             return  # an acknowledgement, or a step of an earlier epoch
         t0 = time.perf_counter()
+        self.last_reply_at = time.monotonic()
         b = step.batch
         self.slot_inflight[b.slot] -= 1
         if reply.error_code:
@@ -260,8 +287,12 @@ class ChainRunner:
             else:
                 self._lose(f"step failed: {code.name}: {reply.error}")
             return
+        step_ms = 0.0
         for i, t in enumerate(reply.timings[:len(self.stage_busy_ms)]):
             self.stage_busy_ms[i] += t.compute_ms
+            step_ms += t.compute_ms
+        if b.num_tokens:
+            self.slowest_s_per_token = max(self.slowest_s_per_token, step_ms / 1e3 / b.num_tokens)
         with self.lock:
             self.scheduler.step_done(b)
             self._apply(b, reply)

@@ -51,7 +51,8 @@ class Engine:
         self.cfg = ChainConfig(block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
                                max_num_seqs=max_num_seqs, micro_batches=micro_batches,
                                async_scheduling=async_scheduling, enable_prefix_caching=enable_prefix_caching,
-                               full_block_tables=full_block_tables, worker_token=worker_token or "")
+                               full_block_tables=full_block_tables, worker_token=worker_token or "",
+                               step_timeout_s=step_timeout_s)
         self.registry = registry if registry is not None else WorkerRegistry()  # (an empty one is falsy)
         self.registry.pinned = self._pinned_model
         self.router = Router(router, block_size)
@@ -80,6 +81,7 @@ class Engine:
         self.prompt_tokens = 0
         self.lost_chains = 0
         self.max_pool_blocks = 0                   # the largest chain pool seen (admission bound)
+        self._quarantine_polled = 0.0
         # the pool the block API serves (and Stats reports) before any chain exists
         self.default_manager = KVBlockManager(num_blocks or default_num_blocks, block_size,
                                               enable_prefix_caching=enable_prefix_caching)
@@ -218,6 +220,9 @@ class Engine:
                 break
             chain.join(1.0)
             self.registry.drop([w.worker_id for w in chain.stages if not self._alive(w)])
+            if chain.missed_deadline:  # which stage hangs is not known yet: none joins a chain until idle
+                self.registry.quarantine([w.worker_id for w in chain.stages], chain.lost_reason)
+        self._release_idle_quarantined()
         expired = set(self.registry.expired())
         if expired:
             for c in list(self.chains.values()):
@@ -230,10 +235,10 @@ class Engine:
         for c in list(self.chains.values()):  # a stage that re-registered (restarted) voids its chain
             if c.alive and any(w.worker_id not in known for w in c.stages):
                 c.stop("a worker of the chain left or restarted")
-        busy = {w.worker_id for c in self.chains.values() for w in c.stages}
+        busy = {w.worker_id for c in self.chains.values() for w in c.stages} | set(self.registry.quarantined)
         for stages in self.registry.form_chains(busy):
             self._start_chain(stages)
-        busy = {w.worker_id for c in self.chains.values() for w in c.stages}
+        busy = {w.worker_id for c in self.chains.values() for w in c.stages} | set(self.registry.quarantined)
         with self.route_lock:
             self.not_ready_reason = "" if self.chains else (self.registry.explain(busy) or "no chain is ready")
             parked = list(self.parked) if self.chains else []
@@ -303,6 +308,28 @@ class Engine:
 
     def _auth(self):
         return (("authorization", f"Bearer {self.worker_token}"),) if self.worker_token else None
+
+    def _release_idle_quarantined(self) -> None:
+        """A stage of a chain that missed its step deadline rejoins once its Health says it computes
+        nothing (busy_ms 0): the healthy stages of that chain at once, the hung one when (if ever) its
+        step ends. Polled at most once a second."""
+        now = time.monotonic()
+        if not self.registry.quarantined or now - self._quarantine_polled < 1.0:
+            return
+        self._quarantine_polled = now
+        for wid in list(self.registry.quarantined):
+            w = self.registry.workers.get(wid)
+            if w is None:
+                self.registry.quarantined.pop(wid, None)
+                continue
+            try:
+                busy_ms = w.connect(self.registry.channel_factory).Health(
+                    worker_pb2.WorkerHealthRequest(), timeout=1.0, metadata=self._auth()).busy_ms
+            except grpc.RpcError:
+                continue  # the lease decides about a worker that does not answer
+            if busy_ms == 0:
+                log.info("worker %s is idle again: it may join a chain", w.address)
+                self.registry.quarantined.pop(wid, None)
 
     def _alive(self, w) -> bool:
         try:

@@ -78,6 +78,9 @@ class WorkerRegistry:
         self.pinned = lambda: None
         self.lock = threading.Lock()
         self.workers: dict[str, WorkerHandle] = {}   # by worker_id
+        # worker_id -> why: stages of a chain that missed its step deadline; none joins a chain until
+        # its Health says it is idle (the engine polls), so a hung device is not handed new work
+        self.quarantined: dict[str, str] = {}
         self.version = 0                              # bumped on every change: the engine re-forms
 
     def register(self, info: worker_pb2.WorkerInfo) -> WorkerHandle:
@@ -117,9 +120,17 @@ class WorkerRegistry:
             w.last_seen = time.monotonic()
             return True
 
+    def quarantine(self, worker_ids, why: str) -> None:
+        with self.lock:
+            for wid in worker_ids:
+                if wid in self.workers:
+                    self.quarantined[wid] = why
+                    log.warning("worker %s held out of chains until idle: %s", self.workers[wid].address, why)
+
     def drop(self, worker_ids) -> None:
         with self.lock:
             for wid in worker_ids:
+                self.quarantined.pop(wid, None)
                 w = self.workers.pop(wid, None)
                 if w is not None:
                     log.warning("worker %s dropped", w.address)
@@ -154,9 +165,12 @@ class WorkerRegistry:
             free = [w for w in self.workers.values() if w.worker_id not in busy]
         if not self.workers:
             return "no worker has registered"
+        held = [f"{w.address} ({self.quarantined[w.worker_id]})" for w in self.workers.values()
+                if w.worker_id in self.quarantined]
+        held_s = f"; held out until idle after a missed step deadline: {', '.join(held)}" if held else ""
         if not free:
-            return ""
-        return coverage_gaps(free)
+            return held_s.lstrip("; ")
+        return coverage_gaps(free) + held_s
 
     def __len__(self) -> int:
         return len(self.workers)

@@ -39,6 +39,7 @@ from minipaged.rpc import DecodeGuardInterceptor
 from minipaged.tls import add_port
 from minipaged.v1 import worker_pb2 as pb
 from minipaged.v1 import worker_pb2_grpc as pb_grpc
+from worker.busy_clock import BusyClock
 from worker.data_link import payload_bytes
 from worker.stage_link import StageLink
 from worker.step_stream import StepError, StepPipe, relayed, upstream_code, wait_until
@@ -88,6 +89,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         self.rpc_timeout_s, self.replica_group, self.simulate = rpc_timeout_s, replica_group, simulate
         self.dtype_bytes = DTYPE_BYTES[dtype]
         self.lock = threading.Lock()  # one model, one cache: Steps run one at a time
+        self.busy = BusyClock()       # Health's busy_ms: the age of the step computing now
         self.epoch, self.num_blocks, self.block_size, self.steps_served = 0, 0, 0, 0
         self.compute_s = 0.0
         self.limits: StepLimits | None = None
@@ -127,7 +129,8 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         return self.info()
 
     def Health(self, request, context):
-        return pb.WorkerHealthReply(ready=self.epoch != 0, cache_epoch=self.epoch, steps_served=self.steps_served)
+        return pb.WorkerHealthReply(ready=self.epoch != 0, cache_epoch=self.epoch, steps_served=self.steps_served,
+                                    busy_ms=1e3 * self.busy.busy_s())
 
     # ---- cache -----------------------------------------------------------------------------------
     def InitCache(self, request, context):
@@ -241,6 +244,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                                 f"step {request.step_id}: this worker's sampler has no penalties / min tokens / "
                                 f"top logprobs")
             t0 = time.perf_counter()
+            self.busy.begin()
             try:
                 self.store.release(a.release_ids)
                 if a.table_delta is not None:
@@ -249,6 +253,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                     self.runner.kv_cache.copy_blocks(a.copy_src, a.copy_dst)
                 out, payload = self._compute(request, a)  # the sampled reply, or the next stage's request
             except Exception as e:  # a bug or a device failure: say where, never hang the chain
+                self.busy.end()
                 log.exception("step %d failed", request.step_id)
                 code = (grpc.StatusCode.RESOURCE_EXHAUSTED if "out of memory" in str(e).lower()
                         else grpc.StatusCode.INTERNAL)
@@ -257,6 +262,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             # A runner may model an asynchronous device (the simulator does): the call returns at once,
             # the results exist at `ready_at`, and the stage's busy time is the device's.
             device_s = getattr(self.runner, "last_step_s", None)
+            self.busy.end(device_s, getattr(self.runner, "ready_at", 0.0))
             timing = pb.StageTiming(layer_start=self.runner.layer_start, layer_end=self.runner.layer_end,
                                     compute_ms=1e3 * (device_s if device_s is not None else time.perf_counter() - t0))
             ready_at = getattr(self.runner, "ready_at", 0.0)

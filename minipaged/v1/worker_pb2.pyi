@@ -235,11 +235,13 @@ class WorkerHealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerHealthReply(_message.Message):
-    __slots__ = ("ready", "cache_epoch", "steps_served")
+    __slots__ = ("ready", "cache_epoch", "steps_served", "busy_ms")
     READY_FIELD_NUMBER: _ClassVar[int]
     CACHE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEPS_SERVED_FIELD_NUMBER: _ClassVar[int]
+    BUSY_MS_FIELD_NUMBER: _ClassVar[int]
     ready: bool
     cache_epoch: int
     steps_served: int
-    def __init__(self, ready: _Optional[bool] = ..., cache_epoch: _Optional[int] = ..., steps_served: _Optional[int] = ...) -> None: ...
+    busy_ms: float
+    def __init__(self, ready: _Optional[bool] = ..., cache_epoch: _Optional[int] = ..., steps_served: _Optional[int] = ..., busy_ms: _Optional[float] = ...) -> None: ...

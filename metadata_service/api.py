@@ -42,6 +42,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
             if not m.sequences and m.num_physical_blocks != chain.manager.num_physical_blocks:
                 self.block_api.manager = self.engine.default_manager = KVBlockManager(
                     chain.manager.num_physical_blocks, m.block_size, enable_prefix_caching=m.enable_prefix_caching)
+                self.block_api._dirty = True
 
     # ------------------------------------------------------------------ admission
     def _admit(self, reqs, context) -> list:
@@ -194,9 +195,9 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
     def Stats(self, request, context):
         st = self.engine.stats()
         q, h = st.get("prefix_cache_queries", 0), st.get("prefix_cache_hits", 0)
+        api_ok = self.block_api.invariants_ok()
         with self.block_api.lock:
-            api = self.block_api.manager
-            api_live, api_ok = len(api.sequences), api.invariants_ok()
+            api_live = len(self.block_api.manager.sequences)
         chains = [metadata_pb2.ChainStats(
             chain_id=c["chain_id"], ready=c["ready"], num_blocks=c["num_blocks"], used_blocks=c["used_blocks"],
             free_blocks=c["free_blocks"], cached_blocks=c["cached_blocks"], shared_blocks=c["shared_blocks"],

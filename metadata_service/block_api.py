@@ -64,6 +64,15 @@ class BlockApi:
     def __init__(self, manager: KVBlockManager, lock: threading.Lock | None = None):
         self.manager = manager
         self.lock = lock if lock is not None else threading.Lock()
+        self._ok, self._dirty = True, True
+
+    def invariants_ok(self) -> bool:
+        """The pool's invariants as of its last change (the O(pool) check runs once per change,
+        not on every Stats call)."""
+        with self.lock:
+            if self._dirty:
+                self._ok, self._dirty = bool(self.manager.invariants_ok()), False
+            return self._ok
 
     def CreateSequence(self, request, context):
         with _grpc_errors(context):
@@ -73,6 +82,7 @@ class BlockApi:
             if request.num_tokens < 0:
                 raise InvalidArgumentError(f"num_tokens must be >= 0, got {request.num_tokens}")
             with self.lock:
+                self._dirty = True   # Stats re-checks the invariants once after a change
                 m = self.manager
                 cached, slots = m.create_and_append(sid, prompt if prompt.size else None, request.num_tokens)
                 st = m.sequences[sid]
@@ -96,6 +106,7 @@ class BlockApi:
                 n = ids.size if counts is None else int(counts.sum(dtype=np.int64))
                 toks = wire.unpack(request.token_ids, wire.INT32, name="token_ids", count=n)
             with self.lock:
+                self._dirty = True   # Stats re-checks the invariants once after a change
                 if counts is None:
                     slots = self.manager.slot_mapping_for_append(ids, toks)
                 else:
@@ -107,6 +118,7 @@ class BlockApi:
             _check_ids([request.parent_id], "parent_id")
             _check_ids([request.child_id], "child_id")
             with self.lock:
+                self._dirty = True   # Stats re-checks the invariants once after a change
                 pairs = self.manager.fork(request.parent_id, request.child_id)
             src = [s for s, _ in pairs]
             dst = [d for _, d in pairs]
@@ -116,6 +128,7 @@ class BlockApi:
         with _grpc_errors(context):
             _check_ids([request.sequence_id])
             with self.lock:
+                self._dirty = True   # Stats re-checks the invariants once after a change
                 freed = self.manager.release_sequence(request.sequence_id)
             return pb.ReleaseSequenceReply(freed_blocks=freed)
 

@@ -115,6 +115,10 @@ class ChainRunner:
         self.metadata_s = 0.0
         self.stage_busy_ms = [0.0] * n
         self.wire_bytes = 0
+        # invariants_ok is O(pool) in Python: checked by this thread when the chain goes idle, never
+        # on the step path nor under Stats (the gateway polls Stats for /health and /metrics)
+        self.invariants_checked = True
+        self._invariants_dirty = False
 
     @property
     def label(self) -> str:
@@ -155,6 +159,8 @@ class ChainRunner:
             while self.alive:
                 self._fill_pipeline()
                 self._check_deadline()
+                if self._invariants_dirty and not self.inflight:
+                    self._check_invariants()
                 try:
                     kind, item = self.events.get(timeout=0.5 if self.inflight else 0.05)
                 except queue.Empty:
@@ -296,6 +302,7 @@ class ChainRunner:
         with self.lock:
             self.scheduler.step_done(b)
             self._apply(b, reply)
+        self._invariants_dirty = True
         self.steps += 1
         self.metadata_s += time.perf_counter() - t0
 
@@ -376,11 +383,22 @@ class ChainRunner:
             self.inflight.clear()
         self.engine.on_chain_lost(self, seqs, why)
 
+    def _check_invariants(self) -> None:
+        with self.lock:
+            ok = bool(self.manager.invariants_ok())
+        if not ok and self.invariants_checked:
+            log.error("chain %d: block manager invariants violated: %s", self.chain_id,
+                      "; ".join(self.manager.check_invariants()[:5]))
+        self.invariants_checked, self._invariants_dirty = ok, False
+
     # ------------------------------------------------------------------ figures
     def stats(self) -> dict:
         with self.lock:
             st = dict(self.manager.stats())
-            st["invariants_ok"] = bool(self.manager.invariants_ok())
+            if self._invariants_dirty and not self.inflight and not self.scheduler.has_work():
+                self._check_invariants()      # idle since its last step: check the final state now
+            # else as of the chain's last idle moment (a busy chain's figure is from before its work)
+            st["invariants_ok"] = self.invariants_checked
             st["running"], st["waiting"] = len(self.scheduler.running), len(self.scheduler.waiting)
             st["preemptions"] = self.scheduler.num_preemptions
         wall = max(time.monotonic() - self.started, 1e-9)

@@ -28,11 +28,12 @@ MAX_BATCH_CONCURRENCY = 32
 log = logging.getLogger("minipaged.client")  # warnings reach stderr even with logging unconfigured
 
 
-def _say_if_waiting(call) -> None:
+def _say_if_waiting(call, told: threading.Event) -> None:
     """The service parks a call until its first worker registers, and says so in the initial
-    metadata: tell the user once, instead of a silent wait of up to --worker-wait seconds."""
+    metadata: tell the user (once per Client), instead of a silent wait of up to --worker-wait s."""
     note = dict(call.initial_metadata() or ()).get("minipaged-waiting")
-    if note:
+    if note and not told.is_set():
+        told.set()
         log.warning("%s", note)
 
 
@@ -51,6 +52,7 @@ class Client:
         # TLS when given the CA that signed the service's certificate (+ a client cert for mTLS)
         self._channel = make_channel(self.address, CHANNEL_OPTIONS, tls_ca, tls_cert, tls_key)
         self._stub = pb_grpc.MetadataServiceStub(self._channel)
+        self._told_waiting = threading.Event()  # "waiting for a worker to register" said once
 
     def _kw(self, timeout: float | None) -> dict:
         return {"timeout": self.timeout if timeout is None else timeout, "metadata": self._metadata}
@@ -99,7 +101,7 @@ class Client:
         self._await_ready(timeout)
         call = self._stub.Generate(request, **self._kw(timeout))
         try:
-            _say_if_waiting(call)
+            _say_if_waiting(call, self._told_waiting)
             for chunk in call:
                 yield chunk_from_proto(chunk)
         except grpc.RpcError as e:

@@ -113,6 +113,7 @@ class WorkerRegistry:
                 del self.workers[w.worker_id]  # a restarted worker replaces its old entry
             handle = WorkerHandle(worker_id=uuid.uuid4().hex[:12], info=info)
             self.workers[handle.worker_id] = handle
+            self.last_refusal = ""  # a worker joined: an old refusal explains nothing any more
             self.version += 1
         log.info("worker %s registered: layers [%d, %d) of %s", info.address, info.layer_start,
                  info.layer_end, info.model_name)

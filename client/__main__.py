@@ -23,6 +23,22 @@ def _ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
 
 
+_AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _age(text: str) -> float:
+    """'90' or '90s', '30m', '12h', '7d' -> seconds (> 0)."""
+    t = text.strip().lower()
+    unit = _AGE_UNITS.get(t[-1:], None)
+    try:
+        value = float(t[:-1] if unit else t) * (unit or 1)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected an age > 0 like 90s, 30m, 12h or 7d, got {text!r}")
+    return value
+
+
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
     """--help shows every default, and "(default: None)" only where None means something."""
 
@@ -87,6 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--state", default=None, choices=["queued", "running", "done", "cancelled"],
                    help="only jobs in this state")
     j.add_argument("--json", action="store_true", help="JSON lines instead of a table")
+    j.add_argument("--cancel-all", action="store_true",
+                   help="cancel every unfinished job (of --model); their finished results stay")
+    j.add_argument("--model", default=None,
+                   help="with --cancel-all: only jobs admitted for this model (name, or >= 8 hex digits of "
+                        "its fingerprint)")
+    j.add_argument("--purge-older-than", type=_age, default=None, metavar="AGE",
+                   help="delete done and cancelled jobs that finished at least AGE ago (90s, 30m, 12h, 7d)")
 
     for name, what in (("job", "job state and finished results"), ("cancel", "cancel a job"),
                        ("delete", "cancel a job if unfinished, then forget it")):
@@ -181,6 +204,23 @@ def _wait(client: Client, job_id: str, progress: bool) -> None:
     _print_results(results)
 
 
+def _housekeeping(client: Client, a) -> None:
+    """`jobs --cancel-all [--model M]` and/or `jobs --purge-older-than AGE`, on the live service."""
+    out = {}
+    if a.cancel_all:
+        out["cancelled_jobs"], out["cancelled_requests"] = client.cancel_pending_jobs(a.model)
+    if a.purge_older_than:
+        out["purged_jobs"] = client.purge_jobs(a.purge_older_than)
+    if a.json:
+        print(json.dumps(out))
+        return
+    if a.cancel_all:
+        print(f"cancelled {out['cancelled_jobs']} unfinished job(s): {out['cancelled_requests']} pending "
+              f"requests" + (f" of model {a.model}" if a.model else ""))
+    if a.purge_older_than:
+        print(f"deleted {out['purged_jobs']} finished job(s) older than {a.purge_older_than:g}s")
+
+
 def run(a) -> int:
     client = Client(a.address, token=a.token, timeout=a.timeout, wait_ready=a.wait_ready)
     try:
@@ -193,6 +233,10 @@ def run(a) -> int:
                 _wait(client, job_id, progress=not a.no_progress)
         elif a.command == "watch":
             _wait(client, a.job_id, progress=not a.no_progress)
+        elif a.command == "jobs" and a.model and not a.cancel_all:
+            raise ValueError("--model only narrows --cancel-all")
+        elif a.command == "jobs" and (a.cancel_all or a.purge_older_than):
+            _housekeeping(client, a)
         elif a.command == "jobs":
             jobs = client.list_jobs(limit=a.limit, state=a.state)
             if a.json:

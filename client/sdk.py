@@ -2,6 +2,7 @@
 (shared with the async client and the CLI) and are re-exported here."""
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor
@@ -24,6 +25,16 @@ from .messages import (CHANNEL_OPTIONS, MAX_MESSAGE_BYTES, REQUEST_KEYS, TERMINA
 # generate([...]) runs this many requests at once by default: each open stream holds one of the
 # service's RPC threads (128), so a large batch must not take them all.
 MAX_BATCH_CONCURRENCY = 32
+log = logging.getLogger("minipaged.client")  # warnings reach stderr even with logging unconfigured
+
+
+def _say_if_waiting(call, told: threading.Event) -> None:
+    """The service parks a call until its first worker registers, and says so in the initial
+    metadata: tell the user (once per Client), instead of a silent wait of up to --worker-wait s."""
+    note = dict(call.initial_metadata() or ()).get("minipaged-waiting")
+    if note and not told.is_set():
+        told.set()
+        log.warning("%s", note)
 
 
 class Client:
@@ -41,6 +52,7 @@ class Client:
         # TLS when given the CA that signed the service's certificate (+ a client cert for mTLS)
         self._channel = make_channel(self.address, CHANNEL_OPTIONS, tls_ca, tls_cert, tls_key)
         self._stub = pb_grpc.MetadataServiceStub(self._channel)
+        self._told_waiting = threading.Event()  # "waiting for a worker to register" said once
 
     def _kw(self, timeout: float | None) -> dict:
         return {"timeout": self.timeout if timeout is None else timeout, "metadata": self._metadata}
@@ -89,6 +101,7 @@ class Client:
         self._await_ready(timeout)
         call = self._stub.Generate(request, **self._kw(timeout))
         try:
+            _say_if_waiting(call, self._told_waiting)
             for chunk in call:
                 yield chunk_from_proto(chunk)
         except grpc.RpcError as e:
@@ -164,6 +177,17 @@ class Client:
     def delete_job(self, job_id: str, *, timeout: float | None = None) -> JobStatus:
         """Cancel the job if unfinished, then forget it (its stored results too)."""
         return job_from_proto(self._unary(self._stub.DeleteJob, pb.JobRequest(job_id=job_id), timeout))
+
+    def cancel_pending_jobs(self, model: str | None = None, *, timeout: float | None = None) -> tuple[int, int]:
+        """Cancel every unfinished job (only those admitted for `model`: its name or a fingerprint
+        prefix of >= 8 hex digits); their finished results stay. Returns (jobs, requests) cancelled."""
+        reply = self._unary(self._stub.CancelPendingJobs, pb.CancelPendingJobsRequest(model=model or ""), timeout)
+        return reply.jobs, reply.requests
+
+    def purge_jobs(self, older_than_s: float, *, timeout: float | None = None) -> int:
+        """Delete done and cancelled jobs that finished at least `older_than_s` seconds ago."""
+        return self._unary(self._stub.PurgeJobs, pb.PurgeJobsRequest(older_than_s=float(older_than_s)),
+                           timeout).jobs
 
     def stats(self, *, timeout: float | None = None) -> Stats:
         return Stats.from_proto(self._unary(self._stub.Stats, pb.StatsRequest(), timeout))

@@ -5,8 +5,10 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -20,7 +22,7 @@ from minipaged.v1 import metadata_pb2, metadata_pb2_grpc
 from .api import MetadataServicer
 from .auth import SurfaceInterceptor, TokenInterceptor, is_loopback
 from .engine import Engine
-from .job_store import JobStore
+from .job_store import JobStore, JobStoreError
 from .router import POLICIES
 from .workers import SERVER_OPTIONS, WorkerRegistry
 
@@ -36,7 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-blocks", type=int, default=0,
                    help="cap on the pool (default: the smallest capacity of the worker chain; 1024 before "
                         "any worker registers, for the block API alone)")
-    p.add_argument("--db", default=os.path.join("data", "jobs.db"), help="SQLite job store (WAL)")
+    p.add_argument("--db", default="", metavar="PATH",
+                   help="SQLite job store (WAL): jobs survive a restart on the same PATH, which one service owns "
+                        "at a time (PATH.lock). Default: in memory, gone when the service stops")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     p.add_argument("--max-num-seqs", type=int, default=256, help="running sequences per micro-batch")
     p.add_argument("--micro-batches", type=int, default=0,
@@ -80,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grace", type=float, default=10.0, help="shutdown grace period (SIGTERM)")
     p.add_argument("--metrics-port", type=int, default=-1,
                    help="serve Prometheus text on this port (vLLM's metric names; 0 picks one; default off)")
+    p.add_argument("--log-stats-interval", type=float, default=10.0, metavar="S",
+                   help="log running/waiting requests, throughput, KV usage and prefix hits every S seconds "
+                        "while there is activity (0: never)")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -116,6 +123,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def _owner(args, port: int) -> str:
+    """The lock file's words: who to stop before another service may take the store."""
+    return (f"metadata service pid {os.getpid()} on {socket.gethostname()}, port {port} "
+            f"(since {time.strftime('%Y-%m-%d %H:%M:%S')})")
+
+
+def _cancel_command(host: str, port: int) -> str:
+    """`minipaged jobs --cancel-all`, with the address when the CLI's default would not reach us."""
+    if host in ("127.0.0.1", "localhost", "0.0.0.0", "::", "[::]") and port == 50051:
+        return "minipaged jobs --cancel-all"
+    host = "127.0.0.1" if host in ("0.0.0.0", "::", "[::]") else host
+    return f"minipaged jobs --cancel-all --address {host}:{port}"
+
+
 def _serve(port_spec: str, servicer, interceptors, tls) -> tuple:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=128), interceptors=interceptors,
                          options=SERVER_OPTIONS)
@@ -131,8 +152,11 @@ def main(argv=None) -> int:
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     log = logging.getLogger("metadata_service")
-    if os.path.dirname(args.db):
-        os.makedirs(os.path.dirname(args.db), exist_ok=True)
+    try:  # first: a store another service owns (or a bad path) is a start error, before any port
+        jobs_store = JobStore(args.db, owner=_owner(args, args.port))
+    except JobStoreError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
 
     registry = WorkerRegistry(args.worker_lease, channel_factory=lambda address, options: make_channel(
         address, options, args.worker_tls_ca, args.worker_tls_cert, args.worker_tls_key))
@@ -143,7 +167,6 @@ def main(argv=None) -> int:
                     worker_wait_s=args.worker_wait, registry=registry, micro_batches=args.micro_batches,
                     async_scheduling=not args.no_async_scheduling, router=args.router,
                     full_block_tables=args.full_block_tables)
-    jobs_store = JobStore(args.db)
     # the model the stored jobs were admitted for: after a restart, only its workers may take them
     engine.model_fingerprint = jobs_store.get_meta("model_fingerprint") or ""
     engine.model_label = jobs_store.get_meta("model_name") or ""
@@ -151,6 +174,7 @@ def main(argv=None) -> int:
                                                      jobs_store.set_meta("model_name", name)))
     from .jobs import JobManager
     jobs = JobManager(engine, jobs_store)
+    engine.backlog = jobs.backlog
     servicer = MetadataServicer(engine, jobs, max_waiting=args.max_waiting,
                                 block_api_enabled=not args.no_block_api)
 
@@ -173,6 +197,8 @@ def main(argv=None) -> int:
         servers.append(server)
         healths.append(h)
     port = ports["client"]
+    jobs_store.set_owner(_owner(args, port))
+    jobs.cancel_command = engine.cancel_command = _cancel_command(args.host, port)
     # Health "" is liveness; the named service is readiness: SERVING only while a chain is ready.
     for h in healths:
         h.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -192,11 +218,13 @@ def main(argv=None) -> int:
     tune_for_serving()
     engine.start()
     jobs.resume()
+    from .stats_log import StatsLogger
+    stats_logger = StatsLogger(engine, args.log_stats_interval).start()
     for srv in servers:
         srv.start()
-    log.info("metadata service listening on %s:%d%s (block size %d, db %s)", args.host, port,
+    log.info("metadata service listening on %s:%d%s (block size %d, job store %s)", args.host, port,
              f", internal surface on {args.worker_host}:{ports.get('internal')}" if split else "",
-             args.block_size, args.db)
+             args.block_size, args.db or "in memory: jobs end with this process; --db PATH keeps them")
     print(f"LISTENING {args.host}:{port}" + (f" internal {args.worker_host}:{ports['internal']}" if split else ""),
           flush=True)
 
@@ -215,6 +243,7 @@ def main(argv=None) -> int:
         srv.stop(args.grace)
     for srv in servers:
         srv.stop(args.grace).wait()
+    stats_logger.stop()
     engine.stop()
     jobs_store.close()
     return 0

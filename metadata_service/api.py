@@ -5,6 +5,8 @@ its own (block ids are chain-local, so it cannot share a replica's); workers reg
 handler validates before it changes anything."""
 from __future__ import annotations
 
+import logging
+import math
 import queue
 import threading
 import time
@@ -22,6 +24,7 @@ from .jobs import JobManager
 from .requests import RequestError, final_text, normalize, to_sequence, usage
 from .workers import WorkerRejected, clip
 
+log = logging.getLogger("metadata_service.api")
 
 class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
     def __init__(self, engine, jobs: JobManager, max_waiting: int = 4096, block_api_enabled: bool = True):
@@ -33,6 +36,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
         engine.on_chain_started.append(self._size_block_api_pool)
         self._pending = 0                 # admitted, unfinished requests (for --max-waiting)
         self._pending_lock = threading.Lock()
+        self._waiting_logged = False      # "a request is waiting for a worker" logged once
 
     def _size_block_api_pool(self, chain) -> None:
         """The block API's pool takes the size of a chain's while it holds nothing (so a client of the
@@ -51,6 +55,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
             # call's deadline (gRPC wait_for_ready semantics), at most --worker-wait seconds.
             left = context.time_remaining()
             wait = self.engine.worker_wait_s if left is None else min(left - 0.2, self.engine.worker_wait_s)
+            self._say_waiting(context, max(0.0, wait))
             if not self.engine.model_known.wait(max(0.0, wait)):
                 context.abort(grpc.StatusCode.UNAVAILABLE,
                               f"no worker chain is ready ({self.engine.not_ready_reason}); waited {max(0.0, wait):.1f}s")
@@ -65,6 +70,19 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
                               f"(--max-waiting); retry after a short backoff")
             self._pending += len(normed)
         return normed
+
+    def _say_waiting(self, context, wait: float) -> None:
+        """A call parked until the first worker registers is told so at once (initial metadata
+        `minipaged-waiting`, which the SDK prints), and the service logs it once per wait."""
+        note = f"waiting for a worker to register (up to {wait:.0f}s): {self.engine.not_ready_reason}"
+        try:
+            context.send_initial_metadata((("minipaged-waiting", note.encode("ascii", "replace").decode()),))
+        except ValueError:  # metadata already sent
+            pass
+        with self._pending_lock:
+            first, self._waiting_logged = not self._waiting_logged, True
+        if first:
+            log.info("a request is %s", note)
 
     def _done(self, n: int = 1) -> None:
         with self._pending_lock:
@@ -162,6 +180,17 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"state {clip(request.state)} is not one of queued, running, done, cancelled")
         return metadata_pb2.JobList(jobs=self.jobs.list(request.limit or 100, request.state))
+
+    def CancelPendingJobs(self, request, context):
+        model = request.model.strip()
+        jobs, requests = self.jobs.cancel_pending(model)
+        return metadata_pb2.CancelPendingJobsReply(jobs=jobs, requests=requests)
+
+    def PurgeJobs(self, request, context):
+        age = request.older_than_s
+        if not math.isfinite(age) or age <= 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"older_than_s must be a number of seconds > 0, got {age}")
+        return metadata_pb2.PurgeJobsReply(jobs=self.jobs.purge(age))
 
     def DeleteJob(self, request, context):
         job = self.jobs.delete(request.job_id)
@@ -263,3 +292,9 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
 
     def Heartbeat(self, request, context):
         return metadata_pb2.HeartbeatReply(known=self.engine.registry.heartbeat(request.worker_id))
+
+    def DeregisterWorker(self, request, context):
+        known = self.engine.registry.deregister(request.worker_id)
+        if known:
+            self.engine.notify_workers_changed()  # its chain stops now, not when the lease runs out
+        return metadata_pb2.DeregisterWorkerReply(known=known)

@@ -1,7 +1,7 @@
 """Who may call what, and on which port.
 
 Two surfaces. The client-facing one (Generate, jobs, Stats, PoolSnapshot) answers to the client
-token. The internal one (RegisterWorker, Heartbeat and the block API) answers to the worker token:
+token. The internal one (RegisterWorker, Heartbeat, DeregisterWorker and the block API) answers to the worker token:
 whoever can register a worker receives prompts' hidden states and chooses every token, so it must
 never be open to the network. With `--worker-port` the internal surface gets a port of its own that
 a deployment does not publish; each port then refuses the other surface's methods. Health and
@@ -15,8 +15,8 @@ import grpc
 
 _SERVICE = "/minipaged.v1.MetadataService/"
 INTERNAL_METHODS = frozenset(_SERVICE + m for m in (
-    "RegisterWorker", "Heartbeat", "CreateSequence", "AppendTokens", "ForkSequence", "ReleaseSequence",
-    "GetBlockTables"))
+    "RegisterWorker", "Heartbeat", "DeregisterWorker", "CreateSequence", "AppendTokens", "ForkSequence",
+    "ReleaseSequence", "GetBlockTables"))
 
 
 def _abort(code: grpc.StatusCode, message: str):

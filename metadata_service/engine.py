@@ -24,9 +24,11 @@ from collections import deque
 import grpc
 
 from minipaged.tokenizer import ByteTokenizer, load_tokenizer
+from minipaged.units import kv_capacity
 from minipaged.v1 import worker_pb2
 from minipaged.wire import INT32, unpack
 
+from .backlog import CANCEL_COMMAND, refusal_hint, waiting_reason
 from .block_manager import KVBlockManager
 from .chain import ChainConfig, ChainRunner
 from .router import Router
@@ -76,6 +78,10 @@ class Engine:
         self.on_ready_changed = []                 # callbacks(bool): health readiness follows
         self.on_sequence_finished = []             # callbacks(seq): metrics
         self.on_chain_started = []                 # callbacks(chain): the block API sizes its pool
+        self.backlog = lambda: []                  # () -> [Backlog]: unfinished job work (JobManager's)
+        self.cancel_command = CANCEL_COMMAND       # how a user drops it (main() adds --address)
+        self._backlog_note = (0.0, "")             # (when, text): recomputed at most once a second
+        self.registry.refusal_hint = lambda: refusal_hint(next(iter(self.backlog()), None), self.cancel_command)
         self.eos_ids: set[int] = set()
         self.vocab_size = 0
         self.prompt_tokens = 0
@@ -234,19 +240,28 @@ class Engine:
         known = {w.worker_id for w in self.registry.workers.values()}
         for c in list(self.chains.values()):  # a stage that re-registered (restarted) voids its chain
             if c.alive and any(w.worker_id not in known for w in c.stages):
-                c.stop("a worker of the chain left or restarted")
+                c.stop("a worker of the chain stopped (deregistered) or restarted")
         busy = {w.worker_id for c in self.chains.values() for w in c.stages} | set(self.registry.quarantined)
         for stages in self.registry.form_chains(busy):
             self._start_chain(stages)
         busy = {w.worker_id for c in self.chains.values() for w in c.stages} | set(self.registry.quarantined)
+        reason = "" if self.chains else "; ".join(
+            r for r in (self.registry.explain(busy) or "no chain is ready", self._waiting_note()) if r)
         with self.route_lock:
-            self.not_ready_reason = "" if self.chains else (self.registry.explain(busy) or "no chain is ready")
+            self.not_ready_reason = reason
             parked = list(self.parked) if self.chains else []
             self.parked.clear() if parked else None
         if parked:
             self._route(parked)
         self._refresh_ready()
         self._fail_streams_if_waited_too_long()
+
+    def _waiting_note(self) -> str:
+        """Which model's pending job requests wait, and how to drop them (for not_ready_reason)."""
+        now = time.monotonic()
+        if now - self._backlog_note[0] >= 1.0:
+            self._backlog_note = (now, waiting_reason(self.backlog(), self.cancel_command))
+        return self._backlog_note[1]
 
     def _start_chain(self, stages) -> None:
         cap = min(w.capacity_blocks(self.block_size) for w in stages)
@@ -280,8 +295,9 @@ class Engine:
         chain.start()
         for cb in self.on_chain_started:
             cb(chain)
-        log.info("chain %d ready: %s, %d blocks of %d tokens, %d micro-batches, epoch %d", chain.chain_id,
-                 label, cap, self.block_size, chain.micro_batches, epoch)
+        kv_bytes = cap * sum(w.block_bytes(self.block_size) for w in stages)
+        log.info("chain %d ready: %s, KV cache %s (%d stage(s)), %d micro-batches, epoch %d", chain.chain_id,
+                 label, kv_capacity(cap, self.block_size, kv_bytes), len(stages), chain.micro_batches, epoch)
 
     def _adopt_model(self, stages) -> None:
         info = stages[0].info

@@ -1,15 +1,24 @@
 """Durable jobs: requests are written to SQLite (WAL) before SubmitJob answers, results as they finish.
 
 After a crash the service reloads every unfinished job and recomputes its unfinished requests from
-the prompt, so GetJob/WatchJob work across restarts and every result is stored exactly once."""
+the prompt, so GetJob/WatchJob work across restarts and every result is stored exactly once.
+
+Durability is asked for (`--db PATH`); without it the store lives in memory and dies with the
+process, so unrelated runs never adopt each other's pending work. A file store belongs to one
+process at a time: an exclusive flock on `PATH.lock`, held for the process's life (the kernel drops
+it when the process dies, even by kill -9), names its holder for whoever comes second."""
 from __future__ import annotations
 
+import fcntl
+import os
+import socket
 import sqlite3
 import threading
 import time
 
 from minipaged.v1 import metadata_pb2
 
+MEMORY = ":memory:"
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
   job_id TEXT PRIMARY KEY, created REAL NOT NULL, state TEXT NOT NULL, total INTEGER NOT NULL);
@@ -18,21 +27,82 @@ CREATE TABLE IF NOT EXISTS requests (
   job_id TEXT NOT NULL, idx INTEGER NOT NULL, request BLOB NOT NULL, result BLOB,
   PRIMARY KEY (job_id, idx));
 """
+# added after the first release: stores written before them get them on open (old jobs: '' / NULL)
+_ADDED_COLUMNS = (("model_name", "TEXT NOT NULL DEFAULT ''"), ("model_fingerprint", "TEXT NOT NULL DEFAULT ''"),
+                  ("finished", "REAL"))
+UNFINISHED = ("queued", "running")
+
+
+class JobStoreError(Exception):
+    """The store cannot be opened: one line that names the file and says what to do."""
+
+
+def _lock(path: str, owner: str):
+    """Take PATH.lock for this process's life, or raise naming the process that holds it."""
+    lock_path = path + ".lock"
+    f = open(lock_path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise JobStoreError(f"job store {path} is in use by {holder} (lock {lock_path}); stop that service, "
+                            f"or give this one another --db (or none: an in-memory store)") from None
+    f.seek(0)
+    f.truncate()
+    f.write(owner)
+    f.flush()
+    return f
 
 
 class JobStore:
-    def __init__(self, path: str):
-        self.path = path
+    def __init__(self, path: str = MEMORY, owner: str = ""):
+        """`path` "" or ":memory:": a store in memory. `owner`: who holds the lock, in words."""
+        self.path = path or MEMORY
+        self.durable = self.path != MEMORY
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(_SCHEMA)
+        self._lockfile = None
+        if self.durable:
+            folder = os.path.dirname(os.path.abspath(self.path))
+            if not os.path.isdir(folder):
+                raise JobStoreError(f"--db {self.path}: the directory {folder} does not exist (create it first)")
+            if os.path.isdir(self.path):
+                raise JobStoreError(f"--db {self.path} is a directory; give a file path, e.g. {self.path}/jobs.db")
+            self._lockfile = _lock(self.path, owner or f"pid {os.getpid()} on {socket.gethostname()}")
+        try:
+            self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.executescript(_SCHEMA)
+            self._migrate()
+        except sqlite3.Error as e:
+            self._release()
+            raise JobStoreError(f"--db {self.path} is not a usable SQLite job store ({e})") from None
 
-    def create(self, job_id: str, requests: list[metadata_pb2.GenerateRequest]) -> None:
+    def _migrate(self) -> None:
+        cols = {row[1] for row in self._db.execute("PRAGMA table_info(jobs)")}
+        if not {"job_id", "created", "state", "total"} <= cols:
+            raise sqlite3.DatabaseError("a SQLite file, but its jobs table is not MiniPaged's")
+        for name, decl in _ADDED_COLUMNS:
+            if name not in cols:
+                self._db.execute(f"ALTER TABLE jobs ADD COLUMN {name} {decl}")
+
+    def set_owner(self, owner: str) -> None:
+        """Rewrite the lock file's words (the port is known only once bound)."""
+        if self._lockfile is not None:
+            self._lockfile.seek(0)
+            self._lockfile.truncate()
+            self._lockfile.write(owner)
+            self._lockfile.flush()
+
+    def create(self, job_id: str, requests: list[metadata_pb2.GenerateRequest], model_name: str = "",
+               model_fingerprint: str = "") -> None:
         with self._lock:
             self._db.execute("BEGIN")
-            self._db.execute("INSERT INTO jobs VALUES (?, ?, 'queued', ?)", (job_id, time.time(), len(requests)))
+            self._db.execute("INSERT INTO jobs (job_id, created, state, total, model_name, model_fingerprint) "
+                             "VALUES (?, ?, 'queued', ?, ?, ?)",
+                             (job_id, time.time(), len(requests), model_name, model_fingerprint))
             self._db.executemany("INSERT INTO requests VALUES (?, ?, ?, NULL)",
                                  [(job_id, i, r.SerializeToString()) for i, r in enumerate(requests)])
             self._db.execute("COMMIT")
@@ -46,8 +116,9 @@ class JobStore:
             return cur.rowcount == 1
 
     def set_state(self, job_id: str, state: str) -> None:
+        finished = None if state in UNFINISHED else time.time()
         with self._lock:
-            self._db.execute("UPDATE jobs SET state = ? WHERE job_id = ?", (state, job_id))
+            self._db.execute("UPDATE jobs SET state = ?, finished = ? WHERE job_id = ?", (state, finished, job_id))
 
     def job(self, job_id: str):
         """(state, total, {index: GenerationResult}) or None."""
@@ -69,12 +140,26 @@ class JobStore:
             return self._db.execute(q, ((state,) if state else ()) + (limit,)).fetchall()
 
     def delete(self, job_id: str) -> bool:
+        return self.delete_many([job_id]) == 1
+
+    def delete_many(self, job_ids: list[str]) -> int:
+        """Jobs with their requests and results, in one transaction (all or none)."""
         with self._lock:
             self._db.execute("BEGIN")
-            cur = self._db.execute("DELETE FROM jobs WHERE job_id = ?", (job_id,))
-            self._db.execute("DELETE FROM requests WHERE job_id = ?", (job_id,))
+            n = 0
+            for job_id in job_ids:
+                n += self._db.execute("DELETE FROM jobs WHERE job_id = ?", (job_id,)).rowcount
+                self._db.execute("DELETE FROM requests WHERE job_id = ?", (job_id,))
             self._db.execute("COMMIT")
-            return cur.rowcount == 1
+            return n
+
+    def finished_before(self, cutoff: float) -> list[str]:
+        """Done or cancelled jobs that finished before `cutoff` (unix time; jobs stored before the
+        finished column: by submission time)."""
+        with self._lock:
+            rows = self._db.execute("SELECT job_id FROM jobs WHERE state IN ('done', 'cancelled') "
+                                    "AND COALESCE(finished, created) < ?", (cutoff,)).fetchall()
+        return [r[0] for r in rows]
 
     def created(self, job_id: str) -> float:
         with self._lock:
@@ -82,15 +167,18 @@ class JobStore:
         return row[0] if row else 0.0
 
     def unfinished(self):
-        """[(job_id, [(idx, GenerateRequest)])] for every job that was not done or cancelled."""
+        """[(job_id, model_name, model_fingerprint, [(idx, GenerateRequest)])] for every job that was
+        not done or cancelled, oldest first. Jobs stored before the model columns: the store's model."""
+        default = (self.get_meta("model_name") or "", self.get_meta("model_fingerprint") or "")
         with self._lock:
-            jobs = self._db.execute("SELECT job_id FROM jobs WHERE state IN ('queued', 'running') "
-                                    "ORDER BY created").fetchall()
+            jobs = self._db.execute("SELECT job_id, model_name, model_fingerprint FROM jobs "
+                                    "WHERE state IN ('queued', 'running') ORDER BY created").fetchall()
             out = []
-            for (job_id,) in jobs:
+            for job_id, name, fp in jobs:
                 rows = self._db.execute("SELECT idx, request FROM requests WHERE job_id = ? AND result IS NULL "
                                         "ORDER BY idx", (job_id,)).fetchall()
-                out.append((job_id, [(i, metadata_pb2.GenerateRequest.FromString(b)) for i, b in rows]))
+                out.append((job_id, name or default[0], fp or default[1],
+                            [(i, metadata_pb2.GenerateRequest.FromString(b)) for i, b in rows]))
         return out
 
     def get_meta(self, key: str) -> str | None:
@@ -102,6 +190,12 @@ class JobStore:
         with self._lock:
             self._db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
 
+    def _release(self) -> None:
+        if self._lockfile is not None:
+            self._lockfile.close()  # closing the descriptor drops the flock
+            self._lockfile = None
+
     def close(self) -> None:
         with self._lock:
             self._db.close()
+            self._release()

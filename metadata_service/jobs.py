@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 
 from minipaged.v1 import metadata_pb2
 
+from .backlog import Backlog, resumed_line
 from .job_store import JobStore
 from .requests import result as make_result
 from .requests import to_sequence
@@ -26,6 +28,8 @@ class JobState:
     seqs: dict = field(default_factory=dict)        # index -> live Sequence
     cond: threading.Condition = field(default_factory=threading.Condition)
     created: float = 0.0
+    model_name: str = ""                            # the model it was admitted for
+    model_fingerprint: str = ""
 
     @property
     def visible_state(self) -> str:
@@ -48,28 +52,31 @@ class JobManager:
         self.store = store
         self.jobs: dict[str, JobState] = {}
         self.lock = threading.Lock()
+        self.cancel_command = "minipaged jobs --cancel-all"  # main() adds --address when not the default
 
     def submit(self, requests: list[metadata_pb2.GenerateRequest]) -> str:
         """Requests must already be normalised. Persisted before the id is returned."""
         job_id = uuid.uuid4().hex
-        self.store.create(job_id, requests)
-        self._start(job_id, len(requests), {}, list(enumerate(requests)))
+        model = (self.engine.model_name, self.engine.model_fingerprint)
+        self.store.create(job_id, requests, *model)
+        self._start(job_id, len(requests), {}, list(enumerate(requests)), model)
         return job_id
 
     def resume(self) -> int:
-        """After a restart: recompute every unfinished request of every unfinished job."""
+        """After a restart: recompute every unfinished request of every unfinished job, and say
+        which model's workers they wait for."""
         n = 0
-        for job_id, pending in self.store.unfinished():
+        for job_id, name, fp, pending in self.store.unfinished():
             state, total, results = self.store.job(job_id)
-            self._start(job_id, total, results, pending)
+            self._start(job_id, total, results, pending, (name, fp))
             n += len(pending)
-        if n:
-            log.info("resumed %d unfinished requests", n)
+        for b in self.backlog():
+            log.warning("%s", resumed_line(b, self.cancel_command))
         return n
 
-    def _start(self, job_id, total, results, pending) -> None:
+    def _start(self, job_id, total, results, pending, model=("", "")) -> None:
         job = JobState(job_id, total, results=dict(results), order=sorted(results),
-                       created=self.store.created(job_id))
+                       created=self.store.created(job_id), model_name=model[0], model_fingerprint=model[1])
         job.state = "done" if len(results) == total else ("running" if results else "queued")
         with self.lock:
             self.jobs[job_id] = job
@@ -80,6 +87,53 @@ class JobManager:
             self.engine.add(seq)
         if job.state == "done":
             self.store.set_state(job_id, "done")
+
+    def _unfinished(self) -> list[JobState]:
+        with self.lock:
+            return [j for j in self.jobs.values() if j.state in ("queued", "running")]
+
+    def backlog(self) -> list[Backlog]:
+        """Unfinished requests per model, oldest model first."""
+        by_model: dict[tuple, Backlog] = {}
+        for job in self._unfinished():
+            with job.cond:
+                left = len(job.seqs)
+            if not left:
+                continue
+            b = by_model.setdefault((job.model_name, job.model_fingerprint),
+                                    Backlog(job.model_name, job.model_fingerprint, 0, 0, job.created))
+            b.jobs, b.requests, b.oldest = b.jobs + 1, b.requests + left, min(b.oldest, job.created)
+        return sorted(by_model.values(), key=lambda b: b.oldest)
+
+    def cancel_pending(self, model: str = "") -> tuple[int, int]:
+        """Cancel every unfinished job (of `model`: its name, or >= 8 leading hex digits of its
+        fingerprint). Returns (jobs, requests cancelled). Finished results stay stored."""
+        jobs = requests = 0
+        for job in self._unfinished():
+            if model and job.model_name != model and not (len(model) >= 8 and job.model_fingerprint.startswith(model)):
+                continue
+            with job.cond:
+                left = len(job.seqs)
+            if self.cancel(job.job_id) is not None:
+                jobs, requests = jobs + 1, requests + left
+        if jobs:
+            log.warning("cancelled %d unfinished job(s), %d pending requests%s", jobs, requests,
+                        f" of model {model}" if model else "")
+        return jobs, requests
+
+    def purge(self, older_than_s: float) -> int:
+        """Forget done and cancelled jobs that finished at least `older_than_s` ago."""
+        ids = self.store.finished_before(time.time() - older_than_s)
+        with self.lock:
+            live = [self.jobs.get(i) for i in ids]
+            # a cancelled job whose aborted sequences have not reported yet is not finished
+            ids = [i for i, j in zip(ids, live) if j is None or not j.seqs]
+            for i in ids:
+                self.jobs.pop(i, None)
+        n = self.store.delete_many(ids)
+        if n:
+            log.info("purged %d finished job(s) older than %.0fs", n, older_than_s)
+        return n
 
     def _on_finish(self, seq: Sequence, event) -> None:
         """Engine thread: a job's sequence ended (finished, cancelled or failed)."""

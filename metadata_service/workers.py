@@ -49,12 +49,16 @@ class WorkerHandle:
     def address(self) -> str:
         return self.info.address
 
+    def block_bytes(self, block_size: int) -> int:
+        """K and V of one block over this worker's layers."""
+        i = self.info
+        return 2 * (i.layer_end - i.layer_start) * i.num_kv_heads * block_size * i.head_dim * i.dtype_bytes
+
     def capacity_blocks(self, block_size: int) -> int:
         i = self.info
         if i.fixed_num_blocks > 0:
             return i.fixed_num_blocks
-        per_block = 2 * (i.layer_end - i.layer_start) * i.num_kv_heads * block_size * i.head_dim * i.dtype_bytes
-        return int(i.kv_cache_bytes // max(per_block, 1))
+        return int(i.kv_cache_bytes // max(self.block_bytes(block_size), 1))
 
     def connect(self, channel_factory) -> worker_pb2_grpc.WorkerServiceStub:
         if self.stub is None:
@@ -76,6 +80,8 @@ class WorkerRegistry:
         # () -> (fingerprint, model name) that every worker must serve, or None: the engine pins
         # the model while requests admitted for it are still pending (their token ids are its)
         self.pinned = lambda: None
+        self.refusal_hint = lambda: ""                # what a refused worker's operator should do
+        self.last_refusal = ""                        # for "no worker has registered" (not_ready_reason)
         self.lock = threading.Lock()
         self.workers: dict[str, WorkerHandle] = {}   # by worker_id
         # worker_id -> why: stages of a chain that missed its step deadline; none joins a chain until
@@ -90,10 +96,13 @@ class WorkerRegistry:
                                  f"[{info.layer_start}, {info.layer_end}) of {info.num_layers}")
         pin = self.pinned()
         if pin is not None and pin[0] != info.model_fingerprint:
+            self.last_refusal = (f"refused worker {clip(info.address)} of model {clip(info.model_name)} "
+                                 f"at {time.strftime('%H:%M:%S')}")
+            log.warning("%s: pending requests are for %s", self.last_refusal, pin[1])
             raise WorkerRejected(
                 f"model mismatch: worker {clip(info.address)} serves {clip(info.model_name)} (fingerprint "
                 f"{info.model_fingerprint[:12]}) but requests admitted for {clip(pin[1])} (fingerprint "
-                f"{pin[0][:12]}) are still pending; they must finish (or be cancelled) first")
+                f"{pin[0][:12]}) are still pending; {self.refusal_hint()}")
         with self.lock:
             others = [w for w in self.workers.values() if w.address != info.address]
             for w in others:
@@ -107,6 +116,7 @@ class WorkerRegistry:
                 del self.workers[w.worker_id]  # a restarted worker replaces its old entry
             handle = WorkerHandle(worker_id=uuid.uuid4().hex[:12], info=info)
             self.workers[handle.worker_id] = handle
+            self.last_refusal = ""  # a worker joined: an old refusal explains nothing any more
             self.version += 1
         log.info("worker %s registered: layers [%d, %d) of %s", info.address, info.layer_start,
                  info.layer_end, info.model_name)
@@ -137,6 +147,18 @@ class WorkerRegistry:
                     w.close()
                     self.version += 1
 
+    def deregister(self, worker_id: str) -> bool:
+        """A worker stopping cleanly: gone now, not after its lease runs out."""
+        with self.lock:
+            self.quarantined.pop(worker_id, None)
+            w = self.workers.pop(worker_id, None)
+            if w is None:
+                return False
+            w.close()
+            self.version += 1
+        log.info("worker %s deregistered (stopped cleanly)", w.address)
+        return True
+
     def expired(self) -> list[str]:
         now = time.monotonic()
         with self.lock:
@@ -164,7 +186,7 @@ class WorkerRegistry:
         with self.lock:
             free = [w for w in self.workers.values() if w.worker_id not in busy]
         if not self.workers:
-            return "no worker has registered"
+            return "no worker has registered" + (f" ({self.last_refusal})" if self.last_refusal else "")
         held = [f"{w.address} ({self.quarantined[w.worker_id]})" for w in self.workers.values()
                 if w.worker_id in self.quarantined]
         held_s = f"; held out until idle after a missed step deadline: {', '.join(held)}" if held else ""

@@ -166,6 +166,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     from worker.registration import Registration
     from minipaged.tls import make_channel
+    from minipaged.units import human_bytes
     from worker.server import SERVICE_NAME, WorkerServicer, build_server
 
     if args.simulate:  # the one substitution: a runner that sleeps instead of computing
@@ -218,7 +219,8 @@ def main(argv=None) -> int:
     servicer.address = args.advertise_address or f"{host}:{port}"
     log.info("worker serving layers [%d, %d) of %s on %s:%d (advertised %s), %s %s/%s, capacity %s",
              args.layer_start, args.layer_end, args.model, args.host, port, servicer.address, args.device,
-             args.dtype, args.backend, f"{args.num_blocks} blocks" if args.num_blocks else f"{budget} K/V bytes")
+             args.dtype, args.backend,
+             f"{args.num_blocks} blocks" if args.num_blocks else f"{human_bytes(budget)} of K/V")
     print(f"worker listening on {args.host}:{port}", file=sys.stderr, flush=True)
 
     registration, rejected = None, []

@@ -3,7 +3,9 @@
 A background thread: RegisterWorker (retried with capped exponential backoff until the service
 answers), then Heartbeat at the interval the reply names. If the service says it does not know this
 worker (it restarted, or dropped us) or heartbeats fail several times in a row, go back to
-registering: a restarted metadata service gets its workers back without anyone touching them."""
+registering: a restarted metadata service gets its workers back without anyone touching them. On a
+clean stop it deregisters, so the service re-forms its chains at once instead of waiting out the
+lease and logging a hung worker."""
 from __future__ import annotations
 
 import logging
@@ -58,8 +60,19 @@ class Registration:
                     return  # stopped while retrying
                 self.on_ready(True)
                 self._heartbeat_until_lost(stub, interval_s)
+                if self._stop.is_set():
+                    self._deregister(stub)
                 self.registered.clear()
                 self.on_ready(False)
+
+    def _deregister(self, stub) -> None:
+        try:
+            stub.DeregisterWorker(mpb.DeregisterWorkerRequest(worker_id=self.worker_id),
+                                  timeout=min(self.rpc_timeout_s, 2.0), metadata=self.metadata)
+            log.info("deregistered %s from %s", self.worker_id, self.address)
+        except grpc.RpcError as e:  # an older service, or it is gone: its lease does the rest
+            log.info("DeregisterWorker to %s failed (%s); the service will notice the lease run out",
+                     self.address, e.code().name)
 
     def _register(self, stub) -> float | None:
         """Retry RegisterWorker until it answers; returns the heartbeat interval in seconds."""

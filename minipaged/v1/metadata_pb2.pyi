@@ -476,3 +476,41 @@ class HeartbeatReply(_message.Message):
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     known: bool
     def __init__(self, known: _Optional[bool] = ...) -> None: ...
+
+class DeregisterWorkerRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+
+class DeregisterWorkerReply(_message.Message):
+    __slots__ = ("known",)
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    def __init__(self, known: _Optional[bool] = ...) -> None: ...
+
+class CancelPendingJobsRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class CancelPendingJobsReply(_message.Message):
+    __slots__ = ("jobs", "requests")
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    jobs: int
+    requests: int
+    def __init__(self, jobs: _Optional[int] = ..., requests: _Optional[int] = ...) -> None: ...
+
+class PurgeJobsRequest(_message.Message):
+    __slots__ = ("older_than_s",)
+    OLDER_THAN_S_FIELD_NUMBER: _ClassVar[int]
+    older_than_s: float
+    def __init__(self, older_than_s: _Optional[float] = ...) -> None: ...
+
+class PurgeJobsReply(_message.Message):
+    __slots__ = ("jobs",)
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    jobs: int
+    def __init__(self, jobs: _Optional[int] = ...) -> None: ...

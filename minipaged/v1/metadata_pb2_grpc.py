@@ -114,6 +114,21 @@ class MetadataServiceStub:
                 request_serializer=minipaged_dot_v1_dot_metadata__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=minipaged_dot_v1_dot_metadata__pb2.HeartbeatReply.FromString,
                 _registered_method=True)
+        self.DeregisterWorker = channel.unary_unary(
+                '/minipaged.v1.MetadataService/DeregisterWorker',
+                request_serializer=minipaged_dot_v1_dot_metadata__pb2.DeregisterWorkerRequest.SerializeToString,
+                response_deserializer=minipaged_dot_v1_dot_metadata__pb2.DeregisterWorkerReply.FromString,
+                _registered_method=True)
+        self.CancelPendingJobs = channel.unary_unary(
+                '/minipaged.v1.MetadataService/CancelPendingJobs',
+                request_serializer=minipaged_dot_v1_dot_metadata__pb2.CancelPendingJobsRequest.SerializeToString,
+                response_deserializer=minipaged_dot_v1_dot_metadata__pb2.CancelPendingJobsReply.FromString,
+                _registered_method=True)
+        self.PurgeJobs = channel.unary_unary(
+                '/minipaged.v1.MetadataService/PurgeJobs',
+                request_serializer=minipaged_dot_v1_dot_metadata__pb2.PurgeJobsRequest.SerializeToString,
+                response_deserializer=minipaged_dot_v1_dot_metadata__pb2.PurgeJobsReply.FromString,
+                _registered_method=True)
 
 
 class MetadataServiceServicer:
@@ -219,6 +234,26 @@ class MetadataServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeregisterWorker(self, request, context):
+        """a clean stop
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CancelPendingJobs(self, request, context):
+        """Client-facing: housekeeping of the job store (`minipaged jobs --cancel-all / --purge-older-than`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PurgeJobs(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MetadataServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -301,6 +336,21 @@ def add_MetadataServiceServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=minipaged_dot_v1_dot_metadata__pb2.HeartbeatRequest.FromString,
                     response_serializer=minipaged_dot_v1_dot_metadata__pb2.HeartbeatReply.SerializeToString,
+            ),
+            'DeregisterWorker': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeregisterWorker,
+                    request_deserializer=minipaged_dot_v1_dot_metadata__pb2.DeregisterWorkerRequest.FromString,
+                    response_serializer=minipaged_dot_v1_dot_metadata__pb2.DeregisterWorkerReply.SerializeToString,
+            ),
+            'CancelPendingJobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelPendingJobs,
+                    request_deserializer=minipaged_dot_v1_dot_metadata__pb2.CancelPendingJobsRequest.FromString,
+                    response_serializer=minipaged_dot_v1_dot_metadata__pb2.CancelPendingJobsReply.SerializeToString,
+            ),
+            'PurgeJobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.PurgeJobs,
+                    request_deserializer=minipaged_dot_v1_dot_metadata__pb2.PurgeJobsRequest.FromString,
+                    response_serializer=minipaged_dot_v1_dot_metadata__pb2.PurgeJobsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -735,6 +785,87 @@ class MetadataService:
             '/minipaged.v1.MetadataService/Heartbeat',
             minipaged_dot_v1_dot_metadata__pb2.HeartbeatRequest.SerializeToString,
             minipaged_dot_v1_dot_metadata__pb2.HeartbeatReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeregisterWorker(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/minipaged.v1.MetadataService/DeregisterWorker',
+            minipaged_dot_v1_dot_metadata__pb2.DeregisterWorkerRequest.SerializeToString,
+            minipaged_dot_v1_dot_metadata__pb2.DeregisterWorkerReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelPendingJobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/minipaged.v1.MetadataService/CancelPendingJobs',
+            minipaged_dot_v1_dot_metadata__pb2.CancelPendingJobsRequest.SerializeToString,
+            minipaged_dot_v1_dot_metadata__pb2.CancelPendingJobsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PurgeJobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/minipaged.v1.MetadataService/PurgeJobs',
+            minipaged_dot_v1_dot_metadata__pb2.PurgeJobsRequest.SerializeToString,
+            minipaged_dot_v1_dot_metadata__pb2.PurgeJobsReply.FromString,
             options,
             channel_credentials,
             insecure,

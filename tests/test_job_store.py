@@ -1,0 +1,128 @@
+"""The job store on its own: in memory unless asked, one owner at a time, one clear line for a bad
+path, old stores upgraded; and the words that explain pending work (issue 24, issue 21)."""
+from __future__ import annotations
+
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+
+import pytest
+
+from client.__main__ import _age
+from metadata_service.__main__ import parse_args
+from metadata_service.backlog import Backlog, age_words, waiting_reason
+from metadata_service.job_store import JobStore, JobStoreError
+from metadata_service.stats_log import Sample, stats_line
+from minipaged.units import human_bytes, kv_capacity
+from minipaged.v1 import metadata_pb2
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _req(n=3):
+    return [metadata_pb2.GenerateRequest(prompt=f"p{i}", max_new_tokens=4) for i in range(n)]
+
+
+def test_without_db_the_store_is_in_memory_and_writes_no_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert parse_args([]).db == ""          # not a relative data/jobs.db that unrelated runs share
+    store = JobStore(parse_args([]).db)
+    store.create("j", _req())
+    assert not store.durable and store.unfinished()[0][0] == "j"
+    store.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_file_store_has_one_owner_at_a_time(tmp_path):
+    path = str(tmp_path / "jobs.db")
+    first = JobStore(path, owner="metadata service pid 123 on host-a, port 50051")
+    with pytest.raises(JobStoreError, match="in use by metadata service pid 123 on host-a, port 50051"):
+        JobStore(path)
+    first.close()                           # the lock goes with its owner
+    JobStore(path).close()
+
+
+def _service(*args):
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    return subprocess.run([sys.executable, "-m", "metadata_service", "--port", "0", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_a_bad_db_path_is_one_line_naming_the_file(tmp_path):
+    missing = tmp_path / "nope" / "jobs.db"
+    junk = tmp_path / "notes.txt"
+    junk.write_text("not a database\n")
+    for path, words in ((missing, "does not exist"), (junk, "not a usable SQLite job store"),
+                        (tmp_path, "is a directory")):
+        r = _service("--db", str(path))
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and str(path) in lines[0] and words in lines[0], r.stderr
+    assert not missing.parent.exists()      # nothing created on the way
+
+
+def test_a_store_from_before_the_model_columns_is_upgraded(tmp_path):
+    path = str(tmp_path / "old.db")
+    with sqlite3.connect(path) as con:      # the schema of the first release, one unfinished job
+        con.executescript("""
+            CREATE TABLE jobs (job_id TEXT PRIMARY KEY, created REAL NOT NULL, state TEXT NOT NULL,
+                               total INTEGER NOT NULL);
+            CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+            CREATE TABLE requests (job_id TEXT NOT NULL, idx INTEGER NOT NULL, request BLOB NOT NULL,
+                                   result BLOB, PRIMARY KEY (job_id, idx));""")
+        con.execute("INSERT INTO jobs VALUES ('old', 1.0, 'queued', 1)")
+        con.execute("INSERT INTO requests VALUES ('old', 0, ?, NULL)", (_req(1)[0].SerializeToString(),))
+        con.execute("INSERT INTO meta VALUES ('model_name', '/tmp/gone'), ('model_fingerprint', 'abcdef0123456789')")
+    store = JobStore(path)
+    (job_id, name, fp, pending), = store.unfinished()
+    assert (job_id, name, fp, len(pending)) == ("old", "/tmp/gone", "abcdef0123456789", 1)
+    store.close()
+
+
+def test_purge_finds_only_finished_jobs_past_the_age():
+    store = JobStore()
+    for job_id in ("done", "cancelled", "running"):
+        store.create(job_id, _req(), "m", "f" * 16)
+    store.set_state("done", "done")
+    store.set_state("cancelled", "cancelled")
+    store.set_state("running", "running")
+    assert sorted(store.finished_before(time.time() + 1)) == ["cancelled", "done"]
+    assert store.finished_before(time.time() - 3600) == []
+    assert store.delete_many(["done", "cancelled"]) == 2
+    assert [row[0] for row in store.list_jobs(10)] == ["running"]
+    assert store._db.execute("SELECT COUNT(*) FROM requests").fetchone()[0] == 3  # none orphaned
+
+
+def test_the_waiting_reason_names_model_count_date_and_the_way_out():
+    b = Backlog("/tmp/ckpt", "0123456789abcdef", jobs=2, requests=15, oldest=time.time() - 7300)
+    text = waiting_reason([b], "minipaged jobs --cancel-all --address 127.0.0.1:6000")
+    assert "waiting for a worker of model /tmp/ckpt (fingerprint 0123456789ab)" in text
+    assert "15 pending requests from 20" in text and "(2 h 1 min ago)" in text
+    assert text.endswith("to drop them: minipaged jobs --cancel-all --address 127.0.0.1:6000")
+    assert waiting_reason([]) == "" and age_words(59) == "59 s" and age_words(2 * 86400 + 3600) == "2 d 1 h"
+
+
+def test_the_stats_line_reports_the_interval_and_stays_quiet_when_idle():
+    st = {"running": 3, "waiting": 5, "num_blocks": 1024, "used_blocks": 256}
+    line = stats_line(Sample(0.0, 100, 10, 10, 4), Sample(10.0, 1100, 510, 20, 9), st)
+    assert line == ("running: 3 reqs, waiting: 5 reqs, prompt throughput: 100.0 tok/s, generation throughput: "
+                    "50.0 tok/s, KV usage: 25.0% (256 of 1024 blocks), prefix cache hit rate: 50.0%")
+    same = Sample(20.0, 1100, 510, 20, 9)
+    assert stats_line(same, Sample(30.0, 1100, 510, 20, 9), {"running": 0, "waiting": 0}) is None
+    stuck = {"running": 0, "waiting": 30}      # no worker: said once, not every interval
+    assert stats_line(same, same, stuck, (0, 0)) is not None
+    assert stats_line(same, same, stuck, (0, 30)) is None
+
+
+def test_kv_capacity_in_human_units():
+    assert kv_capacity(1024, 16, 112 << 20) == "1024 blocks x 16 tokens = 16,384 tokens, 112 MiB"
+    assert human_bytes(512) == "512 B" and human_bytes(3 << 30) == "3 GiB" and human_bytes(1536) == "1.5 KiB"
+
+
+def test_ages_on_the_command_line():
+    assert (_age("90"), _age("30m"), _age("12h"), _age("7d")) == (90, 1800, 43200, 604800)
+    for bad in ("0", "-1h", "soon", "inf", ""):
+        with pytest.raises(Exception, match="expected an age"):
+            _age(bad)

@@ -211,3 +211,41 @@ def test_reasoning_off_keeps_everything_in_content():
     assert OutputOptions(reasoning=True).new().message("") == {"role": "assistant", "content": ""}
     msg = OutputOptions(reasoning=True).new().message("<think>x</think>y")
     assert (msg["reasoning"], msg["reasoning_content"], msg["content"]) == ("x", "x", "y")
+
+
+# ---------------------------------------------------------------- Qwen3's own template
+
+HISTORY = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Oslo?"},
+           {"role": "assistant", "content": "", "reasoning_content": "Use the tool.", "tool_calls": [
+               {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
+               {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "CET"}'}}]},
+           {"role": "tool", "tool_call_id": "c1", "content": "rain"},
+           {"role": "tool", "tool_call_id": "c2", "content": "12:00"}]
+
+
+@pytest.fixture(scope="module")
+def qwen3_templates():
+    """transformers' tokenizer, and our ChatTemplate on both of its rendering paths."""
+    from transformers import AutoTokenizer
+
+    from gateway.chat_template import ChatTemplate, _template_in
+    from tests.qwen_tokenizer import qwen3_tokenizer_dir
+    src = qwen3_tokenizer_dir()
+    with_tok = ChatTemplate(src)
+    bare = ChatTemplate(src)                              # the path taken when no tokenizer loads
+    bare._tokenizer, bare._jinja = None, ChatTemplate._compile(_template_in(src), src)
+    return AutoTokenizer.from_pretrained(src), with_tok, bare
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"enable_thinking": False}])
+@pytest.mark.parametrize("history", [HISTORY[1:2], HISTORY])
+def test_qwen3_template_renders_tools_as_transformers(qwen3_templates, kwargs, history):
+    """Both of our rendering paths (the tokenizer's apply_chat_template, and jinja2 alone when no
+    tokenizer loads) give transformers' text for tools, tool calls and tool results."""
+    tok, with_tok, bare = qwen3_templates
+    want = tok.apply_chat_template(history, tools=[WEATHER, TIME], tokenize=False, add_generation_prompt=True,
+                                   **kwargs)
+    assert "<tools>" in want and ("<tool_response>" in want) == (len(history) > 2)
+    assert with_tok.thinks and "tokenizer" in with_tok.source
+    assert with_tok.render(history, True, tools=[WEATHER, TIME], **kwargs) == want
+    assert bare.render(history, True, tools=[WEATHER, TIME], **kwargs) == want

@@ -371,7 +371,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         except ValueError as e:
             raise bad_request(str(e), "messages") from None
         kw = oa.chat_kwargs(req, _default_max_tokens(gw, prompt))
-        kw.update(_forced_tool_kwargs(tools))
+        kw.update(_forced_tool_kwargs(tools, kw))
         output = OutputOptions(reasoning=gw.config.reasoning_parser == "qwen3" and gw.template.thinks,
                                reasoning_open=rs.prompt_opens_reasoning(prompt), tools=tools)
         rid = oa.new_id("chatcmpl")
@@ -415,11 +415,14 @@ def _decode_or_fail(gw: Gateway, ids: list[int]) -> str:
     return gw.tokenizer.decode(ids)
 
 
-def _forced_tool_kwargs(tools: tc.ToolPlan) -> dict:
+def _forced_tool_kwargs(tools: tc.ToolPlan, kw: dict) -> dict:
     """tool_choice "required" or a named function: the SDK's JSON-schema constraint forces a call."""
     schema = tc.forced_schema(tools)
     if schema is None:
         return {}
+    if any(kw.get(k) not in (None, False) for k in ("json_schema", "regex", "choice", "json_object")):
+        raise bad_request(f"tool_choice {tools.mode!r} constrains the output to a tool call: it cannot be "
+                          f"combined with response_format or another structured output", "tool_choice")
     import inspect
 
     from client.messages import build_generate_request

@@ -249,3 +249,12 @@ def test_qwen3_template_renders_tools_as_transformers(qwen3_templates, kwargs, h
     assert with_tok.thinks and "tokenizer" in with_tok.source
     assert with_tok.render(history, True, tools=[WEATHER, TIME], **kwargs) == want
     assert bare.render(history, True, tools=[WEATHER, TIME], **kwargs) == want
+
+
+def test_a_forced_tool_choice_does_not_mix_with_another_constraint():
+    from gateway.app import _forced_tool_kwargs
+    assert _forced_tool_kwargs(tc.plan([WEATHER], "auto"), {}) == {}
+    for other in ({"regex": "a+"}, {"json_schema": {}}, {"choice": ["a"]}, {"json_object": True}):
+        with pytest.raises(GatewayError) as e:
+            _forced_tool_kwargs(tc.plan([WEATHER], "required"), other)
+        assert e.value.status == 400 and "cannot be combined with response_format" in e.value.message

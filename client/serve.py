@@ -202,7 +202,7 @@ def serve(a) -> int:
         except KeyboardInterrupt:
             say("interrupted while starting; stopped")
             return 0
-        except (cl.ClusterError, ValueError) as e:
+        except (cl.ClusterError, ValueError, OSError) as e:
             say(f"error: {e}")
             return 1
         name = a.served_model_name or a.model

@@ -215,3 +215,11 @@ def test_sigterm_stops_and_a_second_signal_kills():
         assert not [k for k in kids if alive(k)]
     finally:
         s.kill()
+
+
+@pytest.mark.parametrize("args,needle", [(["/nonexistent"], "no config.json there"),
+                                         (["tiny", "--stages", "9"], "cannot split 4 layers over 9 workers")])
+def test_bad_model_or_layout_exits_1_saying_why(args, needle):
+    out = subprocess.run([sys.executable, "-m", "client", "serve", *args, "--port", str(free_port())], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and needle in out.stdout, out.stdout + out.stderr

@@ -1,19 +1,20 @@
 """Forced tool calls end to end: tool_choice "required" and a named function are constrained by
 the JSON schemas of gateway/tool_calls.py (structured outputs, the SDK's `json_schema=`), so even a
 random-weight Qwen3 (Qwen's real tokenizer, vocab 151,936) returns calls whose arguments validate
-against the function's parameters, through the official `openai` client."""
+against the function's parameters, through `minipaged serve` and the official `openai` client."""
 from __future__ import annotations
 
 import inspect
 import json
+import signal
 
 import jsonschema
 import openai
 import pytest
 
-from client import LocalCluster
 from client.messages import build_generate_request
 from tests.qwen_tokenizer import make_qwen3_checkpoint
+from tests.test_serve import Serve
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     "json_schema" not in inspect.signature(build_generate_request).parameters,
@@ -33,10 +34,15 @@ BY_NAME = {"get_weather": WEATHER, "get_time": TIME}
 @pytest.fixture(scope="module")
 def oai(tmp_path_factory):
     d = make_qwen3_checkpoint(str(tmp_path_factory.mktemp("qwen3-random")), seed=5)
-    with LocalCluster(model=d, workers=1, dtype="float32", http=True,
-                      extra_gateway_args=["--served-model-name", "x"]) as c:
-        with openai.OpenAI(base_url=c.http_url + "/v1", api_key="x", max_retries=0) as client:
+    s = Serve(d, "--served-model-name", "x", "--dtype", "float32")
+    try:
+        s.wait_for("ready in")
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{s.port}/v1", api_key="x", max_retries=0) as client:
             yield client
+        s.p.send_signal(signal.SIGINT)
+        assert s.p.wait(timeout=120) == 0
+    finally:
+        s.kill()
 
 
 def valid(call) -> dict:

@@ -1,5 +1,5 @@
 """`python -m client generate|submit|watch|stats|jobs|job|cancel|delete` (also `minipaged ...`):
-the SDK from a shell.
+the SDK from a shell; `serve MODEL` runs the whole local stack in the foreground (client/serve.py).
 
 Results print as JSON lines (one per request) so they pipe into jq; errors print "error: CODE:
 message" on stderr and exit 1 (2 for bad input caught before any RPC, 130 on Ctrl-C)."""
@@ -117,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     st = add("stats", "pool, fragmentation, queue, invariants")
     st.add_argument("--json", action="store_true", help="print every field as JSON")
+
+    from .serve import add_arguments as serve_arguments
+    what = "serve MODEL over the OpenAI API: metadata service, workers and gateway in the foreground"
+    serve_arguments(sub.add_parser("serve", help=what, description=what, formatter_class=_Formatter))
     return ap
 
 
@@ -261,6 +265,9 @@ def run(a) -> int:
 
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
+    if a.command == "serve":
+        from .serve import serve
+        return serve(a)
     try:
         return run(a)
     except _Interrupted as e:

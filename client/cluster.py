@@ -93,17 +93,21 @@ class LocalCluster:
     `http=True` also starts the HTTP gateway (`python -m gateway`, with the same token) once the
     service is ready, and waits for its GET /health; `.http_url` is its base URL (None without)."""
 
+    popen_kwargs: dict = {}  # e.g. start_new_session (`minipaged serve`: Ctrl-C reaches only the runner)
+
     def __init__(self, model: str = "tiny", workers: int = 1, dtype: str | None = "float32",
                  num_blocks: int | None = None, block_size: int = 16, device: str = "cpu",
                  extra_service_args=(), extra_worker_args=(), db: str | None = None,
                  env: dict | None = None, startup_timeout: float = 120.0, grace: float = 5.0,
                  token: str | None = None, root: str | None = None, replicas: int = 1, standby: int = 0,
-                 simulate: str | None = None, threads: int | None = None, http: bool = False):
+                 simulate: str | None = None, threads: int | None = None, http: bool = False,
+                 http_host: str = "127.0.0.1", http_port: int | None = None, extra_gateway_args=()):
         """`workers` stages per chain, `replicas` chains (workers x replicas processes), plus
         `standby` spare workers for the last stage's layers: they wait, outside any chain, to replace
         a lost stage (with one stage per chain a spare is simply one more replica). `simulate` ('h200' or a profile JSON) starts
         simulated workers (no weights; dtype None = their default, bfloat16). `threads`: torch
-        threads per worker (default: the machine's cores shared out among the CPU workers)."""
+        threads per worker (default: the machine's cores shared out among the CPU workers).
+        `http_host`/`http_port` (default: a free port) and `extra_gateway_args` go to the gateway."""
         self.model, self.root, self.grace = model, root or ROOT, grace
         self.startup_timeout = startup_timeout
         if replicas < 1 or standby < 0:
@@ -143,6 +147,7 @@ class LocalCluster:
             self._procs.append(_Proc(f"worker{i}", cmd, log(f"worker{i}")))
         self.client = Client(self.address, token=token)
         self.http_url: str | None = None
+        self._http = (http_host, http_port, [str(x) for x in extra_gateway_args])
         try:
             for p in self._procs:
                 self._spawn(p)
@@ -167,7 +172,7 @@ class LocalCluster:
             cmd = [cmd[0], "-c", _BOOT, *cmd[2:]]  # same as cmd = [python, "-m", MOD, ...]
         with open(p.log_path, "ab") as log:  # the child keeps its own copy of the fd
             p.popen = subprocess.Popen(cmd, cwd=self.root, env=self.env, stdout=log,
-                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, **self.popen_kwargs)
         _LIVE.add(p.popen)
 
     def logs(self, lines: int = 30) -> str:
@@ -207,13 +212,15 @@ class LocalCluster:
     def _start_gateway(self, py: str, log_path: str, token: str | None) -> None:
         import urllib.error
         import urllib.request
-        port = free_port()
-        cmd = [py, "-m", "gateway", "--metadata", self.address, "--port", str(port), "--host", "127.0.0.1",
-               "--model", self.model] + (["--token", token] if token else [])
+        host, port, extra = self._http
+        port = port or free_port()
+        cmd = [py, "-m", "gateway", "--metadata", self.address, "--port", str(port), "--host", host,
+               "--model", self.model] + (["--token", token] if token else []) + extra
         p = _Proc("gateway", cmd, log_path)
         self._procs.append(p)  # last: workers keep their indices in .processes
         self._spawn(p)
-        url, end = f"http://127.0.0.1:{port}", time.monotonic() + self.startup_timeout
+        near = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host  # where we can reach it
+        url, end = f"http://{near}:{port}", time.monotonic() + self.startup_timeout
         while True:
             if p.popen.poll() is not None:
                 raise ClusterError(f"gateway exited before it was ready; logs in {self.log_dir}\n" + self.logs())

@@ -28,6 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="the name in /v1/models instead of --model")
     p.add_argument("--default-max-tokens", type=int, default=256,
                    help="max_tokens of chat requests that give none (capped by the model's context)")
+    p.add_argument("--reasoning-parser", default="qwen3", choices=["qwen3", "none"],
+                   help="qwen3: a Qwen3 template's <think>...</think> goes to message.reasoning (and "
+                        "reasoning_content), the rest to content; none: all text in content")
     p.add_argument("--tls-ca", default="", help="CA of the metadata service's certificate: talk TLS to it")
     p.add_argument("--tls-cert", default="", help="client certificate for the metadata service (mTLS)")
     p.add_argument("--tls-key", default="", help="key of --tls-cert")
@@ -54,7 +57,8 @@ def main(argv=None) -> int:
                            metadata_token=args.metadata_token, model=args.model,
                            served_model_name=args.served_model_name, tls_ca=args.tls_ca or None,
                            tls_cert=args.tls_cert or None, tls_key=args.tls_key or None,
-                           default_max_tokens=args.default_max_tokens)
+                           default_max_tokens=args.default_max_tokens,
+                           reasoning_parser=args.reasoning_parser)
     app = create_app(config)
     # uvicorn handles SIGTERM/SIGINT: it stops accepting and finishes in-flight requests
     server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

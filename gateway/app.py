@@ -29,6 +29,10 @@ from client.errors import MiniPagedError
 from client.messages import Stats, StreamChunk
 
 from . import openai_api as oa
+from . import reasoning as rs
+from . import tool_calls as tc
+from .chat_output import OutputOptions
+from .chat_output import merge as merge_deltas
 from .chat_template import ChatTemplate
 from .dashboard import dashboard_routes
 from .errors import GatewayError, bad_request, error_response
@@ -49,6 +53,7 @@ class GatewayConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS  # chat requests without max_tokens
+    reasoning_parser: str = rs.DEFAULT_PARSER  # "qwen3": <think> split out where the template thinks
     snapshot_max_blocks: int = 4096       # dashboard: blocks per chain before sampling with a stride
     rpc_timeout: float = 5.0              # Stats / PoolSnapshot calls
 
@@ -359,18 +364,24 @@ def create_app(config: GatewayConfig) -> FastAPI:
         req = _parse(oa.ChatCompletionRequest, await _json_body(request))
         gw.check_model(req.model)
         messages = oa.chat_messages(req)
+        tools = tc.plan(req.tools, req.tool_choice, req.parallel_tool_calls)
+        template_kwargs = {**(req.chat_template_kwargs or {}), **({"tools": req.tools} if req.tools else {})}
         try:
-            prompt = gw.template.render(messages, req.add_generation_prompt, **(req.chat_template_kwargs or {}))
+            prompt = gw.template.render(messages, req.add_generation_prompt, **template_kwargs)
         except ValueError as e:
             raise bad_request(str(e), "messages") from None
         kw = oa.chat_kwargs(req, _default_max_tokens(gw, prompt))
+        kw.update(_forced_tool_kwargs(tools, kw))
+        output = OutputOptions(reasoning=gw.config.reasoning_parser == "qwen3" and gw.template.thinks,
+                               reasoning_open=rs.prompt_opens_reasoning(prompt), tools=tools)
         rid = oa.new_id("chatcmpl")
         stream = gw.generate_stream([{**kw, "prompt": prompt}], req.n, t0)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return await _start_sse(request, stream, _chat_events(gw, rid, req, stream, include_usage))
+            return await _start_sse(request, stream, _chat_events(gw, rid, req, stream, include_usage, output))
         choices = await _unless_disconnected(request, _collect(stream))
-        return oa.chat_response(rid, gw.model_name, [choices[i] for i in sorted(choices)], gw.token_text_for(req))
+        return oa.chat_response(rid, gw.model_name, [choices[i] for i in sorted(choices)], gw.token_text_for(req),
+                                output)
 
     # ------------------------------------------------------------ operations
 
@@ -402,6 +413,23 @@ def _decode_or_fail(gw: Gateway, ids: list[int]) -> str:
         raise bad_request("echo of a token-id prompt needs the model's tokenizer on the gateway (--model PATH)",
                           "echo")
     return gw.tokenizer.decode(ids)
+
+
+def _forced_tool_kwargs(tools: tc.ToolPlan, kw: dict) -> dict:
+    """tool_choice "required" or a named function: the SDK's JSON-schema constraint forces a call."""
+    schema = tc.forced_schema(tools)
+    if schema is None:
+        return {}
+    if any(kw.get(k) not in (None, False) for k in ("json_schema", "regex", "choice", "json_object")):
+        raise bad_request(f"tool_choice {tools.mode!r} constrains the output to a tool call: it cannot be "
+                          f"combined with response_format or another structured output", "tool_choice")
+    import inspect
+
+    from client.messages import build_generate_request
+    if "json_schema" not in inspect.signature(build_generate_request).parameters:
+        raise bad_request(f"tool_choice {tools.mode!r} needs structured outputs (json_schema), which this "
+                          f"build does not have; use \"auto\"", "tool_choice")
+    return {"json_schema": schema}
 
 
 def _default_max_tokens(gw: Gateway, prompt: str) -> int:
@@ -481,14 +509,17 @@ async def _completion_events(gw: Gateway, rid: str, req: oa.CompletionRequest, s
         yield "data: [DONE]\n\n"
 
 
-async def _chat_events(gw: Gateway, rid: str, req: oa.ChatCompletionRequest, stream, include_usage: bool):
+async def _chat_events(gw: Gateway, rid: str, req: oa.ChatCompletionRequest, stream, include_usage: bool,
+                       output: OutputOptions):
     created, model = int(time.time()), gw.model_name
     choices: dict[int, oa.Choice] = {}
+    parsed: dict = {}  # index -> ChatOutput: reasoning and tool calls parsed out of the text deltas
     started = False
     try:
         async for idx, chunk in stream:
             if idx not in choices:
                 choices[idx] = oa.Choice(idx)
+                parsed[idx] = output.new()
                 started = True
                 yield _sse(oa.chat_chunk(rid, created, model, idx, {"role": "assistant", "content": ""}, None, None))
             ch = choices[idx]
@@ -497,9 +528,12 @@ async def _chat_events(gw: Gateway, rid: str, req: oa.ChatCompletionRequest, str
                              top=chunk.top_logprobs or [])
             lp = oa.chat_logprobs(part, gw.token_text_for(req))
             finish = ch.finish_reason if chunk.finish_reason else None
-            if chunk.text or finish or lp:
-                yield _sse(oa.chat_chunk(rid, created, model, idx, {"content": chunk.text} if chunk.text else {},
-                                         lp, finish))
+            delta = parsed[idx].feed(chunk.text) if chunk.text else {}
+            if finish:
+                delta = merge_deltas(delta, parsed[idx].finish())
+                finish = parsed[idx].finish_reason(finish)
+            if delta or finish or lp:
+                yield _sse(oa.chat_chunk(rid, created, model, idx, delta, lp, finish))
         if include_usage:
             yield _sse(oa.usage_chunk(rid, created, model, "chat.completion.chunk", oa.total_usage([list(choices.values())])))
         yield "data: [DONE]\n\n"

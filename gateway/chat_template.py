@@ -60,11 +60,13 @@ class ChatTemplate:
         self._tokenizer = None
         self._jinja = None
         self.source = SIMPLE_TEMPLATE
+        self.thinks = False  # the template knows Qwen3's <think> (the reasoning parser applies)
         if not model or model == "tiny" or not os.path.isdir(model):
             return
         template = _template_in(model)
         if template is None:
             return
+        self.thinks = "<think>" in template
         try:
             from transformers import AutoTokenizer
             tok = AutoTokenizer.from_pretrained(model)

@@ -75,6 +75,7 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True          # vLLM extension
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension (e.g. enable_thinking)
@@ -142,8 +143,6 @@ def completion_kwargs(req: CompletionRequest) -> dict:
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict]:
     """Messages as plain dicts for the template; text parts of multi-part content are joined."""
-    if req.tools:
-        raise bad_request("tools are not supported", "tools")
     if req.response_format and req.response_format.get("type", "text") != "text":
         raise bad_request("only response_format {\"type\": \"text\"} is supported", "response_format")
     out = []
@@ -273,10 +272,17 @@ def completion_response(rid: str, model: str, choices: list[Choice], per_prompt:
             "choices": out, "usage": total_usage(per_prompt)}
 
 
-def chat_response(rid: str, model: str, choices: list[Choice], token_text) -> dict:
-    out = [{"index": ch.index, "message": {"role": "assistant", "content": "".join(ch.text)},
-            "logprobs": chat_logprobs(ch, token_text), "finish_reason": ch.finish_reason}
-           for ch in choices]
+def chat_response(rid: str, model: str, choices: list[Choice], token_text, output=None) -> dict:
+    """`output`: gateway.chat_output.OutputOptions (reasoning and tool calls parsed out)."""
+    out = []
+    for ch in choices:
+        message, finish = {"role": "assistant", "content": "".join(ch.text)}, ch.finish_reason
+        if output is not None:
+            parsed = output.new()
+            message = parsed.message("".join(ch.text))
+            finish = parsed.finish_reason(finish)
+        out.append({"index": ch.index, "message": message, "logprobs": chat_logprobs(ch, token_text),
+                    "finish_reason": finish})
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": out, "usage": total_usage([choices])}
 

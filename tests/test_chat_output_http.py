@@ -1,0 +1,112 @@
+"""The gateway's chat route with tools and reasoning, over HTTP but without processes: the app runs
+in-process (httpx's ASGI transport) and its SDK client is replaced by one that replays a scripted
+stream of text chunks, as the service sends them (several chunks per token group, n choices
+interleaved). Checks the SSE deltas and the whole answer agree, the finish reasons, and
+`--reasoning-parser none`."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from client.messages import Stats, StreamChunk, Usage
+from gateway import app as app_module
+from gateway.app import GatewayConfig, create_app
+from tests.qwen_tokenizer import qwen3_tokenizer_dir
+
+ANSWER = ['<think>', '\nhmm', '\n</think>', '\n\nSure', '.\n\n<tool_call>', '\n{"name": "get_weather", ',
+          '"arguments": {"city": "Paris"}}', '\n</tool_call>']
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+class FakeClient:
+    """AsyncClient's stream() and stats(), replaying ANSWER for each of the n choices."""
+    seen: list[dict] = []
+
+    def __init__(self, *a, **kw):
+        pass
+
+    async def stats(self, timeout=None):
+        return Stats(ready=True)
+
+    async def stream(self, **kw):
+        FakeClient.seen.append(kw)
+        n = kw.get("n", 1)
+        for k, text in enumerate(ANSWER):
+            for i in range(n):
+                last = k == len(ANSWER) - 1
+                yield StreamChunk(token_ids=[k], text=text, index=i, finish_reason="stop" if last else None,
+                                  usage=Usage(10, len(ANSWER)) if last else None)
+                await asyncio.sleep(0)
+
+    async def close(self):
+        pass
+
+
+async def _post(config: GatewayConfig, body: dict):
+    app = create_app(config)
+    inner = app.app  # the FastAPI app under the counting middleware: its lifespan builds the client
+    async with inner.router.lifespan_context(inner):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as h:
+            r = await h.post("/v1/chat/completions", json=body)
+            return r.status_code, r.text
+
+
+def post(monkeypatch, body: dict, **config) -> tuple[int, str]:
+    monkeypatch.setattr(app_module, "AsyncClient", FakeClient)
+    cfg = GatewayConfig(metadata="127.0.0.1:1", model=qwen3_tokenizer_dir(), **config)
+    return asyncio.run(_post(cfg, body))
+
+
+def sse(text: str) -> list[dict]:
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+
+
+def test_tools_and_reasoning_stream_and_whole_agree(monkeypatch):
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "n": 2, "max_tokens": 20}
+    status, text = post(monkeypatch, body)
+    assert status == 200, text
+    whole = json.loads(text)
+    for ch in whole["choices"]:
+        msg = ch["message"]
+        assert ch["finish_reason"] == "tool_calls"
+        assert msg["reasoning"] == msg["reasoning_content"] == "\nhmm\n"
+        assert msg["content"] == "\n\nSure.\n\n"
+        [call] = msg["tool_calls"]
+        assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert "<tool_call>" in FakeClient.seen[-1]["prompt"] or "# Tools" in FakeClient.seen[-1]["prompt"]
+    status, text = post(monkeypatch, {**body, "stream": True})
+    assert status == 200
+    for i in range(2):
+        deltas = [c["choices"][0] for c in sse(text) if c["choices"] and c["choices"][0]["index"] == i]
+        got = {"reasoning": "", "content": "", "calls": []}
+        for d in deltas:
+            got["reasoning"] += d["delta"].get("reasoning") or ""
+            got["content"] += d["delta"].get("content") or ""
+            got["calls"] += [c["function"] for c in d["delta"].get("tool_calls", [])]
+        assert got == {"reasoning": "\nhmm\n", "content": "\n\nSure.\n\n",
+                       "calls": [{"name": "get_weather", "arguments": '{"city": "Paris"}'}]}
+        assert [d["finish_reason"] for d in deltas if d["finish_reason"]] == ["tool_calls"]
+
+
+def test_reasoning_parser_none_and_tool_choice_none(monkeypatch):
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "tool_choice": "none"}
+    status, text = post(monkeypatch, body, reasoning_parser="none")
+    msg = json.loads(text)["choices"][0]
+    assert status == 200 and msg["finish_reason"] == "stop"
+    assert msg["message"] == {"role": "assistant", "content": "".join(ANSWER)}
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "'nope', which is not in tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 3}}}]},
+     "not a valid JSON schema"),
+])
+def test_bad_tools_are_400_before_any_generation(monkeypatch, body, needle):
+    FakeClient.seen.clear()
+    status, text = post(monkeypatch, {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, **body})
+    assert status == 400 and needle in json.loads(text)["error"]["message"], text
+    assert FakeClient.seen == []

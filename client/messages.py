@@ -202,6 +202,15 @@ def _logprob_fields(logprobs, return_logprobs) -> tuple[bool, int]:
     raise TypeError(f"logprobs must be a bool or an int, got {logprobs!r}")
 
 
+def refuse_unstreamable(request: pb.GenerateRequest) -> None:
+    """stream() with best_of > n: the winners are known only when every candidate has ended, so
+    there is nothing to stream (generate() and the gateway's non-streaming path wait for them)."""
+    n = max(1, request.n)
+    if request.best_of > n:
+        raise InvalidArgument(f"best_of ({request.best_of}) > n ({n}) cannot be streamed: which choices win "
+                              f"is known only at the end; use generate() (it waits for them) or submit() a job")
+
+
 def build_generate_request(prompt: str | None = None, prompt_token_ids: Sequence[int] | None = None,
                            max_new_tokens: int = 32, temperature: float = 0.0, top_p: float | None = None,
                            top_k: int = 0, seed: int | None = None, stop: str | Sequence[str] | None = None,

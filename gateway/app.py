@@ -139,7 +139,7 @@ class Gateway:
 
         async def pump(p: int, kw: dict) -> None:
             obs = _Observed(self, t0)
-            agen = self.client.stream(**kw)
+            agen = self.client.chunks(**kw)  # best_of > n (refused when streaming): winners at the end
             try:
                 async for chunk in agen:
                     obs.chunk(chunk)

@@ -11,6 +11,8 @@ import os
 import sys
 import time
 
+from minipaged.cli import prog_name
+
 from .errors import MiniPagedError
 from .messages import DEFAULT_PORT
 from .sdk import Client
@@ -43,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--wait-ready", type=float, default=None, metavar="S",
                         help="wait up to S seconds for a ready worker chain before failing")
 
-    ap = argparse.ArgumentParser(prog="python -m client", description="MiniPaged-Qwen client",
+    ap = argparse.ArgumentParser(prog=prog_name("client"), description="MiniPaged-Qwen client",
                                  formatter_class=_Formatter)
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

@@ -9,9 +9,10 @@ import sys
 
 import uvicorn
 
+from minipaged.cli import prog_name
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m gateway", description=__doc__,
+    p = argparse.ArgumentParser(prog=prog_name("gateway"), description=__doc__,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--metadata", default=os.environ.get("MINIPAGED_ADDRESS", "127.0.0.1:50051"),
                    help="the metadata service, HOST:PORT (HOST alone: port 50051; env MINIPAGED_ADDRESS)")

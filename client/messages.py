@@ -134,6 +134,8 @@ class Stats:
     metadata_cpu_seconds: float = 0.0
     model: str = ""
     max_model_len: int = 0
+    model_fingerprint: str = ""
+    model_shape: str = ""
 
     @classmethod
     def from_proto(cls, r: pb.StatsReply) -> "Stats":

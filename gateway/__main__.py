@@ -51,6 +51,12 @@ def main(argv=None) -> int:
     from client.messages import normalize_address
 
     from .app import GatewayConfig, create_app
+    from .model_identity import check_model_arg
+    try:  # a wrong path or a broken config.json is a start error, not a silently wrong /v1/models
+        check_model_arg(args.model)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
     config = GatewayConfig(metadata=normalize_address(args.metadata), token=args.token,
                            metadata_token=args.metadata_token, model=args.model,
                            served_model_name=args.served_model_name, tls_ca=args.tls_ca or None,

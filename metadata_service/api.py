@@ -231,7 +231,8 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
             live_sequences=st["live_sequences"] + api_live, not_ready_reason=st["not_ready_reason"],
             chains=chains, num_chains=st["num_chains"], standby_workers=st["standby_workers"],
             metadata_cpu_seconds=time.process_time(), model=self.engine.model_name,
-            max_model_len=self.engine.max_model_len)
+            max_model_len=self.engine.max_model_len, model_fingerprint=self.engine.model_fingerprint,
+            model_shape=self.engine.model_shape)
 
     def PoolSnapshot(self, request, context):
         max_blocks = request.max_blocks if request.max_blocks > 0 else 4096

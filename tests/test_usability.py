@@ -6,6 +6,11 @@ One float64 worker of a random checkpoint with its own tokenizer, as tests/test_
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+import time
 
 import httpx
 import openai
@@ -13,6 +18,7 @@ import pytest
 
 import client
 from client import AsyncClient, LocalCluster
+from client.cluster import free_port
 from tests.checkpoints import make_checkpoint
 from tests.freeze import FREEZE_SERVICE_ARGS
 from tests.test_gateway import VOCAB, add_tokenizer, settle
@@ -90,3 +96,82 @@ def test_best_of_without_streaming_on_every_path(cluster, oai, ckpt):
     assert resp.status_code == 400 and "cannot stream" in resp.json()["error"]["message"]
     assert resp.json()["error"]["param"] == "best_of"
     settle(c)
+
+
+# ---------------------------------------------------------------- the gateway's model identity
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@contextlib.contextmanager
+def gateway(cluster, *args):
+    """A second gateway process against the cluster's service; yields its URL once it answers."""
+    port = free_port()
+    p = subprocess.Popen([sys.executable, "-m", "gateway", "--metadata", cluster.address, "--port", str(port),
+                          *args], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    url, end = f"http://127.0.0.1:{port}", time.monotonic() + 60
+    try:
+        while True:
+            try:
+                httpx.get(url + "/health")
+                break
+            except httpx.TransportError:
+                assert p.poll() is None and time.monotonic() < end, p.stdout.read()
+                time.sleep(0.2)
+        yield url, p
+    finally:
+        p.terminate()
+        try:
+            p.wait(15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def test_gateway_refuses_a_missing_or_broken_model_at_start(tmp_path):
+    for model, match in (("/nonexistent", "--model /nonexistent: no such directory"),
+                         (str(tmp_path), "config.json")):
+        if model == str(tmp_path):
+            (tmp_path / "config.json").write_text('{"vocab_size": 64,\n "hidden_size": }')
+        r = subprocess.run([sys.executable, "-m", "gateway", "--model", model, "--port", str(free_port())],
+                           cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and match in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "not valid JSON (Expecting value at line 2 column 17)" in r.stderr
+
+
+def test_gateway_checks_model_against_the_service(cluster, ckpt, tmp_path):
+    other = str(tmp_path / "other")
+    make_checkpoint(num_layers=2, hidden=32, heads=2, kv_heads=1, head_dim=16, vocab=VOCAB, seed=3,
+                    directory=other, max_positions=512)
+    with gateway(cluster, "--model", other) as (url, p):
+        health = httpx.get(url + "/health")
+        assert health.status_code == 503 and "is not the model the workers serve" in health.json()["reason"]
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        err = r.json()["error"]
+        assert r.status_code == 503 and err["code"] == "model_mismatch" and err["param"] == "model"
+        assert ckpt in err["message"] and other in err["message"] and "hidden 32" in err["message"]
+        assert httpx.get(url + "/v1/models").json()["data"][0]["max_model_len"] == 4096  # the service's, not 512
+
+
+def test_gateway_without_model_takes_it_from_the_service(cluster, ckpt, oai):
+    with gateway(cluster) as (url, p):
+        card = httpx.get(url + "/v1/models").json()["data"][0]
+        assert (card["id"], card["max_model_len"]) == (ckpt, 4096)
+        assert httpx.get(url + "/health").json()["ready"] is True
+        body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 5, "temperature": 0,
+                "logprobs": True}
+        mine = httpx.post(url + "/v1/chat/completions", json=body).json()
+        ref = httpx.post(cluster.http_url + "/v1/chat/completions", json=body).json()  # started with --model
+        assert mine["choices"][0]["message"] == ref["choices"][0]["message"]          # the same template
+        tokens = [t["token"] for t in mine["choices"][0]["logprobs"]["content"]]
+        assert tokens == [t["token"] for t in ref["choices"][0]["logprobs"]["content"]]
+        assert not any(t.startswith("token_id:") for t in tokens)                       # and tokenizer
+
+
+def test_models_retrieve(oai, ckpt):
+    m = oai.models.retrieve(ckpt)
+    assert m.id == ckpt and m.model_extra["max_model_len"] == 4096
+    assert oai.models.list().data[0].model_extra["max_model_len"] == 4096
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        oai.models.retrieve("no-such-model")

@@ -34,6 +34,7 @@ from .chat_template import ChatTemplate
 from .dashboard import dashboard_routes
 from .errors import GatewayError, bad_request, error_response
 from .metrics import GatewayMetrics
+from .token_bytes import TokenStrings
 
 log = logging.getLogger("gateway")
 DEFAULT_CHAT_MAX_TOKENS = 256
@@ -118,8 +119,8 @@ class Gateway:
                                     f"`{self.model_name}` (GET /v1/models).", "invalid_request_error",
                                "model", "model_not_found")
 
-    def token_text_for(self, req):
-        return _token_id_text if req.return_tokens_as_token_ids else self.token_text
+    def token_text_for(self, req) -> TokenStrings:
+        return TokenStrings(_token_id_text if req.return_tokens_as_token_ids else self.token_text, self.tokenizer)
 
     def _token_text(self, token_id: int) -> str:
         """A token as text for logprobs (vLLM writes "token_id:N" where it has no tokenizer)."""

@@ -15,7 +15,7 @@ from minipaged.tls import channel_credentials, make_channel
 from minipaged.v1 import metadata_pb2 as pb
 from minipaged.v1 import metadata_pb2_grpc as pb_grpc
 
-from .errors import MiniPagedError, Unavailable, explain_unimplemented, from_rpc_error
+from .errors import MiniPagedError, Unavailable, explain_not_grpc, explain_unimplemented, from_rpc_error
 from .messages import (CHANNEL_OPTIONS, TERMINAL_STATES, Deadline, GenerateResult, JobCollector, JobStatus,
                        PoolSnapshot, ResultAssembler, Stats, StreamChunk, batch_items, build_generate_request,
                        build_submit_request, chunk_from_proto, job_from_proto, normalize_address,
@@ -42,7 +42,7 @@ class AsyncClient:
         return {"timeout": self.timeout if timeout is None else timeout, "metadata": self._metadata}
 
     async def _error(self, e: grpc.RpcError) -> MiniPagedError:
-        err = from_rpc_error(e)  # AioRpcError is a grpc.RpcError
+        err = explain_not_grpc(from_rpc_error(e), self.address)  # AioRpcError is a grpc.RpcError
         if err.code != grpc.StatusCode.UNIMPLEMENTED:
             return err
 

@@ -187,6 +187,10 @@ def main(argv=None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())
     keep_freed_memory()
+    from minipaged.tokenizer import byte_fallback_problem
+    problem = byte_fallback_problem(args.model, args.config.vocab_size)
+    if problem:  # said at start, not as an ids-range error on the first text prompt
+        log.warning("%s", problem)
     if not _torch_importable():
         return 2
     if args.threads > 0:

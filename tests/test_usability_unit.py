@@ -165,3 +165,23 @@ def test_cli_stream_json_prints_json_lines(fake, capsys):  # noqa: F811
     lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
     assert "".join(x["text"] for x in lines) == "def" and lines[-1]["finish_reason"] == "length"
     assert set(lines[0]) >= {"token_ids", "text", "finish_reason", "usage", "index"}
+
+
+def test_local_cluster_keeps_the_logs_of_a_failed_run(tmp_path, capsys):
+    """`make demo` (scripts/demo.py) printed a log directory that it deleted on failure too."""
+    import shutil
+
+    from client import LocalCluster
+    from tests.test_client_unit import FAKE_SERVICE, FAKE_WORKER, REPO
+    import textwrap
+    for pkg, src in (("metadata_service", FAKE_SERVICE), ("worker", FAKE_WORKER)):
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "__init__.py").write_text("")
+        (tmp_path / pkg / "__main__.py").write_text(textwrap.dedent(src))
+    with pytest.raises(RuntimeError, match="the demo failed"):
+        with LocalCluster(model="tiny", workers=1, root=str(tmp_path), env={"PYTHONPATH": REPO},
+                          startup_timeout=60, grace=2) as cluster:
+            raise RuntimeError("the demo failed")
+    assert os.path.isfile(os.path.join(cluster.log_dir, "metadata_service.log")), os.listdir(cluster.log_dir)
+    assert f"logs of this failed run are kept in {cluster.log_dir}" in capsys.readouterr().err
+    shutil.rmtree(cluster.log_dir)

@@ -398,8 +398,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         authorize(request)
         t0 = time.monotonic()
         req = _parse(oa.CompletionRequest, await _json_body(request))
+        await gw.require_model()  # first: without --model, the name to accept comes from the service
         gw.check_model(req.model)
-        await gw.require_model()
         kw = oa.completion_kwargs(req)
         prompts = oa.completion_prompts(req)
         echo = None
@@ -425,8 +425,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         authorize(request)
         t0 = time.monotonic()
         req = _parse(oa.ChatCompletionRequest, await _json_body(request))
+        await gw.require_model()  # first: without --model, the name to accept comes from the service
         gw.check_model(req.model)
-        await gw.require_model()
         messages = oa.chat_messages(req)
         try:
             prompt = gw.template.render(messages, req.add_generation_prompt, **(req.chat_template_kwargs or {}))

@@ -175,3 +175,31 @@ def test_models_retrieve(oai, ckpt):
     assert oai.models.list().data[0].model_extra["max_model_len"] == 4096
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         oai.models.retrieve("no-such-model")
+
+
+# ---------------------------------------------------------------- the OpenAI surface's small promises
+
+def test_errors_roles_and_logprob_bytes_over_http(cluster, oai, ckpt):
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.completions.create(model=ckpt, prompt="hello", max_tokens=0)
+    assert info.value.body["param"] == "max_tokens" and "max_tokens must be >= 1" in info.value.body["message"]
+    assert "max_new_tokens" not in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as info:                      # the service's check, not ours
+        oai.completions.create(model=ckpt, prompt="hello", max_tokens=2, extra_body={"top_k": -5, "n": 17})
+    assert info.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError, match="role 'wizard' is not one of") as info:
+        oai.chat.completions.create(model=ckpt, messages=[{"role": "wizard", "content": "hi"}], max_tokens=2)
+    assert info.value.body["param"] == "messages"
+    # the route wires the tokens' raw bytes in (tests/test_usability_unit.py checks them byte by byte):
+    # with token ids as token strings, bytes are still the token's own, not the UTF-8 of "token_id:N"
+    from gateway.token_bytes import token_bytes
+    from minipaged.tokenizer import load_tokenizer
+    tok = load_tokenizer(ckpt)
+    r = oai.chat.completions.create(model=ckpt, messages=[{"role": "user", "content": "hello"}], max_tokens=6,
+                                    temperature=0, logprobs=True, top_logprobs=2,
+                                    extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
+    for c in r.choices[0].logprobs.content:
+        assert c.bytes == list(token_bytes(tok, int(c.token.split(":")[1])))
+        assert [a.bytes for a in c.top_logprobs] == [list(token_bytes(tok, int(a.token.split(":")[1])))
+                                                     for a in c.top_logprobs]
+    settle(cluster.client)

@@ -144,8 +144,10 @@ class Gateway:
         model = self.config.model
         if model:
             why = identity.mismatch(model, self.local_config, st)
-            if why != self.mismatch:
-                log.error("%s", why) if why else log.info("gateway --model %s matches the served model", model)
+            if why and why != self.mismatch:
+                log.error("%s", why)
+            elif self.mismatch and not why:
+                log.info("gateway --model %s matches the served model again", model)
             self.mismatch = why
             warn = None if why else identity.path_warning(model, st)
             if warn and warn not in self._warned:

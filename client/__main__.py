@@ -6,10 +6,13 @@ message" on stderr and exit 1 (2 for bad input caught before any RPC, 130 on Ctr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 import time
+
+from minipaged.cli import prog_name
 
 from .errors import MiniPagedError
 from .messages import DEFAULT_PORT
@@ -59,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--wait-ready", type=float, default=None, metavar="S",
                         help="wait up to S seconds for a ready worker chain before failing")
 
-    ap = argparse.ArgumentParser(prog="python -m client", description="MiniPaged-Qwen client",
+    ap = argparse.ArgumentParser(prog=prog_name("client"), description="MiniPaged-Qwen client",
                                  formatter_class=_Formatter)
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -87,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--logprobs", type=int, nargs="?", const=0, default=None, metavar="K",
                    help="return per-token logprobs, and the K best alternatives per token")
     g.add_argument("--stream", action="store_true", help="print text as it is generated")
-    g.add_argument("--json", action="store_true", help="print the whole result as JSON")
+    g.add_argument("--json", action="store_true",
+                   help="print the whole result as JSON (with --stream: one JSON line per chunk)")
 
     s = add("submit", "submit a job from JSON lines; prints the job id")
     s.add_argument("--file", required=True, help="JSON lines, one request dict each ('-' = stdin)")
@@ -179,7 +183,9 @@ def _generate(client: Client, a) -> None:
         try:
             last = None
             for last in client.stream(**kw):
-                if a.n > 1:
+                if a.json:  # one JSON line per chunk: every field, for jq
+                    print(json.dumps(dataclasses.asdict(last)), flush=True)
+                elif a.n > 1:
                     print(json.dumps({"index": last.index, "text": last.text, "token_ids": last.token_ids}),
                           flush=True)
                 else:
@@ -187,7 +193,8 @@ def _generate(client: Client, a) -> None:
                     sys.stdout.flush()
         except KeyboardInterrupt:
             raise _Interrupted("interrupted") from None  # leaving the stream cancelled the request
-        print()
+        if not a.json:
+            print()
         if last is not None and last.usage is not None:
             print(f"[finish_reason={last.finish_reason} {last.usage}]", file=sys.stderr)
         return

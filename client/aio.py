@@ -5,6 +5,7 @@ the two cannot drift apart."""
 from __future__ import annotations
 
 import asyncio
+from contextlib import aclosing
 from typing import AsyncIterator, Sequence
 
 import grpc
@@ -14,11 +15,11 @@ from minipaged.tls import channel_credentials, make_channel
 from minipaged.v1 import metadata_pb2 as pb
 from minipaged.v1 import metadata_pb2_grpc as pb_grpc
 
-from .errors import MiniPagedError, Unavailable, explain_unimplemented, from_rpc_error
+from .errors import MiniPagedError, Unavailable, explain_not_grpc, explain_unimplemented, from_rpc_error
 from .messages import (CHANNEL_OPTIONS, TERMINAL_STATES, Deadline, GenerateResult, JobCollector, JobStatus,
                        PoolSnapshot, ResultAssembler, Stats, StreamChunk, batch_items, build_generate_request,
                        build_submit_request, chunk_from_proto, job_from_proto, normalize_address,
-                       pool_snapshot_from_proto)
+                       pool_snapshot_from_proto, refuse_unstreamable)
 from .sdk import MAX_BATCH_CONCURRENCY
 
 
@@ -41,7 +42,7 @@ class AsyncClient:
         return {"timeout": self.timeout if timeout is None else timeout, "metadata": self._metadata}
 
     async def _error(self, e: grpc.RpcError) -> MiniPagedError:
-        err = from_rpc_error(e)  # AioRpcError is a grpc.RpcError
+        err = explain_not_grpc(from_rpc_error(e), self.address)  # AioRpcError is a grpc.RpcError
         if err.code != grpc.StatusCode.UNIMPLEMENTED:
             return err
 
@@ -81,8 +82,22 @@ class AsyncClient:
     async def stream(self, prompt: str | None = None, *, timeout: float | None = None,
                      **params) -> AsyncIterator[StreamChunk]:
         """Async iterator of chunks; leaving the loop early (aclose), or cancelling the task that
-        iterates, cancels the request and frees its blocks."""
+        iterates, cancels the request and frees its blocks. best_of > n is refused (InvalidArgument)."""
         request = build_generate_request(prompt, **params)
+        refuse_unstreamable(request)
+        async with aclosing(self._chunks(request, timeout)) as inner:  # cancels the RPC now, not at GC
+            async for chunk in inner:
+                yield chunk
+
+    async def chunks(self, prompt: str | None = None, *, timeout: float | None = None,
+                     **params) -> AsyncIterator[StreamChunk]:
+        """As stream(), but best_of > n is allowed: its n winners arrive whole at the end (what
+        generate() and the gateway's non-streaming path read)."""
+        async with aclosing(self._chunks(build_generate_request(prompt, **params), timeout)) as inner:
+            async for chunk in inner:
+                yield chunk
+
+    async def _chunks(self, request: pb.GenerateRequest, timeout: float | None) -> AsyncIterator[StreamChunk]:
         await self._await_ready(timeout)
         call = self._stub.Generate(request, **self._kw(timeout))
         try:
@@ -120,7 +135,7 @@ class AsyncClient:
                     c.index = i
             return list(results)
         acc = ResultAssembler()
-        agen = self.stream(prompt, timeout=timeout, **params)
+        agen = self._chunks(build_generate_request(prompt, **params), timeout)
         try:
             async for chunk in agen:
                 acc.add(chunk)

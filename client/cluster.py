@@ -277,5 +277,8 @@ class LocalCluster:
     def __enter__(self) -> "LocalCluster":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.stop()
+    def __exit__(self, exc_type, *exc) -> None:
+        failed = exc_type is not None  # an error inside the block: keep the logs that explain it
+        self.stop(keep_logs=failed)
+        if failed:
+            print(f"LocalCluster: the logs of this failed run are kept in {self.log_dir}", file=sys.stderr, flush=True)

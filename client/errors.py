@@ -84,10 +84,25 @@ def error_for(code: grpc.StatusCode, details: str = "") -> MiniPagedError:
 WORKER_SERVICE = "minipaged.v1.WorkerService"
 
 
+NOT_GRPC = ("failed parsing http/2", "http1.x server", "expected settings frame")
+
+
+def explain_not_grpc(err: MiniPagedError, address: str) -> MiniPagedError:
+    """A server that answers in HTTP/1.1 (the gateway's port, a web server) fails gRPC's HTTP/2
+    handshake with a parse error: name the likely mix-up instead."""
+    if not isinstance(err, Unavailable) or not any(s in err.details.lower() for s in NOT_GRPC):
+        return err
+    return Unavailable(f"{address} answers HTTP/1.1, not gRPC: is it the gateway's HTTP port (try "
+                       f"curl http://{address}/v1/models)? Point the client at the metadata service's address "
+                       f"(python -m metadata_service --port, 50051 by default). Server said: {err.details}")
+
+
 def explain_unimplemented(err: MiniPagedError, address: str, channel: grpc.Channel | None = None) -> MiniPagedError:
     """UNIMPLEMENTED "Method not found" means the server at `address` serves no MetadataService.
     Ask its health service whether it is one of our workers, and say so plainly (the common
-    mistake: pointing the client at a worker's port)."""
+    mistake: pointing the client at a worker's port). A server that is no gRPC server at all
+    gets explain_not_grpc's hint."""
+    err = explain_not_grpc(err, address)
     if not isinstance(err, Unimplemented) or "not found" not in err.details.lower():
         return err
     what = "does not serve minipaged.v1.MetadataService"
@@ -114,5 +129,5 @@ def from_rpc_error(e: grpc.RpcError) -> MiniPagedError:
 
 __all__ = ["MiniPagedError", "InvalidArgument", "ResourceExhausted", "NotFound", "Unavailable",
            "FailedPrecondition", "Unauthenticated", "PermissionDenied", "AlreadyExists", "DeadlineExceeded", "Cancelled", "Unimplemented",
-           "error_for", "explain_unimplemented",
+           "error_for", "explain_not_grpc", "explain_unimplemented",
            "from_rpc_error"]

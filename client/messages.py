@@ -134,6 +134,8 @@ class Stats:
     metadata_cpu_seconds: float = 0.0
     model: str = ""
     max_model_len: int = 0
+    model_fingerprint: str = ""
+    model_shape: str = ""
 
     @classmethod
     def from_proto(cls, r: pb.StatsReply) -> "Stats":
@@ -200,6 +202,15 @@ def _logprob_fields(logprobs, return_logprobs) -> tuple[bool, int]:
             raise InvalidArgument(f"logprobs must be True or an int >= 0 (alternatives per token), got {logprobs}")
         return True, int(logprobs)
     raise TypeError(f"logprobs must be a bool or an int, got {logprobs!r}")
+
+
+def refuse_unstreamable(request: pb.GenerateRequest) -> None:
+    """stream() with best_of > n: the winners are known only when every candidate has ended, so
+    there is nothing to stream (generate() and the gateway's non-streaming path wait for them)."""
+    n = max(1, request.n)
+    if request.best_of > n:
+        raise InvalidArgument(f"best_of ({request.best_of}) > n ({n}) cannot be streamed: which choices win "
+                              f"is known only at the end; use generate() (it waits for them) or submit() a job")
 
 
 def build_generate_request(prompt: str | None = None, prompt_token_ids: Sequence[int] | None = None,

@@ -20,7 +20,7 @@ from .messages import (CHANNEL_OPTIONS, MAX_MESSAGE_BYTES, REQUEST_KEYS, TERMINA
                        Deadline, GenerateResult, JobCollector, JobStatus, PoolSnapshot, ResultAssembler, Stats,
                        StreamChunk, Usage, batch_items, build_generate_request, build_submit_request,
                        chunk_from_proto, job_from_proto, normalize_address, pool_snapshot_from_proto,
-                       result_from_proto)
+                       refuse_unstreamable, result_from_proto)
 
 # generate([...]) runs this many requests at once by default: each open stream holds one of the
 # service's RPC threads (128), so a large batch must not take them all.
@@ -96,8 +96,13 @@ class Client:
         `params`: prompt_token_ids, max_new_tokens, temperature, top_p, top_k, seed, stop,
         stop_token_ids, ignore_eos, logprobs (True or k alternatives; return_logprobs is an alias
         of logprobs=True), n, best_of, min_new_tokens, repetition_penalty, presence_penalty,
-        frequency_penalty (see build_generate_request)."""
+        frequency_penalty (see build_generate_request). best_of > n is refused (InvalidArgument)."""
         request = build_generate_request(prompt, **params)
+        refuse_unstreamable(request)
+        yield from self._chunks(request, timeout)
+
+    def _chunks(self, request: pb.GenerateRequest, timeout: float | None) -> Iterator[StreamChunk]:
+        """The Generate RPC's chunks (with best_of > n: the n winners, whole, at the end)."""
         self._await_ready(timeout)
         call = self._stub.Generate(request, **self._kw(timeout))
         try:
@@ -119,7 +124,7 @@ class Client:
         if items is not None:
             return self._generate_batch(items, timeout, max_concurrency)
         acc = ResultAssembler()
-        for chunk in self.stream(prompt, timeout=timeout, **params):
+        for chunk in self._chunks(build_generate_request(prompt, **params), timeout):
             acc.add(chunk)
         return acc.result()
 
@@ -134,7 +139,7 @@ class Client:
             acc = ResultAssembler()
             if failed.is_set():
                 raise Cancelled("not started: another request of the batch failed")
-            for chunk in self.stream(timeout=timeout, **item):
+            for chunk in self._chunks(build_generate_request(**item), timeout):
                 if failed.is_set():  # leaving the loop cancels this request's stream
                     raise Cancelled("cancelled: another request of the batch failed")
                 acc.add(chunk)

@@ -9,9 +9,10 @@ import sys
 
 import uvicorn
 
+from minipaged.cli import prog_name
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m gateway", description=__doc__,
+    p = argparse.ArgumentParser(prog=prog_name("gateway"), description=__doc__,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--metadata", default=os.environ.get("MINIPAGED_ADDRESS", "127.0.0.1:50051"),
                    help="the metadata service, HOST:PORT (HOST alone: port 50051; env MINIPAGED_ADDRESS)")
@@ -53,6 +54,12 @@ def main(argv=None) -> int:
     from client.messages import normalize_address
 
     from .app import GatewayConfig, create_app
+    from .model_identity import check_model_arg
+    try:  # a wrong path or a broken config.json is a start error, not a silently wrong /v1/models
+        check_model_arg(args.model)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
     config = GatewayConfig(metadata=normalize_address(args.metadata), token=args.token,
                            metadata_token=args.metadata_token, model=args.model,
                            served_model_name=args.served_model_name, tls_ca=args.tls_ca or None,

@@ -28,6 +28,7 @@ from client.aio import AsyncClient
 from client.errors import MiniPagedError
 from client.messages import Stats, StreamChunk
 
+from . import model_identity as identity
 from . import openai_api as oa
 from . import reasoning as rs
 from . import tool_calls as tc
@@ -37,9 +38,11 @@ from .chat_template import ChatTemplate
 from .dashboard import dashboard_routes
 from .errors import GatewayError, bad_request, error_response
 from .metrics import GatewayMetrics
+from .token_bytes import TokenStrings
 
 log = logging.getLogger("gateway")
 DEFAULT_CHAT_MAX_TOKENS = 256
+MODEL_REFRESH_S = 5.0  # Stats poll that keeps the served model's identity and context current
 
 
 @dataclass
@@ -72,12 +75,16 @@ class Gateway:
         self.client: AsyncClient | None = None
         self.template = ChatTemplate(config.model)
         self.tokenizer = self._load_tokenizer(config.model)
-        self.max_model_len = self._max_model_len(config.model)
         self.metrics = GatewayMetrics(lambda: self.model_name)
         self.started = int(time.time())
         self.last_stats: Stats | None = None
         self.token_text = functools.lru_cache(maxsize=65536)(self._token_text)
         self.ttft_sum, self.ttft_count = 0.0, 0  # for the dashboard's TTFT plot
+        self.local_config = self._local_config(config.model)
+        self.max_model_len = self.local_config.max_position_embeddings if self.local_config else None
+        self.mismatch: str | None = None      # why --model is not the served model (requests get 503)
+        self._adopted = ""                    # without --model: the served model taken from the service
+        self._warned: set[str] = set()
 
     # ------------------------------------------------------------ model identity
 
@@ -93,13 +100,10 @@ class Gateway:
             return None
 
     @staticmethod
-    def _max_model_len(model: str | None) -> int | None:
-        if not model or (model != "tiny" and not os.path.isdir(model)):
-            return None
-        from minipaged.config import load_model_config
+    def _local_config(model: str | None):
         try:
-            return load_model_config(model).max_position_embeddings
-        except Exception:  # noqa: BLE001
+            return identity.check_model_arg(model)
+        except (ValueError, OSError):  # python -m gateway refuses these at start (gateway/__main__.py)
             return None
 
     @property
@@ -120,8 +124,8 @@ class Gateway:
                                     f"`{self.model_name}` (GET /v1/models).", "invalid_request_error",
                                "model", "model_not_found")
 
-    def token_text_for(self, req):
-        return _token_id_text if req.return_tokens_as_token_ids else self.token_text
+    def token_text_for(self, req) -> TokenStrings:
+        return TokenStrings(_token_id_text if req.return_tokens_as_token_ids else self.token_text, self.tokenizer)
 
     def _token_text(self, token_id: int) -> str:
         """A token as text for logprobs (vLLM writes "token_id:N" where it has no tokenizer)."""
@@ -134,7 +138,56 @@ class Gateway:
     async def stats(self) -> Stats:
         st = await self.client.stats(timeout=self.config.rpc_timeout)
         self.last_stats = st
+        await self._observe_model(st)
         return st
+
+    async def _observe_model(self, st: Stats) -> None:
+        """The served model, as Stats reports it: checked against --model, or adopted without one
+        (gateway/model_identity.py). max_model_len is the service's, the limit it enforces."""
+        if st.max_model_len:
+            self.max_model_len = st.max_model_len
+        model = self.config.model
+        if model:
+            why = identity.mismatch(model, self.local_config, st)
+            if why and why != self.mismatch:
+                log.error("%s", why)
+            elif self.mismatch and not why:
+                log.info("gateway --model %s matches the served model again", model)
+            self.mismatch = why
+            warn = None if why else identity.path_warning(model, st)
+            if warn and warn not in self._warned:
+                self._warned.add(warn)
+                log.warning("%s", warn)
+        elif st.model and st.model != self._adopted:
+            self._adopted = st.model
+            if not identity.readable_checkpoint(st.model):
+                log.warning("the workers' model %s is not readable here: chat uses the %s template and logprob "
+                            "tokens are shown as ids (mount it, or pass --model)", st.model, self.template.source)
+                return
+            loaded = await asyncio.to_thread(lambda: (ChatTemplate(st.model), self._load_tokenizer(st.model)))
+            self.template, self.tokenizer = loaded
+            self.token_text.cache_clear()
+            log.info("model taken from the service: %s (max_model_len %d, chat template: %s)", st.model,
+                     st.max_model_len, self.template.source)
+
+    async def require_model(self) -> None:
+        """Before a generation request: refuse one for a model the workers do not serve."""
+        if self.last_stats is None or not self.last_stats.model:   # not known yet: ask once
+            try:
+                await self.stats()
+            except MiniPagedError:
+                return  # the request itself reports the service's state
+        if self.mismatch:
+            raise GatewayError(503, self.mismatch, "service_unavailable_error", "model", "model_mismatch")
+
+    async def refresh_forever(self, interval_s: float) -> None:
+        """Keep the served model's identity current (workers can be restarted with another model)."""
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.stats()
+            except MiniPagedError:
+                pass
 
     async def generate_stream(self, items: list[dict], n: int, t0: float) -> AsyncIterator[tuple[int, StreamChunk]]:
         """Every prompt's Generate stream at once, merged: (OpenAI choice index, chunk). Leaving the
@@ -144,7 +197,7 @@ class Gateway:
 
         async def pump(p: int, kw: dict) -> None:
             obs = _Observed(self, t0)
-            agen = self.client.stream(**kw)
+            agen = self.client.chunks(**kw)  # best_of > n (refused when streaming): winners at the end
             try:
                 async for chunk in agen:
                     obs.chunk(chunk)
@@ -293,7 +346,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
         except MiniPagedError as e:
             log.warning("metadata service at %s not answering yet: %s", config.metadata, e)
         log.info("gateway for %s: model %s, chat template: %s", config.metadata, gw.model_name, gw.template.source)
+        refresher = asyncio.ensure_future(gw.refresh_forever(MODEL_REFRESH_S))
         yield
+        refresher.cancel()
         await gw.client.close()
 
     app = FastAPI(title="MiniPaged-Qwen gateway", lifespan=lifespan, docs_url="/docs", redoc_url=None)
@@ -322,20 +377,35 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     # ------------------------------------------------------------ OpenAI API
 
-    @app.get("/v1/models")
-    async def models(request: Request):
-        authorize(request)
+    async def model_card() -> dict:
+        if gw.last_stats is None or not gw.last_stats.model:  # max_model_len is the service's: ask once
+            try:
+                await gw.stats()
+            except MiniPagedError:
+                pass
         card = {"id": gw.model_name, "object": "model", "created": gw.started, "owned_by": "minipaged",
                 "root": config.model or gw.model_name, "parent": None}
         if gw.max_model_len:
             card["max_model_len"] = gw.max_model_len
-        return {"object": "list", "data": [card]}
+        return card
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        authorize(request)
+        return {"object": "list", "data": [await model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")  # openai's models.retrieve(); a checkpoint path holds slashes
+    async def model(model_id: str, request: Request):
+        authorize(request)
+        gw.check_model(model_id)
+        return await model_card()
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         authorize(request)
         t0 = time.monotonic()
         req = _parse(oa.CompletionRequest, await _json_body(request))
+        await gw.require_model()  # first: without --model, the name to accept comes from the service
         gw.check_model(req.model)
         kw = oa.completion_kwargs(req)
         prompts = oa.completion_prompts(req)
@@ -362,6 +432,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         authorize(request)
         t0 = time.monotonic()
         req = _parse(oa.ChatCompletionRequest, await _json_body(request))
+        await gw.require_model()  # first: without --model, the name to accept comes from the service
         gw.check_model(req.model)
         messages = oa.chat_messages(req)
         tools = tc.plan(req.tools, req.tool_choice, req.parallel_tool_calls)
@@ -391,6 +462,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
             st = await gw.stats()
         except MiniPagedError as e:
             return JSONResponse({"status": "unavailable", "ready": False, "reason": str(e)}, status_code=503)
+        if gw.mismatch:
+            return JSONResponse({"status": "model mismatch", "ready": False, "reason": gw.mismatch}, status_code=503)
         if not st.ready:
             return JSONResponse({"status": "not ready", "ready": False,
                                  "reason": st.not_ready_reason or "no worker chain is ready"}, status_code=503)

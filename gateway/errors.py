@@ -5,6 +5,8 @@ status code and message, or a check the SDK made before any RPC) or a GatewayErr
 raised itself (a bad parameter, an unknown model, a wrong token)."""
 from __future__ import annotations
 
+import re
+
 import grpc
 from fastapi.responses import JSONResponse
 
@@ -52,11 +54,30 @@ def bad_request(message: str, param: str | None = None) -> GatewayError:
     return GatewayError(400, message, "invalid_request_error", param)
 
 
+# The service and SDK name fields as our GenerateRequest does; a gateway user sent OpenAI's names.
+OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+# Request fields an error message can be about, most specific first: the first one named is `param`.
+PARAMS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "best_of", "n", "seed", "stop_token_ids",
+          "stop", "repetition_penalty", "presence_penalty", "frequency_penalty", "top_logprobs", "logprobs",
+          "prompt", "messages")
+_PARAM_RE = re.compile(r"\b(" + "|".join(PARAMS) + r")\b")
+
+
+def openai_wording(message: str) -> tuple[str, str | None]:
+    """(message with OpenAI's field names, the request field it is about or None)."""
+    for ours, theirs in OPENAI_NAMES.items():
+        message = re.sub(rf"\b{ours}\b", theirs, message)
+    m = _PARAM_RE.search(message)
+    return message, (m.group(1) if m else None)
+
+
 def from_sdk_error(e: MiniPagedError) -> GatewayError:
     status, type_, retry = GRPC_TO_HTTP.get(e.code, (500, "server_error", None))
     if e.code == S.RESOURCE_EXHAUSTED and NEVER_FITS in e.details:
         status, type_, retry = 400, "invalid_request_error", None
-    return GatewayError(status, e.details or e.code.name, type_, code=e.code.name.lower(), retry_after=retry)
+    message, param = openai_wording(e.details or e.code.name)
+    return GatewayError(status, message, type_, param if status == 400 else None, code=e.code.name.lower(),
+                        retry_after=retry)
 
 
 def as_gateway_error(e: Exception) -> GatewayError:
@@ -65,7 +86,7 @@ def as_gateway_error(e: Exception) -> GatewayError:
     if isinstance(e, MiniPagedError):
         return from_sdk_error(e)
     if isinstance(e, (TypeError, ValueError)):  # the SDK's own type checks, before any RPC
-        return bad_request(str(e))
+        return bad_request(*openai_wording(str(e)))
     return GatewayError(500, f"internal error: {type(e).__name__}: {e}", "server_error")
 
 

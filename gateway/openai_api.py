@@ -18,6 +18,7 @@ from .errors import bad_request
 
 MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default --max-logprobs
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's; others are a 400
 
 
 # ---------------------------------------------------------------- requests
@@ -147,6 +148,8 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
         raise bad_request("only response_format {\"type\": \"text\"} is supported", "response_format")
     out = []
     for i, m in enumerate(req.messages):
+        if m.role not in CHAT_ROLES:
+            raise bad_request(f"messages[{i}].role {m.role!r} is not one of {', '.join(CHAT_ROLES)}", "messages")
         content = m.content
         if isinstance(content, list):
             texts = []
@@ -243,13 +246,14 @@ def completion_logprobs(choice: Choice, token_text, offset0: int = 0) -> dict | 
 def chat_logprobs(choice: Choice, token_text) -> dict | None:
     if not choice.logprobs:
         return None
+    # the token's raw bytes where token_text knows them (gateway/token_bytes.py), else its text's
+    raw = getattr(token_text, "raw_bytes", None) or (lambda t: list(token_text(t).encode("utf-8")))
     content = []
     for k, (t, lp) in enumerate(zip(choice.token_ids, choice.logprobs)):
         s = token_text(t)
         alts = choice.top[k] if k < len(choice.top) else {}
-        content.append({"token": s, "logprob": lp, "bytes": list(s.encode("utf-8")),
-                        "top_logprobs": [{"token": token_text(a), "logprob": alp,
-                                          "bytes": list(token_text(a).encode("utf-8"))}
+        content.append({"token": s, "logprob": lp, "bytes": raw(t),
+                        "top_logprobs": [{"token": token_text(a), "logprob": alp, "bytes": raw(a)}
                                          for a, alp in alts.items()]})
     return {"content": content}
 

@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from minipaged.cli import prog_name
 from minipaged.rpc import DecodeGuardInterceptor
 from minipaged.tls import add_port, make_channel
 from minipaged.v1 import metadata_pb2, metadata_pb2_grpc
@@ -30,7 +31,7 @@ SERVICE_NAME = metadata_pb2.DESCRIPTOR.services_by_name["MetadataService"].full_
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m metadata_service", description=__doc__,
+    p = argparse.ArgumentParser(prog=prog_name("metadata_service"), description=__doc__,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051, help="0 picks a free port")

@@ -90,10 +90,8 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
 
     # ------------------------------------------------------------------ generation
     def Generate(self, request, context):
-        if request.best_of > max(1, request.n):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"best_of ({request.best_of}) > n ({max(1, request.n)}) cannot be streamed: which choices "
-                          f"win is known only at the end; submit it as a job")
+        # best_of > n: which choices win is known only at the end, so the stream is quiet until then
+        # and carries the n winners whole (the SDK's stream() and the gateway refuse to "stream" it).
         req = self._admit([request], context)[0]
         events: queue.SimpleQueue = queue.SimpleQueue()
         seq = to_sequence(req, self.engine, sink=lambda s, ev: events.put((s, ev)))
@@ -112,8 +110,10 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
                     continue
                 if ev.error:
                     context.abort(grpc.StatusCode[ev.error_code or "UNAVAILABLE"], ev.error)
-                if ev.finished and ev.finish_reason == "group":
-                    return                                             # every choice has ended
+                if ev.finished and ev.finish_reason == "group":        # every choice has ended
+                    if seq.params.best_of > seq.params.n:
+                        yield from self._winners(seq)
+                    return
                 state = choices.setdefault(s.choice, [IncrementalDetokenizer(self.engine), 0])
                 detok, sent = state
                 detok.push(ev.new_token_ids)
@@ -136,6 +136,19 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
                 yield chunk
         finally:
             self._done()
+
+    def _winners(self, seq):
+        """best_of > n: the n chosen choices (best cumulative logprob first, as a job's), one whole
+        chunk each, renumbered 0..n-1."""
+        for i, m in enumerate(seq.group.chosen()):
+            chunk = metadata_pb2.GenerateChunk(
+                token_ids=pack(m.output_token_ids, INT32), index=i, text=final_text(m, self.engine),
+                finish_reason=seq.group.ended[m.choice].finish_reason, usage=usage(m),
+                logprobs=pack(m.output_logprobs, FLOAT32) if seq.params.show_logprobs else b"")
+            if m.output_top:
+                chunk.top_logprob_ids = pack(np.concatenate([t[0] for t in m.output_top]))
+                chunk.top_logprobs = pack(np.concatenate([t[1] for t in m.output_top]), FLOAT32)
+            yield chunk
 
     # ------------------------------------------------------------------ jobs
     def SubmitJob(self, request, context):
@@ -248,7 +261,8 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
             live_sequences=st["live_sequences"] + api_live, not_ready_reason=st["not_ready_reason"],
             chains=chains, num_chains=st["num_chains"], standby_workers=st["standby_workers"],
             metadata_cpu_seconds=time.process_time(), model=self.engine.model_name,
-            max_model_len=self.engine.max_model_len)
+            max_model_len=self.engine.max_model_len, model_fingerprint=self.engine.model_fingerprint,
+            model_shape=self.engine.model_shape)
 
     def PoolSnapshot(self, request, context):
         max_blocks = request.max_blocks if request.max_blocks > 0 else 4096

@@ -23,7 +23,8 @@ from collections import deque
 
 import grpc
 
-from minipaged.tokenizer import ByteTokenizer, load_tokenizer
+from minipaged.config import shape_signature
+from minipaged.tokenizer import ByteTokenizer, byte_fallback_problem, load_tokenizer
 from minipaged.units import kv_capacity
 from minipaged.v1 import worker_pb2
 from minipaged.wire import INT32, unpack
@@ -73,6 +74,8 @@ class Engine:
         self.tokenizer = ByteTokenizer()
         self.model_name = ""
         self.model_fingerprint = ""                # of the last chain; kept while it is down
+        self.model_shape = ""                      # shape_signature of the served model (Stats, the gateway)
+        self.text_prompt_problem = None            # why text prompts cannot be tokenized (tiny vocab, no files)
         self.model_label = ""                      # its name, for messages (also known after a restart)
         self.on_model_changed = []                 # callbacks(fingerprint, name): the job store records it
         self.on_ready_changed = []                 # callbacks(bool): health readiness follows
@@ -310,6 +313,11 @@ class Engine:
                     cb(info.model_fingerprint, info.model_name)
         self.eos_ids = set(unpack(stages[-1].info.eos_token_ids, INT32).tolist())
         self.vocab_size = info.vocab_size
+        self.text_prompt_problem = byte_fallback_problem(info.model_name, info.vocab_size)
+        if self.text_prompt_problem:
+            log.warning("%s", self.text_prompt_problem)
+        self.model_shape = shape_signature(info.vocab_size, info.hidden_size, info.num_layers,
+                                           info.num_attention_heads, info.num_kv_heads, info.head_dim)
         self.max_model_len = self.max_model_len_flag or info.max_position_embeddings
         self.model_known.set()
 

@@ -45,6 +45,8 @@ def normalize(req: metadata_pb2.GenerateRequest, engine) -> metadata_pb2.Generat
     except WireError as e:
         raise RequestError(bad, str(e)) from None
     if ids is None:
+        if req.prompt and getattr(engine, "text_prompt_problem", None):  # (an empty one is "empty" below)
+            raise RequestError(bad, engine.text_prompt_problem)
         ids = engine.tokenizer.encode(req.prompt)
     ids = np.asarray(ids, dtype=np.int64)   # vectorized: a job may bring millions of prompt tokens
     if not ids.size:

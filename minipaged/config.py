@@ -50,7 +50,9 @@ class ModelConfig:
     raw: dict = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_dict(cls, cfg: dict, name: str) -> "ModelConfig":
+    def from_dict(cls, cfg: dict, name: str, source: str | None = None) -> "ModelConfig":
+        """`source` names the file in error messages (default: `name`)."""
+        check_fields(cfg, source or name)
         if cfg.get("model_type", "qwen3") != "qwen3":
             raise ValueError(f"{name}: model_type {cfg.get('model_type')!r} is not qwen3")
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
@@ -80,6 +82,65 @@ class ModelConfig:
         )
 
 
+REQUIRED_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "max_position_embeddings")
+OPTIONAL_FLOATS = ("rms_norm_eps", "rope_theta")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_fields(cfg, source: str) -> None:
+    """One clear ValueError naming the file and the field, instead of a KeyError or a TypeError
+    deep inside the model (a missing num_hidden_layers, hidden_size: "big")."""
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{source}: expected a JSON object, got {type(cfg).__name__}")
+    for key in REQUIRED_INTS:
+        if key not in cfg:
+            raise ValueError(f"{source}: missing required field {key!r}")
+    for key in REQUIRED_INTS + OPTIONAL_INTS:
+        v = cfg.get(key)
+        if (key in REQUIRED_INTS or v is not None) and not (_is_int(v) and v > 0):
+            raise ValueError(f"{source}: field {key!r} must be a positive integer, got {v!r}")
+    for key in OPTIONAL_FLOATS:
+        v = cfg.get(key)
+        if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0):
+            raise ValueError(f"{source}: field {key!r} must be a positive number, got {v!r}")
+    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    if heads % kv:
+        raise ValueError(f"{source}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv})")
+    if not cfg.get("head_dim") and cfg["hidden_size"] % heads:
+        raise ValueError(f"{source}: hidden_size ({cfg['hidden_size']}) is not a multiple of num_attention_heads "
+                         f"({heads}), and no head_dim is given")
+    eos = cfg.get("eos_token_id")
+    if eos is not None and not (_is_int(eos) or (isinstance(eos, list) and all(_is_int(e) for e in eos))):
+        raise ValueError(f"{source}: field 'eos_token_id' must be an int or a list of ints, got {eos!r}")
+
+
+def _read_json(path: str):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason})") from None
+
+
+WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json",
+                "pytorch_model.bin")
+
+
+def check_weights_present(model: str) -> None:
+    """A checkpoint directory holds weights in one of the layouts worker/weights.py reads: cheap to
+    check before anything is loaded, so a config-only directory is one line, not a traceback."""
+    if model == "tiny":
+        return
+    if not any(os.path.isfile(os.path.join(model, f)) for f in WEIGHT_FILES):
+        raise FileNotFoundError(f"{model}: no weights (expected one of {', '.join(WEIGHT_FILES)})")
+
+
 def load_model_config(model: str) -> ModelConfig:
     """`tiny` or a local checkpoint directory holding config.json."""
     if model == "tiny":
@@ -88,14 +149,30 @@ def load_model_config(model: str) -> ModelConfig:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--model {model!r}: no config.json there (expected 'tiny' or a local "
                                 f"Hugging Face Qwen3 checkpoint directory)")
-    with open(path) as f:
-        cfg = json.load(f)
+    cfg = _read_json(path)
+    first = ModelConfig.from_dict(cfg, model, source=path)
     # generation_config.json may name more EOS ids (Qwen3 chat models do).
     gen_path = os.path.join(model, "generation_config.json")
     if os.path.isfile(gen_path):
-        with open(gen_path) as f:
-            gen_eos = json.load(f).get("eos_token_id")
+        gen = _read_json(gen_path)
+        gen_eos = gen.get("eos_token_id") if isinstance(gen, dict) else None
         if gen_eos is not None:
-            cfg = dict(cfg, eos_token_id=sorted(set(([gen_eos] if isinstance(gen_eos, int) else gen_eos)
-                                                    + ModelConfig.from_dict(cfg, model).eos_token_ids)))
-    return ModelConfig.from_dict(cfg, model)
+            if not (_is_int(gen_eos) or (isinstance(gen_eos, list) and all(_is_int(e) for e in gen_eos))):
+                raise ValueError(f"{gen_path}: field 'eos_token_id' must be an int or a list of ints, got {gen_eos!r}")
+            cfg = dict(cfg, eos_token_id=sorted(set(([gen_eos] if _is_int(gen_eos) else gen_eos)
+                                                    + first.eos_token_ids)))
+            return ModelConfig.from_dict(cfg, model, source=path)
+    return first
+
+
+def shape_signature(vocab_size: int, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
+                    head_dim: int) -> str:
+    """The model's shapes as one comparable line: the service builds it from what the workers
+    register, the gateway from the config.json its --model names (StatsReply.model_shape)."""
+    return (f"vocab {vocab_size}, hidden {hidden_size}, {num_layers} layers, {num_heads} heads / "
+            f"{num_kv_heads} KV heads of {head_dim}")
+
+
+def config_shape(cfg: ModelConfig) -> str:
+    return shape_signature(cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads,
+                           cfg.num_key_value_heads, cfg.head_dim)

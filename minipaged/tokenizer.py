@@ -34,12 +34,24 @@ class HFTokenizer:
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 
 
+def has_tokenizer_files(model: str) -> bool:
+    return model != "tiny" and os.path.isdir(model) and any(
+        os.path.isfile(os.path.join(model, f)) for f in _TOKENIZER_FILES)
+
+
 def load_tokenizer(model: str):
     """The tokenizer for `--model`: byte-level for `tiny` and for checkpoints that ship none."""
-    if model != "tiny" and os.path.isdir(model) and any(
-            os.path.isfile(os.path.join(model, f)) for f in _TOKENIZER_FILES):
-        return HFTokenizer(model)
-    return ByteTokenizer()
+    return HFTokenizer(model) if has_tokenizer_files(model) else ByteTokenizer()
+
+
+def byte_fallback_problem(model: str, vocab_size: int) -> str | None:
+    """Why text prompts cannot work, or None: a checkpoint without tokenizer files falls back to
+    the byte-level tokenizer, whose ids 0-255 (and EOS 256) must exist in the model's vocab."""
+    if has_tokenizer_files(model) or vocab_size >= 256:
+        return None
+    return (f"{model} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}) and its vocab_size {vocab_size} is "
+            f"under 256: the byte-level fallback tokenizer needs vocab_size >= 256, so text prompts cannot be "
+            f"encoded; send prompt_token_ids, or add the checkpoint's tokenizer files")
 
 
 class IncrementalDetokenizer:

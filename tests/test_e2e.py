@@ -202,6 +202,8 @@ def test_e2e_admission_errors_leave_nothing_behind(one_worker):
         c.generate(prompt_token_ids=[500], max_new_tokens=2)
     with pytest.raises(InvalidArgument, match="empty"):
         c.generate(prompt_token_ids=[], max_new_tokens=2)
+    with pytest.raises(InvalidArgument, match="byte-level fallback tokenizer needs vocab_size >= 256"):
+        c.generate(prompt="hi", max_new_tokens=2)                        # vocab 96, no tokenizer files
     with pytest.raises(InvalidArgument):
         c.submit([{"prompt_token_ids": [5], "max_new_tokens": 2}, {"prompt_token_ids": [5], "top_p": 2.0}])
     after = c.stats()

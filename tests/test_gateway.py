@@ -109,7 +109,7 @@ def test_models_health_and_errors_are_openai_shaped(cluster, oai, ckpt):
         oai.completions.create(model="no-such-model", prompt="hello", max_tokens=2)
     # the basename of the checkpoint path is accepted too
     oai.completions.create(model=os.path.basename(ckpt), prompt="hello", max_tokens=1)
-    for bad, match in ((dict(max_tokens=0), "max_new_tokens must be >= 1"),
+    for bad, match in ((dict(max_tokens=0), "max_tokens must be >= 1"),
                        (dict(max_tokens=2, top_p=0), r"top_p must be in \(0, 1\]"),
                        (dict(max_tokens=2, n=0), "n must be >= 1"),
                        (dict(max_tokens=2, temperature=-1), "temperature"),

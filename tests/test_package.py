@@ -74,6 +74,7 @@ def test_pip_install_and_console_scripts(tmp_path):
     assert os.path.isfile(os.path.join(pkg, "gateway", "static", "dashboard.html"))
     assert os.path.isfile(os.path.join(pkg, "worker", "kernels", "simt_cpu.h"))
     assert any(f.endswith(".cu") for f in os.listdir(os.path.join(pkg, "worker", "kernels")))
+    assert os.path.isfile(os.path.join(pkg, "worker", "cpu_kernels.cpp"))  # the CPU kernels' source (issue 21)
     assert not os.path.exists(os.path.join(pkg, "tests"))
     bindir = os.path.dirname(py)
     for script, module in SCRIPTS.items():
@@ -81,7 +82,9 @@ def test_pip_install_and_console_scripts(tmp_path):
                            text=True, env=_env())
         same = subprocess.run([py, "-m", module, "--help"], cwd=elsewhere, capture_output=True, text=True, env=_env())
         assert r.returncode == 0 and same.returncode == 0, r.stderr[-2000:]
-        assert r.stdout.split("\n", 1)[1] == same.stdout.split("\n", 1)[1]  # same program (usage line names differ)
+        assert r.stdout.startswith(f"usage: {script} ") and same.stdout.startswith(f"usage: python -m {module} ")
+        # the same program: everything after the usage block (which wraps by the name's length)
+        assert r.stdout.split("\n\n", 1)[1] == same.stdout.split("\n\n", 1)[1]
 
     # the installed service and CLI talk to each other, started from an unrelated directory
     port = free_port()
@@ -99,9 +102,37 @@ def test_pip_install_and_console_scripts(tmp_path):
                                 f"127.0.0.1:{port}"], cwd=elsewhere, capture_output=True, text=True, env=_env())
         assert r.returncode == 0, r.stderr
         assert '"ready": false' in r.stdout
+        _installed_worker_serves_with_cpu_kernels(tmp_path, bindir, port, pkg, elsewhere)
     finally:
         service.terminate()
         service.wait(30)
+
+
+def _installed_worker_serves_with_cpu_kernels(tmp_path, bindir, port, pkg, cwd):
+    """The installed worker compiles worker/cpu_kernels.cpp from site-packages into the user's cache
+    (not into site-packages) and serves a request with it."""
+    cache = tmp_path / "cache"
+    env = {**_env(), "XDG_CACHE_HOME": str(cache)}
+    env.pop("MINIPAGED_CPU_KERNEL_DIR", None)
+    log_path = tmp_path / "worker.log"
+    with open(log_path, "w") as log:
+        worker = subprocess.Popen([os.path.join(bindir, "minipaged-worker"), "--metadata", f"127.0.0.1:{port}",
+                                   "--port", "0", "--model", "tiny", "--kv-cache-bytes", str(8 << 20)],
+                                  cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        r = subprocess.run([os.path.join(bindir, "minipaged"), "generate", "--address", f"127.0.0.1:{port}",
+                            "--prompt", "Hi", "--max-new-tokens", "3", "--json", "--wait-ready", "240"],
+                           cwd=cwd, capture_output=True, text=True, env=env, timeout=300)
+        assert r.returncode == 0, r.stderr + log_path.read_text()
+        assert '"finish_reason": "length"' in r.stdout
+    finally:
+        worker.terminate()
+        worker.wait(30)
+    log = log_path.read_text()
+    assert "CPU kernels unavailable" not in log, log
+    built = [os.path.join(d, f) for d, _, files in os.walk(cache) for f in files if f.endswith(".so")]
+    assert built and all(b.startswith(str(cache / "minipaged" / "cpu_kernels")) for b in built), built
+    assert not os.path.exists(os.path.join(pkg, "build"))
 
 
 def test_pip_install_editable(tmp_path):

@@ -360,7 +360,17 @@ def test_cli_flags():
                 "--kv-memory-fraction", "0.5"], ["--dtype", "int8"], ["--model", "/nonexistent"]):
         with pytest.raises(SystemExit):
             resolve_args(["--model", "tiny", *bad] if "--model" not in bad else bad)
-    assert build_parser().parse_args([]).metadata == ""
+    # no --metadata: the service's default address, as the client and gateway use (issue 21)
+    env = os.environ.pop("MINIPAGED_ADDRESS", None)
+    try:
+        assert build_parser().parse_args([]).metadata == "127.0.0.1:50051"
+        assert resolve_args(["--standalone"]).metadata == "" == resolve_args(["--metadata", ""]).metadata
+        os.environ["MINIPAGED_ADDRESS"] = "meta:50099"
+        assert build_parser().parse_args([]).metadata == "meta:50099"
+    finally:
+        os.environ.pop("MINIPAGED_ADDRESS", None)
+        if env is not None:
+            os.environ["MINIPAGED_ADDRESS"] = env
 
 
 def test_process_serves_registers_and_stops_on_sigterm():

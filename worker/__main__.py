@@ -13,7 +13,8 @@ import socket
 import sys
 import threading
 
-from minipaged.config import load_model_config
+from minipaged.cli import prog_name
+from minipaged.config import check_weights_present, load_model_config
 
 log = logging.getLogger("worker")
 
@@ -35,12 +36,17 @@ def keep_freed_memory() -> None:
 DEFAULT_CPU_KV_BYTES = 256 * 1024 * 1024
 DEFAULT_GPU_MEMORY_FRACTION = 0.9
 SHUTDOWN_GRACE_S = 5.0
+DEFAULT_METADATA = "127.0.0.1:50051"   # the metadata service's default port, as client and gateway use
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m worker", description="MiniPaged-Qwen worker: one pipeline stage.",
+    p = argparse.ArgumentParser(prog=prog_name("worker"), description="MiniPaged-Qwen worker: one pipeline stage.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--metadata", default="", help="metadata service HOST:PORT to register with (empty: standalone)")
+    p.add_argument("--metadata", default=os.environ.get("MINIPAGED_ADDRESS", DEFAULT_METADATA),
+                   help="metadata service HOST:PORT to register with, as the client's and gateway's default "
+                        "(env MINIPAGED_ADDRESS)")
+    p.add_argument("--standalone", action="store_true",
+                   help="register with no metadata service: serve WorkerService calls only (tests, debugging)")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 in containers)")
     p.add_argument("--port", type=int, default=50061, help="port to serve on (0 = pick a free one)")
     p.add_argument("--advertise-address", default="", help="HOST:PORT others reach this worker at "
@@ -109,10 +115,18 @@ def resolve_args(argv=None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.worker_token = args.worker_token or os.environ.get("MINIPAGED_WORKER_TOKEN", "")  # not a default: --help
+    if args.standalone or not args.metadata:   # --metadata "" still means standalone, as it used to
+        args.metadata = ""
     try:
         args.config = load_model_config(args.model)
+        if not args.simulate:  # a simulated worker has no weights to load
+            check_weights_present(args.model)
+    except (ValueError, OSError) as e:  # one line naming the file and field, no usage wall
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    try:
         args.layer_start, args.layer_end = parse_layers(args.layers, args.config.num_hidden_layers)
-    except (ValueError, FileNotFoundError) as e:
+    except ValueError as e:
         parser.error(str(e))
     cuda = args.device.startswith("cuda")
     if args.simulate:
@@ -153,6 +167,18 @@ def kv_budget_bytes(args) -> int:
                                   baseline=getattr(args, "memory_baseline", None))
 
 
+def _torch_importable() -> bool:
+    """A plain `pip install .` has no PyTorch (it is the [worker] extra): say so, not a traceback."""
+    try:
+        import torch  # noqa: F401
+    except ImportError as e:
+        print(f"error: the worker needs PyTorch ({e}): pip install 'minipaged-qwen[worker]' (in a checkout: "
+              f"pip install '.[worker]'; on a CPU-only machine install the CPU build of torch first, see the "
+              f"README)", file=sys.stderr, flush=True)
+        return False
+    return True
+
+
 def main(argv=None) -> int:
     args = resolve_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
@@ -161,6 +187,12 @@ def main(argv=None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())
     keep_freed_memory()
+    from minipaged.tokenizer import byte_fallback_problem
+    problem = byte_fallback_problem(args.model, args.config.vocab_size)
+    if problem:  # said at start, not as an ids-range error on the first text prompt
+        log.warning("%s", problem)
+    if not _torch_importable():
+        return 2
     if args.threads > 0:
         import torch
         torch.set_num_threads(args.threads)
@@ -222,6 +254,11 @@ def main(argv=None) -> int:
              args.dtype, args.backend,
              f"{args.num_blocks} blocks" if args.num_blocks else f"{human_bytes(budget)} of K/V")
     print(f"worker listening on {args.host}:{port}", file=sys.stderr, flush=True)
+    if not args.metadata:
+        print("STANDALONE: registered with no metadata service, so no chain will use this worker "
+              "(drop --standalone and give --metadata HOST:PORT to serve requests)", file=sys.stderr, flush=True)
+    else:
+        print(f"registering with the metadata service at {args.metadata}", file=sys.stderr, flush=True)
 
     registration, rejected = None, []
     if args.metadata:

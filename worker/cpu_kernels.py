@@ -20,11 +20,12 @@ import threading
 
 import torch
 
+from minipaged.paths import build_dir
+
 log = logging.getLogger("worker.cpu_kernels")
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.cpp")
-REPO_ROOT = os.path.dirname(os.path.dirname(SOURCE))
-BUILD_DIR = os.environ.get("MINIPAGED_CPU_KERNEL_DIR", os.path.join(REPO_ROOT, "build", "cpu_kernels"))
+BUILD_DIR = os.environ.get("MINIPAGED_CPU_KERNEL_DIR", build_dir("cpu_kernels"))  # not site-packages
 CXX = os.environ.get("CXX", "g++")
 FLAGS = ["-x", "c++", "-std=c++17", "-O3", "-march=native", "-fopenmp", "-fno-trapping-math",
          "-fno-math-errno", "-fPIC", "-shared", "-Wall", "-Wextra"]

@@ -174,7 +174,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("num_blocks", "block_size", "used_blocks", "free_blocks", "cached_blocks", "internal_fragmentation_tokens", "kv_utilization", "running", "waiting", "preemptions", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate", "invariants_ok", "steps", "generated_tokens", "prompt_tokens", "tokens_per_second", "metadata_ms_per_step", "num_workers", "ready", "cache_epoch", "live_sequences", "shared_blocks", "not_ready_reason", "chains", "num_chains", "standby_workers", "metadata_cpu_seconds", "model", "max_model_len")
+    __slots__ = ("num_blocks", "block_size", "used_blocks", "free_blocks", "cached_blocks", "internal_fragmentation_tokens", "kv_utilization", "running", "waiting", "preemptions", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate", "invariants_ok", "steps", "generated_tokens", "prompt_tokens", "tokens_per_second", "metadata_ms_per_step", "num_workers", "ready", "cache_epoch", "live_sequences", "shared_blocks", "not_ready_reason", "chains", "num_chains", "standby_workers", "metadata_cpu_seconds", "model", "max_model_len", "model_fingerprint", "model_shape")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +206,8 @@ class StatsReply(_message.Message):
     METADATA_CPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SHAPE_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     block_size: int
     used_blocks: int
@@ -237,7 +239,9 @@ class StatsReply(_message.Message):
     metadata_cpu_seconds: float
     model: str
     max_model_len: int
-    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., internal_fragmentation_tokens: _Optional[int] = ..., kv_utilization: _Optional[float] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., invariants_ok: _Optional[bool] = ..., steps: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., metadata_ms_per_step: _Optional[float] = ..., num_workers: _Optional[int] = ..., ready: _Optional[bool] = ..., cache_epoch: _Optional[int] = ..., live_sequences: _Optional[int] = ..., shared_blocks: _Optional[int] = ..., not_ready_reason: _Optional[str] = ..., chains: _Optional[_Iterable[_Union[ChainStats, _Mapping]]] = ..., num_chains: _Optional[int] = ..., standby_workers: _Optional[int] = ..., metadata_cpu_seconds: _Optional[float] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    model_fingerprint: str
+    model_shape: str
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., internal_fragmentation_tokens: _Optional[int] = ..., kv_utilization: _Optional[float] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., invariants_ok: _Optional[bool] = ..., steps: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., metadata_ms_per_step: _Optional[float] = ..., num_workers: _Optional[int] = ..., ready: _Optional[bool] = ..., cache_epoch: _Optional[int] = ..., live_sequences: _Optional[int] = ..., shared_blocks: _Optional[int] = ..., not_ready_reason: _Optional[str] = ..., chains: _Optional[_Iterable[_Union[ChainStats, _Mapping]]] = ..., num_chains: _Optional[int] = ..., standby_workers: _Optional[int] = ..., metadata_cpu_seconds: _Optional[float] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., model_shape: _Optional[str] = ...) -> None: ...
 
 class StageStats(_message.Message):
     __slots__ = ("address", "layer_start", "layer_end", "busy_fraction", "step_ms")

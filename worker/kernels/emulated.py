@@ -23,11 +23,11 @@ import threading
 
 import torch
 
+from minipaged.paths import build_dir
 from worker.kernels import source
 from worker.kernels.launch import DEFAULT_NUM_SMS, KernelBackendBase, Launch
 
-REPO_ROOT = os.path.dirname(os.path.dirname(source.KERNEL_DIR))
-BUILD_DIR = os.environ.get("MINIPAGED_KERNEL_BUILD_DIR", os.path.join(REPO_ROOT, "build", "kernels"))
+BUILD_DIR = os.environ.get("MINIPAGED_KERNEL_BUILD_DIR", build_dir("kernels"))
 SCHEDULES = {"forward": 0, "reverse": 1, "random": 2, "warps": 3}
 
 _lock = threading.Lock()

@@ -14,9 +14,10 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
+from minipaged.paths import build_dir
 from worker.kernels import launch, source
 
-BUILD_DIR = os.path.join(os.path.dirname(os.path.dirname(source.KERNEL_DIR)), "build", "kernels")
+BUILD_DIR = build_dir("kernels")
 
 # Hopper (sm_90) per-SM limits: 64K registers allocated per warp in units of 256, 228 KB of shared
 # memory with 1 KB reserved per CTA, 64 warps, 32 CTAs.

@@ -1,0 +1,187 @@
+"""Issue 21's rough edges that need no cluster: bad checkpoints as one line, the worker without
+torch, console-script names, the gateway's OpenAI wording of errors, chat roles, logprob bytes,
+the byte-level fallback's vocab limit, the client's hints. (tests/test_usability.py runs the
+rest end to end.)"""
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import subprocess
+import sys
+import threading
+import types
+
+import pytest
+
+import client
+from client import Client
+from client.__main__ import main as cli_main
+from gateway import openai_api as oa
+from gateway.errors import GatewayError, as_gateway_error, openai_wording
+from gateway.token_bytes import TokenStrings, token_bytes
+from minipaged.cli import prog_name
+from minipaged.config import check_weights_present, config_shape, load_model_config
+from minipaged.tokenizer import ByteTokenizer, byte_fallback_problem, load_tokenizer
+from tests.test_client_unit import fake  # noqa: F401 (fixture)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GOOD = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}
+
+
+def _ckpt(tmp_path, cfg) -> str:
+    d = tmp_path / "ckpt"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(cfg if isinstance(cfg, str) else json.dumps(cfg))
+    return str(d)
+
+
+# ---------------------------------------------------------------- bad checkpoints: one line each
+
+@pytest.mark.parametrize("cfg, match", [
+    ('{"vocab_size": 512,\n "hidden_size": }', r"config.json: not valid JSON \(Expecting value at line 2 column 17\)"),
+    ({k: v for k, v in GOOD.items() if k != "num_hidden_layers"}, "config.json: missing required field 'num_hidden_layers'"),
+    (dict(GOOD, hidden_size="big"), "config.json: field 'hidden_size' must be a positive integer, got 'big'"),
+    (dict(GOOD, num_key_value_heads=0), "field 'num_key_value_heads' must be a positive integer"),
+    (dict(GOOD, num_attention_heads=3, num_key_value_heads=2), r"num_attention_heads \(3\) must be a multiple of num_key_value_heads"),
+    (dict(GOOD, rope_theta="x"), "field 'rope_theta' must be a positive number"),
+    ("[1, 2]", "expected a JSON object, got list"),
+])
+def test_bad_config_names_the_file_and_field(tmp_path, cfg, match):
+    d = _ckpt(tmp_path, cfg)
+    with pytest.raises(ValueError, match=match):
+        load_model_config(d)
+    r = subprocess.run([sys.executable, "-m", "worker", "--model", d, "--standalone"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and os.path.join(d, "config.json") in r.stderr, r.stderr
+
+
+def test_a_checkpoint_without_weights_is_one_line(tmp_path):
+    d = _ckpt(tmp_path, GOOD)
+    assert config_shape(load_model_config(d)) == "vocab 512, hidden 64, 2 layers, 2 heads / 1 KV heads of 32"
+    with pytest.raises(FileNotFoundError, match="no weights"):
+        check_weights_present(d)
+    r = subprocess.run([sys.executable, "-m", "worker", "--model", d, "--standalone"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and f"{d}: no weights (expected one of" in r.stderr
+    check_weights_present("tiny")
+
+
+def test_worker_without_torch_says_to_install_the_extra():
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from worker.__main__ import main\n"
+            "sys.exit(main(['--model', 'tiny', '--standalone']))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "the worker needs PyTorch" in r.stderr and "[worker]" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_prog_names(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/minipaged-worker", "--help"])
+    assert prog_name("worker") == "minipaged-worker"
+    monkeypatch.setattr(sys, "argv", [os.path.join(ROOT, "worker", "__main__.py")])
+    assert prog_name("worker") == "python -m worker"
+
+
+# ---------------------------------------------------------------- the byte-level fallback's vocab
+
+def test_byte_fallback_needs_vocab_256(tmp_path):
+    small = _ckpt(tmp_path, dict(GOOD, vocab_size=200))
+    why = byte_fallback_problem(small, 200)
+    assert why and "vocab_size 200 is under 256" in why and "prompt_token_ids" in why
+    assert byte_fallback_problem(small, 300) is None and byte_fallback_problem("tiny", 512) is None
+    from metadata_service.requests import RequestError, normalize
+    from minipaged.v1 import metadata_pb2 as pb
+    engine = types.SimpleNamespace(model_name=small, text_prompt_problem=why, tokenizer=ByteTokenizer())
+    with pytest.raises(RequestError, match="byte-level fallback tokenizer needs vocab_size >= 256"):
+        normalize(pb.GenerateRequest(prompt="hi", max_new_tokens=2), engine)
+
+
+# ---------------------------------------------------------------- the gateway's wording
+
+def test_errors_use_openai_names_and_fill_param():
+    assert openai_wording("max_new_tokens must be >= 1, got 0") == ("max_tokens must be >= 1, got 0", "max_tokens")
+    assert openai_wording("min_new_tokens must be in [0, max_new_tokens = 4], got 5") == \
+        ("min_tokens must be in [0, max_tokens = 4], got 5", "min_tokens")
+    assert openai_wording("temperature must be a finite number >= 0, got -1.0")[1] == "temperature"
+    assert openai_wording("queue full: 3 requests pending")[1] is None
+    g = as_gateway_error(client.InvalidArgument("n must be in [1, 16], got 17"))
+    assert (g.status, g.param, g.body()["error"]["param"]) == (400, "n", "n")
+    busy = as_gateway_error(client.ResourceExhausted("queue full: top_p ..."))
+    assert busy.status == 429 and busy.param is None
+
+
+def test_unknown_chat_role_is_a_400():
+    req = oa.ChatCompletionRequest(messages=[{"role": "wizard", "content": "hi"}])
+    with pytest.raises(GatewayError, match=r"messages\[0\].role 'wizard' is not one of system") as info:
+        oa.chat_messages(req)
+    assert (info.value.status, info.value.param) == (400, "messages")
+    for role in oa.CHAT_ROLES:
+        oa.chat_messages(oa.ChatCompletionRequest(messages=[{"role": role, "content": "x"}]))
+
+
+def test_logprob_bytes_are_the_tokens_raw_bytes(tmp_path):
+    from tests.test_gateway import VOCAB, add_tokenizer
+    add_tokenizer(str(tmp_path), VOCAB)
+    tok = load_tokenizer(str(tmp_path))
+    text = "é€"                                   # not in the BPE's corpus: one token per byte
+    ids = tok.encode(text)
+    assert len(ids) > 2 and "\ufffd" in tok.decode(ids[:1])
+    assert b"".join(token_bytes(tok, i) for i in ids) == text.encode("utf-8")
+    strings = TokenStrings(lambda t: tok.decode([t]), tok)
+    choice = oa.Choice(0, token_ids=ids, logprobs=[-0.5] * len(ids), top=[{i: -0.5} for i in ids])
+    content = oa.chat_logprobs(choice, strings)["content"]
+    assert bytes(b for c in content for b in c["bytes"]) == text.encode("utf-8")
+    assert [c["top_logprobs"][0]["bytes"] for c in content] == [c["bytes"] for c in content]
+    assert list(token_bytes(ByteTokenizer(), 0xE9)) == [0xE9] and token_bytes(None, 5) is None
+
+
+# ---------------------------------------------------------------- the client's hints and CLI
+
+def test_stats_at_an_http_port_says_so(capsys):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    address = f"127.0.0.1:{server.server_address[1]}"
+    try:
+        with Client(address, timeout=10) as c, pytest.raises(client.Unavailable, match="answers HTTP/1.1, not gRPC"):
+            c.stats()
+        assert cli_main(["stats", "--address", address, "--timeout", "10"]) == 1
+        assert "is it the gateway's HTTP port" in capsys.readouterr().err
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_stream_refuses_best_of_before_any_rpc():
+    with Client("127.0.0.1:1") as c, pytest.raises(client.InvalidArgument, match=r"best_of \(3\) > n \(1\)"):
+        list(c.stream("x", best_of=3))
+
+
+def test_cli_stream_json_prints_json_lines(fake, capsys):  # noqa: F811
+    _, address = fake
+    assert cli_main(["generate", "--address", address, "--prompt-ids", "1,2", "--max-new-tokens", "3",
+                     "--stream", "--json"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    assert "".join(x["text"] for x in lines) == "def" and lines[-1]["finish_reason"] == "length"
+    assert set(lines[0]) >= {"token_ids", "text", "finish_reason", "usage", "index"}
+
+
+def test_local_cluster_keeps_the_logs_of_a_failed_run(tmp_path, capsys):
+    """`make demo` (scripts/demo.py) printed a log directory that it deleted on failure too."""
+    import shutil
+
+    from client import LocalCluster
+    from tests.test_client_unit import FAKE_SERVICE, FAKE_WORKER, REPO
+    import textwrap
+    for pkg, src in (("metadata_service", FAKE_SERVICE), ("worker", FAKE_WORKER)):
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "__init__.py").write_text("")
+        (tmp_path / pkg / "__main__.py").write_text(textwrap.dedent(src))
+    with pytest.raises(RuntimeError, match="the demo failed"):
+        with LocalCluster(model="tiny", workers=1, root=str(tmp_path), env={"PYTHONPATH": REPO},
+                          startup_timeout=60, grace=2) as cluster:
+            raise RuntimeError("the demo failed")
+    assert os.path.isfile(os.path.join(cluster.log_dir, "metadata_service.log")), os.listdir(cluster.log_dir)
+    assert f"logs of this failed run are kept in {cluster.log_dir}" in capsys.readouterr().err
+    shutil.rmtree(cluster.log_dir)

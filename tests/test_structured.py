@@ -250,3 +250,59 @@ def test_sdk_builds_the_fields():
     assert build_generate_request("x", regex="a+").regex == "a+"
     with pytest.raises(TypeError):
         build_generate_request("x", choice="ab")
+
+
+# ---------------------------------------------------------------- HTTP
+
+def test_http_mapping_of_openai_and_vllm_fields():
+    from gateway import openai_api as oa
+    from gateway.errors import GatewayError
+
+    def kw(**fields):
+        return oa.chat_kwargs(oa.ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **fields), 8)
+
+    rf = {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}}
+    assert kw(response_format=rf)["json_schema"] == SCHEMA
+    assert kw(response_format={"type": "json_object"})["json_object"] is True
+    assert "json_schema" not in kw(response_format={"type": "text"})
+    assert kw(guided_json=json.dumps(SCHEMA))["json_schema"] == SCHEMA
+    assert kw(guided_regex=REGEX)["regex"] == REGEX and kw(guided_choice=CHOICES)["choice"] == CHOICES
+    assert kw(structured_outputs={"choice": CHOICES})["choice"] == CHOICES
+    assert kw(structured_outputs={"json": SCHEMA})["json_schema"] == SCHEMA
+    comp = oa.completion_kwargs(oa.CompletionRequest(prompt="x", guided_regex=REGEX))
+    assert comp["regex"] == REGEX
+    for bad in (dict(response_format={"type": "xml"}), dict(response_format={"type": "json_schema"}),
+                dict(guided_json="{nope"), dict(guided_choice=[]), dict(structured_outputs={"grammar": "x"}),
+                dict(guided_regex="a", guided_choice=["b"]), dict(response_format=rf, guided_regex="a")):
+        with pytest.raises(GatewayError) as e:
+            kw(**bad)
+        assert e.value.status == 400
+
+
+def test_http_structured_outputs_end_to_end(byte_ckpt):
+    import httpx
+    import openai
+    with LocalCluster(model=byte_ckpt, workers=1, dtype="float64", http=True) as c, \
+            openai.OpenAI(base_url=c.http_url + "/v1", api_key="unused", max_retries=0) as oai:
+        rf = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+        r = oai.chat.completions.create(model=byte_ckpt, messages=[{"role": "user", "content": "hi"}],
+                                        response_format=rf, max_tokens=100, temperature=0)
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+        r = oai.completions.create(model=byte_ckpt, prompt="Answer:", max_tokens=20, temperature=0,
+                                   extra_body={"guided_regex": REGEX})
+        assert re.fullmatch(REGEX, r.choices[0].text)
+        r = oai.completions.create(model=byte_ckpt, prompt="Pick:", max_tokens=20, temperature=0.8, seed=3,
+                                   extra_body={"structured_outputs": {"choice": CHOICES}})
+        assert r.choices[0].text in CHOICES
+        # stream: the deltas join to a valid answer
+        text = "".join(ch.choices[0].delta.content or "" for ch in oai.chat.completions.create(
+            model=byte_ckpt, messages=[{"role": "user", "content": "x"}], stream=True, max_tokens=20,
+            temperature=0, extra_body={"guided_choice": CHOICES}))
+        assert text in CHOICES
+        for body in ({"guided_json": {"type": "objectx"}}, {"guided_regex": "a(", "max_tokens": 4},
+                     {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}):
+            resp = httpx.post(c.http_url + "/v1/completions", json={"prompt": "x", **body}, timeout=30)
+            assert resp.status_code == 400, resp.text
+            assert resp.json()["error"]["message"]
+        assert c.client.stats().running == 0

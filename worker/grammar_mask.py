@@ -33,16 +33,29 @@ def check(rows: np.ndarray, bitmask: np.ndarray, B: int, do_sample: np.ndarray, 
 
 def allowed(bitmask: np.ndarray, vocab_size: int, device) -> torch.Tensor:
     """int32 [G, words] -> bool [G, vocab_size]."""
-    bits = torch.as_tensor(np.ascontiguousarray(bitmask), device=device)
+    return ~disallowed(bitmask, vocab_size, device)
+
+
+def disallowed(bitmask: np.ndarray, vocab_size: int, device) -> torch.Tensor:
+    """int32 [G, words] -> bool [G, vocab_size], True where the grammar forbids the token. On the
+    host numpy unpacks the bits (little-endian words, little bit order: token 32w + j is byte 4w +
+    j // 8, bit j % 8); on a GPU the shifts run there, so only the packed words cross the bus."""
+    words = np.ascontiguousarray(bitmask, dtype=np.int32)
+    if torch.device(device).type == "cpu":
+        bits = np.unpackbits((~words).view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
+        return torch.from_numpy(bits.view(np.bool_))
+    w = torch.as_tensor(words, device=device)
     shifts = torch.arange(32, dtype=torch.int32, device=device)
-    return ((bits[:, :, None] >> shifts) & 1).bool().reshape(bits.shape[0], -1)[:, :vocab_size]
+    return ((w[:, :, None] >> shifts) & 1).eq(0).reshape(w.shape[0], -1)[:, :vocab_size]
 
 
 def apply(logits: torch.Tensor, rows: np.ndarray, bitmask: np.ndarray) -> torch.Tensor:
-    """logits [S, V] (sampled rows), rows int64 [G] into them -> logits with -inf where disallowed."""
+    """logits [S, V] (sampled rows), rows int64 [G] into them: -inf where disallowed, in place."""
     if not rows.size:
         return logits
+    bad = disallowed(bitmask, logits.shape[1], logits.device)
+    if rows.size == logits.shape[0] and (rows == np.arange(rows.size)).all():
+        return logits.masked_fill_(bad, float("-inf"))   # every row constrained: no gather / scatter
     idx = torch.as_tensor(rows, dtype=torch.long, device=logits.device)
-    ok = allowed(bitmask, logits.shape[1], logits.device)
-    logits[idx] = logits[idx].masked_fill(~ok, float("-inf"))
+    logits[idx] = logits[idx].masked_fill(bad, float("-inf"))
     return logits

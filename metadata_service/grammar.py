@@ -26,8 +26,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-import xgrammar as xgr
-
 from minipaged.tokenizer import ByteTokenizer
 
 KINDS = ("json_schema", "json_object", "regex", "choice")
@@ -37,6 +35,17 @@ MAX_CHOICES = 1024
 
 class GrammarError(ValueError):
     """A constraint that cannot be compiled (the message says why)."""
+
+
+def _xgr():
+    """xgrammar, imported on first use: a service that never sees a constraint does not need it
+    (it pulls torch and transformers; `pip install minipaged[structured]`)."""
+    try:
+        import xgrammar
+    except ImportError as e:
+        raise GrammarError(f"structured outputs need xgrammar on the metadata service (pip install "
+                           f"xgrammar==0.2.8): {e}") from None
+    return xgrammar
 
 
 @dataclass(frozen=True)
@@ -73,8 +82,9 @@ def bitmask_words(vocab_size: int) -> int:
     return -(-vocab_size // 32)
 
 
-def tokenizer_info(tokenizer, vocab_size: int, stop_ids) -> xgr.TokenizerInfo:
+def tokenizer_info(tokenizer, vocab_size: int, stop_ids) -> "xgr.TokenizerInfo":
     """xgrammar's view of the served vocabulary: vocab_size is the model's (embedding rows)."""
+    xgr = _xgr()
     stop = sorted(int(i) for i in stop_ids if 0 <= int(i) < vocab_size)
     hf = getattr(tokenizer, "hf_tokenizer", None)
     if hf is not None:
@@ -98,17 +108,17 @@ class Grammars:
     def __init__(self, tokenizer, vocab_size: int, stop_ids):
         self.tokenizer, self.vocab_size, self.stop_ids = tokenizer, vocab_size, tuple(stop_ids)
         self._lock = threading.Lock()
-        self._compiler: xgr.GrammarCompiler | None = None
+        self._compiler = None
 
     @property
-    def compiler(self) -> xgr.GrammarCompiler:
+    def compiler(self) -> "xgr.GrammarCompiler":
         with self._lock:
             if self._compiler is None:
                 info = tokenizer_info(self.tokenizer, self.vocab_size, self.stop_ids)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+                self._compiler = _xgr().GrammarCompiler(info, max_threads=1)
             return self._compiler
 
-    def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+    def compile(self, spec: GrammarSpec) -> "xgr.CompiledGrammar":
         """-> the compiled grammar (cached by xgrammar), or GrammarError with xgrammar's reason."""
         c = self.compiler
         try:
@@ -143,21 +153,21 @@ def _reason(e: Exception) -> str:
     return text or type(e).__name__
 
 
-def new_matcher(compiled: xgr.CompiledGrammar) -> xgr.GrammarMatcher:
-    return xgr.GrammarMatcher(compiled)
+def new_matcher(compiled: "xgr.CompiledGrammar") -> "xgr.GrammarMatcher":
+    return _xgr().GrammarMatcher(compiled)
 
 
 def fill_bitmask(matchers: list, vocab_size: int) -> np.ndarray:
     """int32 [len(matchers), ceil(vocab/32)]: each matcher's allowed next tokens, one row each.
     Serial on purpose: xgrammar's BatchGrammarMatcher threads cost more than they save on the few
     cores a metadata service gets (measured: 64 rows 0.4 ms serial, 0.6-75 ms with 2 threads)."""
-    mask = xgr.allocate_token_bitmask(len(matchers), vocab_size)
+    mask = _xgr().allocate_token_bitmask(len(matchers), vocab_size)
     for i, m in enumerate(matchers):
         m.fill_next_token_bitmask(mask, i)
     return mask.numpy()
 
 
-def advance(matcher: xgr.GrammarMatcher, token: int) -> str:
+def advance(matcher: "xgr.GrammarMatcher", token: int) -> str:
     """Feed a sampled token: "" (go on), "stop" (the grammar is done) or "rejected" (the data
     plane returned a token the bitmask did not allow: a worker that ignored the mask)."""
     if not matcher.accept_token(int(token)):

@@ -217,6 +217,20 @@ def test_bitmask_round_trip_and_masking():
     assert torch.equal(torch.isinf(ref[0]), torch.isinf(logits[1]))
 
 
+def test_both_mask_paths_agree_on_a_subset_of_rows():
+    # float32 on the host takes xgrammar's kernel, float64 the numpy unpack: the same -inf cells
+    rng = np.random.default_rng(0)
+    words = rng.integers(-2**31, 2**31 - 1, size=(3, grammar.bitmask_words(1000)), dtype=np.int64).astype(np.int32)
+    rows = np.array([1, 4, 6])
+    logits = torch.randn(8, 1000, dtype=torch.float64)
+    a = grammar_mask.apply(logits.clone(), rows, words)
+    b = grammar_mask.apply(logits.clone().float(), rows, words)
+    assert torch.equal(torch.isinf(a), torch.isinf(b))
+    assert not torch.isinf(a[[0, 2, 3, 5, 7]]).any()
+    bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :1000].astype(bool)
+    assert torch.equal(torch.isinf(a[rows]), torch.from_numpy(~bits))
+
+
 def test_service_vocabularies():
     # byte-level: EOS and every id past the bytes are specials; the mask spans the model's rows
     g = grammar.Grammars(ByteTokenizer(), 300, {256})

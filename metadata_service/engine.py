@@ -32,6 +32,7 @@ from minipaged.wire import INT32, unpack
 from .backlog import CANCEL_COMMAND, refusal_hint, waiting_reason
 from .block_manager import KVBlockManager
 from .chain import ChainConfig, ChainRunner
+from .grammar import Grammars
 from .router import Router
 from .sequence import SeqEvent, Sequence, SeqStatus
 from .workers import WorkerRegistry
@@ -87,6 +88,8 @@ class Engine:
         self.registry.refusal_hint = lambda: refusal_hint(next(iter(self.backlog()), None), self.cancel_command)
         self.eos_ids: set[int] = set()
         self.vocab_size = 0
+        self._grammars = None                      # (model key, Grammars): structured outputs
+        self._grammars_lock = threading.Lock()
         self.prompt_tokens = 0
         self.lost_chains = 0
         self.max_pool_blocks = 0                   # the largest chain pool seen (admission bound)
@@ -148,6 +151,15 @@ class Engine:
 
     def decode(self, ids) -> str:
         return self.tokenizer.decode(ids)
+
+    def grammars(self) -> Grammars:
+        """The served model's grammar compiler (structured outputs), made on first use and again
+        when the model (tokenizer, vocab size or EOS ids) changes."""
+        key = (id(self.tokenizer), self.vocab_size, frozenset(self.eos_ids))
+        with self._grammars_lock:
+            if self._grammars is None or self._grammars[0] != key:
+                self._grammars = (key, Grammars(self.tokenizer, self.vocab_size, self.eos_ids))
+            return self._grammars[1]
 
     def _pinned_model(self):
         """While admitted requests are pending, only workers of their model may join."""

@@ -14,6 +14,7 @@ import numpy as np
 
 from minipaged.wire import FLOAT32, INT32, WireError, pack, unpack
 
+from .grammar import GrammarError, new_matcher, spec_of
 from .sequence import SamplingParams, Sequence
 from .stop import StopChecker
 
@@ -93,6 +94,7 @@ def normalize(req: metadata_pb2.GenerateRequest, engine) -> metadata_pb2.Generat
         raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                            f"this request needs {need} blocks of {engine.block_size} tokens but the whole pool "
                            f"holds {pool} ({pool * engine.block_size} tokens): it could never run")
+    compile_grammar(req, engine)  # an invalid schema / regex / choice is the caller's error
     out.prompt_token_ids = pack(ids, INT32)
     out.prompt = ""
     if not out.HasField("seed"):
@@ -111,7 +113,7 @@ def to_sequence(req: metadata_pb2.GenerateRequest, engine, sink=None, tag=None) 
         n=n, best_of=req.best_of or n, min_new_tokens=req.min_new_tokens,
         repetition_penalty=req.repetition_penalty or 1.0, presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty, top_logprobs=req.top_logprobs,
-        show_logprobs=req.return_logprobs or req.top_logprobs > 0)
+        show_logprobs=req.return_logprobs or req.top_logprobs > 0, grammar=compile_grammar(req, engine))
     if params.best_of > params.n:   # choosing the best needs every candidate's logprobs
         params.return_logprobs = True
     seq = Sequence(unpack(req.prompt_token_ids, INT32).tolist(), params, sink=sink, tag=tag)
@@ -122,9 +124,20 @@ def to_sequence(req: metadata_pb2.GenerateRequest, engine, sink=None, tag=None) 
     return seq
 
 
+def compile_grammar(req: metadata_pb2.GenerateRequest, engine):
+    """The request's structured-output grammar (xgrammar CompiledGrammar, cached), or None."""
+    try:
+        spec = spec_of(req)
+        return None if spec is None else engine.grammars().compile(spec)
+    except GrammarError as e:
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+
+
 def prepare(seq: Sequence, engine) -> None:
     """What each sequence of a request needs of its own (a forked child gets its own too)."""
     p = seq.params
+    if p.grammar is not None:
+        seq.matcher = new_matcher(p.grammar)
     if p.stop:
         seq.stop_checker = StopChecker(engine, p.stop)
     if p.min_new_tokens:

@@ -11,6 +11,8 @@ Steps may be scheduled while earlier ones are in flight:
 - with `overlap` (async scheduling), a sequence whose sampled token is still in flight decodes
   anyway, with input id -1 ("the token you just sampled", filled in by stage 0). At most one such
   token per sequence; if it turns out to end the sequence, the extra token is computed and dropped.
+  Sequences whose next step needs that token on the host (penalties, grammar bitmasks) wait for it;
+  they are staggered over the two steps in flight so one half computes while the other is prepared.
 When a decode cannot get a block, the newest running sequence of the slot is preempted: its blocks
 are freed and it goes back to the front of the queue for recompute (`gen` goes up, so whatever of it
 is still in flight is ignored). Freeing blocks that an in-flight step still writes is safe because
@@ -185,11 +187,13 @@ class Scheduler:
             known = s.num_tokens - s.num_computed_tokens if g is None else self._todo(s)
             grouped = g is not None and not g.forked
             if not grouped and (known == 1 or (known == 0 and self.overlap and s.inflight == 1 and not s.deferred
-                                               and s.pending_sample and not s.params.penalized)):
+                                               and s.pending_sample and not s.params.waits_for_token)):
                 decodes.append(s)
             elif known > 1 or (grouped and known > 0):
                 chunks.append(s)
         del decodes[budget:]
+        if self.overlap:
+            decodes = self._stagger(decodes, slot)
 
         # 1. Decodes: one token each, one all-or-nothing block-manager call; preempt on shortage.
         slots = []
@@ -251,6 +255,17 @@ class Scheduler:
                 self._preempt_newest(slot)  # everything stuck on blocks (only prefills): free the newest
             return None
         return self._build(chosen, slots, num_decodes, slot)
+
+    def _stagger(self, decodes: list[Sequence], slot: int) -> list[Sequence]:
+        """Async scheduling with sequences that wait for their sampled token (penalties, grammars):
+        when none of this micro-batch's are in flight, half of them go now and half in the step sent
+        right after, so from then on one half computes while the host applies and prepares the
+        other. Without this they all wait for the same reply and the overlap is lost for good."""
+        waiting = [s for s in decodes if s.params.waits_for_token]
+        if len(waiting) < 2 or any(s.inflight and s.params.waits_for_token for s in self.by_slot[slot]):
+            return decodes
+        later = set(waiting[(len(waiting) + 1) // 2:])
+        return [s for s in decodes if s not in later]
 
     def _append(self, s: Sequence, n: int) -> np.ndarray:
         start = s.num_computed_tokens

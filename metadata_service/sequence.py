@@ -45,14 +45,17 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     top_logprobs: int = 0
     show_logprobs: bool = False              # the caller asked for them (best_of computes them anyway)
+    grammar: object = None                   # xgrammar CompiledGrammar (structured outputs; grammar.py)
     # derived once (read for every sequence of every step):
     penalized: bool = field(init=False)      # its next sample depends on every token so far
+    waits_for_token: bool = field(init=False)  # never decodes ahead of its sampled token (async scheduling)
     extras: bool = field(init=False)         # needs worker/logits_processors.py
 
     def __post_init__(self):
         self.penalized = (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                           or self.frequency_penalty != 0.0)
         self.extras = self.penalized or self.min_new_tokens > 0 or self.top_logprobs > 0
+        self.waits_for_token = self.penalized or self.grammar is not None  # a bitmask needs the last token
 
 
 @dataclass
@@ -101,6 +104,7 @@ class Sequence:
     choice: int = 0                          # this sequence's index in its group
     output_top: list = field(default_factory=list)   # per output token: (ids int32 [k], logprobs float32 [k])
     suppress_ids: tuple = ()                 # EOS + stop ids, masked while output < min_new_tokens
+    matcher: object = None                   # xgrammar GrammarMatcher when params.grammar is set
 
     sampling_row: bytes = b""                # the params packed once, for the per-step Step arrays
 

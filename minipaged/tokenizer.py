@@ -21,6 +21,7 @@ class HFTokenizer:
         from transformers import AutoTokenizer  # heavy import: only when a checkpoint has one
 
         self._tok = AutoTokenizer.from_pretrained(path)
+        self.hf_tokenizer = self._tok   # for xgrammar's TokenizerInfo (structured outputs)
         eos = self._tok.eos_token_id
         self.eos_token_ids = [] if eos is None else [eos]
 

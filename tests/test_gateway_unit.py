@@ -79,7 +79,7 @@ def test_chat_mapping_and_simple_template():
     assert render_simple(msgs) == ("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nab<|im_end|>\n"
                                    "<|im_start|>assistant\n")
     assert ChatTemplate("tiny").render(msgs) == render_simple(msgs)
-    for bad in (dict(top_logprobs=2), dict(response_format={"type": "json_object"})):
+    for bad in (dict(top_logprobs=2), dict(response_format={"type": "xml"})):
         with pytest.raises(GatewayError):
             r = oa.ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **bad)
             oa.chat_messages(r)

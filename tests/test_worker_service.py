@@ -209,6 +209,9 @@ def _mutations():
         "top_p_above_1": ("set", ("top_p", 1, 1.5)),
         "top_k_negative": ("set", ("top_k", 2, -3)),
         "do_sample_wrong_length": ("drop", "do_sample"),
+        "grammar_bitmask_short": raw(grammar_rows=wire.pack([0]), grammar_bitmask=b"\0" * 8),
+        "grammar_rows_out_of_range": raw(grammar_rows=wire.pack([3]), grammar_bitmask=b"\xff" * 64),
+        "grammar_row_twice": raw(grammar_rows=wire.pack([1, 1]), grammar_bitmask=b"\xff" * 128),
     }
 
 
@@ -401,3 +404,19 @@ def test_process_serves_registers_and_stops_on_sigterm():
         if p.poll() is None:
             p.kill()
         meta.stop(None)
+
+
+def test_grammar_bitmask_keeps_only_allowed_tokens(single):
+    """Structured outputs on the last stage: a constrained row samples among the tokens its bitmask
+    allows (here exactly one, greedy and sampled alike); an unconstrained row is untouched."""
+    epoch = single.init()
+    free = wire.unpack(single.call("Step", step_request(arrays(PROMPTS, [0, 0, 0], TABLES), epoch)).sampled_token_ids)
+    epoch = single.init()
+    words = np.zeros((2, 512 // 32), np.int32)
+    words[0, 77 // 32] = 1 << (77 % 32)
+    words[1, 300 // 32] = 1 << (300 % 32)
+    a = arrays(PROMPTS, [0, 0, 0], TABLES)
+    a["temperature"] = np.array([0.0, 0.0, 1.0], np.float32)
+    r = single.call("Step", step_request(a, epoch, grammar_rows=wire.pack([0, 2]), grammar_bitmask=words.tobytes()))
+    got = wire.unpack(r.sampled_token_ids).tolist()
+    assert got[0] == 77 and got[2] == 300 and got[1] == int(free[1])

@@ -7,6 +7,8 @@ before the sampler draws (vectorized over the batch: one scatter per rule, no pe
   a seen token's logit is divided by the penalty when positive, multiplied when negative.
 - presence / frequency penalties over output tokens, OpenAI's definitions (as vLLM applies them):
   logit -= frequency * count + presence * (count > 0).
+- structured outputs: a constrained row keeps only the tokens its grammar bitmask allows (-inf
+  elsewhere; worker/grammar_mask.py), before the rules above.
 - top-k alternative logprobs: log_softmax of the raw logits (temperature 1, before these rules), as
   the sampled token's own logprob is.
 
@@ -19,6 +21,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from worker import grammar_mask
 from worker.validation import SamplingExtras
 
 
@@ -30,6 +33,8 @@ def _csr_rows(counts: np.ndarray, values: np.ndarray, mask: np.ndarray) -> tuple
 def rows(x: SamplingExtras, mask: np.ndarray) -> SamplingExtras:
     """The rules of the rows with do_sample set, in batch order."""
     out = replace(x)
+    if x.grammar_rows is not None:  # batch rows -> sampled rows (every constrained row samples)
+        out.grammar_rows = (np.cumsum(mask) - 1)[x.grammar_rows]
     if x.suppress is not None:
         out.suppress = x.suppress[mask]
         out.suppress_counts, out.suppress_ids = _csr_rows(x.suppress_counts, x.suppress_ids, mask)
@@ -45,6 +50,8 @@ def apply(logits: torch.Tensor, x: SamplingExtras) -> torch.Tensor:
     S, V = logits.shape
     dev = logits.device
     out = logits.clone()
+    if x.grammar_rows is not None:
+        grammar_mask.apply(out, x.grammar_rows, x.grammar_bitmask)
     if x.repetition is not None and x.penalty_tokens.size:
         row = torch.as_tensor(np.repeat(np.arange(S), x.penalty_counts), device=dev)
         tok = torch.as_tensor(x.penalty_tokens.astype(np.int64), device=dev)

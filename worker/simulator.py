@@ -209,6 +209,9 @@ class SimRunner:
         ids = (h % np.uint64(self.config.vocab_size)).astype(np.int64)
         for _ in range(len(self.eos)):  # step over EOS ids so simulated outputs run to their length
             ids = np.where(np.isin(ids, self.eos), (ids + 1) % self.config.vocab_size, ids)
+        if extras is not None and extras.grammar_rows is not None:  # structured outputs: an allowed token
+            ids = _grammar_pick(ids, (np.cumsum(mask) - 1)[extras.grammar_rows], extras.grammar_bitmask,
+                                self.config.vocab_size)
         n = len(ids)
         logprobs = np.full(n, -1.0, dtype=np.float32) if return_logprobs else None
         top = None
@@ -216,3 +219,14 @@ class SimRunner:
             k = extras.top_logprobs
             top = (np.repeat(ids[:, None], k, axis=1).astype(np.int32), np.full((n, k), -1.0, dtype=np.float32))
         return ids.astype(np.int32), logprobs, None, top
+
+
+def _grammar_pick(ids: np.ndarray, rows: np.ndarray, bitmask: np.ndarray, vocab: int) -> np.ndarray:
+    """The first allowed token at or after the hashed one (cyclic), per constrained row."""
+    ids = ids.copy()
+    ok = np.unpackbits(np.ascontiguousarray(bitmask).view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    for r, row_ok in zip(rows.tolist(), ok):
+        allowed = np.flatnonzero(row_ok)
+        if allowed.size:
+            ids[r] = allowed[np.searchsorted(allowed, ids[r]) % allowed.size]
+    return ids

@@ -76,6 +76,8 @@ class SamplingExtras:
     penalty_prompt_lens: np.ndarray | None = None
     penalty_tokens: np.ndarray | None = None
     top_logprobs: int = 0
+    grammar_rows: np.ndarray | None = None      # int32 [G] constrained rows (structured outputs)
+    grammar_bitmask: np.ndarray | None = None   # int32 [G, ceil(vocab / 32)] (worker/grammar_mask.py)
 
 
 def _fail(msg: str):
@@ -232,7 +234,7 @@ def _validate(req, lim: StepLimits, store, placeholder_timeout_s, hidden_bytes=N
                       tables, do_sample.astype(bool), temperature, top_p, top_k, seeds, offsets,
                       seq_ids=seq_ids, table_delta=table_delta, placeholders=placeholders,
                       release_ids=release, copy_src=copy_src, copy_dst=copy_dst,
-                      extras=_extras(req, B, lim.vocab_size))
+                      extras=_extras(req, B, lim.vocab_size, do_sample))
 
 
 def _resolve_placeholders(input_ids, qsl, seq_ids, store, timeout_s):
@@ -250,12 +252,20 @@ def _resolve_placeholders(input_ids, qsl, seq_ids, store, timeout_s):
     return ids, holes
 
 
-def _extras(req, B: int, vocab: int) -> SamplingExtras | None:
+def _extras(req, B: int, vocab: int, do_sample=None) -> SamplingExtras | None:
     """The optional per-sequence sampling rules; None when the batch uses none of them."""
     if not (req.min_tokens_suppress or req.repetition_penalty or req.presence_penalty
-            or req.frequency_penalty or req.top_logprobs):
+            or req.frequency_penalty or req.top_logprobs or req.grammar_rows):
         return None
     x = SamplingExtras()
+    if req.grammar_rows:
+        from worker import grammar_mask
+        x.grammar_rows = wire.unpack(req.grammar_rows, wire.INT32, name="grammar_rows")
+        words = wire.unpack(req.grammar_bitmask, wire.INT32, name="grammar_bitmask")
+        try:
+            x.grammar_bitmask = grammar_mask.check(x.grammar_rows, words, B, np.asarray(do_sample, dtype=bool), vocab)
+        except ValueError as e:
+            _fail(str(e))
     if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
         _fail(f"top_logprobs = {req.top_logprobs} must be in [0, {MAX_TOP_LOGPROBS}]")
     x.top_logprobs = min(req.top_logprobs, vocab)

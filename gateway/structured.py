@@ -1,0 +1,98 @@
+"""Structured outputs over HTTP -> the SDK's keyword arguments (json_schema, regex, choice, json_object).
+
+Accepted on /v1/chat/completions and /v1/completions, as OpenAI and vLLM spell them:
+- OpenAI `response_format`: {"type": "text"} (no constraint), {"type": "json_object"},
+  {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}};
+- vLLM's extension fields `guided_json` (a schema, dict or JSON text), `guided_regex`,
+  `guided_choice` (list of strings), and the newer `structured_outputs: {"json" | "regex" |
+  "choice" | "json_object": ...}`.
+At most one constraint per request: several, or a shape we do not know, is a 400 naming the field.
+Whether a schema or regex compiles is the metadata service's call (INVALID_ARGUMENT -> 400 with
+xgrammar's reason). Pure functions: no I/O."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .errors import bad_request
+
+_STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "json_object": "json_object"}
+
+
+def _schema(value: Any, param: str) -> dict | bool:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise bad_request(f"{param} is not valid JSON: {e}", param) from None
+    if not isinstance(value, (dict, bool)):
+        raise bad_request(f"{param} must be a JSON schema object, got {type(value).__name__}", param)
+    return value
+
+
+def _choice(value: Any, param: str) -> list[str]:
+    if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+        raise bad_request(f"{param} must be a non-empty list of non-empty strings", param)
+    return value
+
+
+def _regex(value: Any, param: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise bad_request(f"{param} must be a non-empty string", param)
+    return value
+
+
+def _response_format(rf: dict) -> dict:
+    kind = rf.get("type", "text")
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise bad_request('response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}',
+                              "response_format")
+        return {"json_schema": _schema(spec["schema"], "response_format.json_schema.schema")}
+    raise bad_request(f"response_format type must be text, json_object or json_schema, got {kind!r}",
+                      "response_format")
+
+
+def _structured_outputs(so: Any) -> dict:
+    if not isinstance(so, dict):
+        raise bad_request("structured_outputs must be an object", "structured_outputs")
+    given = {k: v for k, v in so.items() if v is not None and v is not False}
+    unknown = set(given) - set(_STRUCTURED_KEYS)
+    if unknown:
+        raise bad_request(f"structured_outputs: unsupported keys {sorted(unknown)} (supported: "
+                          f"{sorted(_STRUCTURED_KEYS)})", "structured_outputs")
+    out = {}
+    for k, v in given.items():
+        param = f"structured_outputs.{k}"
+        out[_STRUCTURED_KEYS[k]] = {"json": _schema, "regex": _regex, "choice": _choice}[k](v, param) \
+            if k != "json_object" else True
+    return out
+
+
+def structured_kwargs(req) -> dict:
+    """The request's constraint as SDK keyword arguments ({} when there is none)."""
+    found: list[tuple[str, dict]] = []
+    if req.response_format:
+        if not isinstance(req.response_format, dict):
+            raise bad_request("response_format must be an object", "response_format")
+        kw = _response_format(req.response_format)
+        if kw:
+            found.append(("response_format", kw))
+    if req.guided_json is not None:
+        found.append(("guided_json", {"json_schema": _schema(req.guided_json, "guided_json")}))
+    if req.guided_regex is not None:
+        found.append(("guided_regex", {"regex": _regex(req.guided_regex, "guided_regex")}))
+    if req.guided_choice is not None:
+        found.append(("guided_choice", {"choice": _choice(req.guided_choice, "guided_choice")}))
+    if req.structured_outputs is not None:
+        kw = _structured_outputs(req.structured_outputs)
+        found += [("structured_outputs", {k: v}) for k, v in kw.items()]
+    if len(found) > 1:
+        raise bad_request(f"give one structured-output constraint, got {', '.join(n for n, _ in found)}",
+                          found[1][0])
+    return found[0][1] if found else {}

@@ -9,10 +9,11 @@ EXTRA ?=
 
 .PHONY: venv proto test test-fast demo bench clean compose-test
 
-$(STAMP): requirements.txt
+$(STAMP): requirements.txt requirements-nodeps.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
 	$(BIN)/pip install -q --disable-pip-version-check -r requirements.txt $(EXTRA)
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps -r requirements-nodeps.txt
 	touch $@
 
 venv: $(STAMP)

@@ -185,7 +185,8 @@ class Scheduler:
             known = s.num_tokens - s.num_computed_tokens if g is None else self._todo(s)
             grouped = g is not None and not g.forked
             if not grouped and (known == 1 or (known == 0 and self.overlap and s.inflight == 1 and not s.deferred
-                                               and s.pending_sample and not s.params.penalized)):
+                                               and s.pending_sample and not s.params.penalized
+                                               and not s.params.beam_width)):
                 decodes.append(s)
             elif known > 1 or (grouped and known > 0):
                 chunks.append(s)

@@ -45,6 +45,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     top_logprobs: int = 0
     show_logprobs: bool = False              # the caller asked for them (best_of computes them anyway)
+    beam_width: int = 0                      # beam search (metadata_service/beam.py): K beams, 0 = off
+    length_penalty: float = 1.0
+    early_stopping: object = False           # transformers': False, True or "never"
     # derived once (read for every sequence of every step):
     penalized: bool = field(init=False)      # its next sample depends on every token so far
     extras: bool = field(init=False)         # needs worker/logits_processors.py
@@ -65,6 +68,8 @@ class SeqEvent:
     error: str = ""
     error_code: str = ""                     # a grpc.StatusCode name when error is set
     new_top: list = field(default_factory=list)  # per new token: (ids [k], logprobs [k]) alternatives
+    beam_score: float | None = None          # beam search: a returned hypothesis' score ...
+    cumulative_logprob: float | None = None  # ... and its cumulative logprob
 
 
 @dataclass(eq=False)  # identity semantics: sequences live in lists and sets

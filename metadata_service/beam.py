@@ -55,7 +55,7 @@ class BeamGroup:
         self.members: list[Sequence] = [head]        # every beam ever (usage, tests)
         self.hypotheses: list[Hypothesis] = []
         self.lock = threading.Lock()
-        self.aborted = self.closing = False
+        self.aborted = self.closing = self.requeue = False
         self.forks = self.drops = 0
         self._choice_seqs: list[Sequence] = []
 
@@ -105,6 +105,9 @@ class BeamGroup:
             b.num_tokens += 1
         self.live = new_live
         self.scores = np.asarray([pk.score for pk in picks], dtype=np.float32)
+        if self.requeue:                 # a fork found no block: the group waits, whole, for room
+            self.requeue = False
+            chain.scheduler.preempt_beams([b for b in new_live if b.chain is chain])
         return len(picks)
 
     def _fork(self, chain, p: Sequence) -> Sequence:
@@ -126,6 +129,7 @@ class BeamGroup:
                 pass                     # no block for the partial copy: recompute it instead
         c.status = SeqStatus.WAITING     # prefills again (its full blocks come from the prefix cache)
         sched.waiting.appendleft(c)
+        self.requeue = True              # ... and its group with it (Scheduler.preempt_beams)
         return c
 
     def _retire(self, chain, b: Sequence) -> None:

@@ -88,7 +88,10 @@ def normalize(req: metadata_pb2.GenerateRequest, engine) -> metadata_pb2.Generat
     if total > engine.max_model_len:
         raise RequestError(bad, f"prompt ({ids.size} tokens) + max_new_tokens ({req.max_new_tokens}) = {total} "
                                 f"exceeds max_model_len {engine.max_model_len}")
-    need = -(-total // engine.block_size) * max(best_of, req.beam_width)  # at worst each holds its own copy
+    need = -(-total // engine.block_size) * best_of   # at worst every choice holds its own copy
+    if req.beam_width:   # beams share the prompt's full blocks; at worst each holds its own rest
+        full = int(ids.size) // engine.block_size
+        need = full + req.beam_width * -(-(total - full * engine.block_size) // engine.block_size)
     pool = engine.max_pool_blocks  # a sequence lives in one chain's pool: the largest one bounds it
     if need > pool:
         raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -97,10 +97,10 @@ def test_beams_equal_transformers_one_stage(ckpt, hf):
 
 @pytest.mark.slow
 def test_beams_across_preemption_on_two_stages(ckpt, hf):
-    # 2 stages, 40 blocks of 4 tokens: 3 requests x 6 beams cannot all hold their blocks at once
-    with LocalCluster(model=ckpt, workers=2, dtype="float64", block_size=4, num_blocks=40) as c:
+    # 2 stages, 32 blocks of 4 tokens: 4 requests x 6 beams cannot all hold their blocks at once
+    with LocalCluster(model=ckpt, workers=2, dtype="float64", block_size=4, num_blocks=32) as c:
         cl = c.client
-        ps = prompts(3, 12, 20, seed=32)
+        ps = prompts(4, 12, 20, seed=32)
         toks = [likely_token(hf, p) for p in ps]
         items = [dict(prompt_token_ids=p, max_new_tokens=10, beam_width=6, stop_token_ids=[t])
                  for p, t in zip(ps, toks)]
@@ -122,9 +122,9 @@ def test_beams_across_preemption_on_two_stages(ckpt, hf):
             w.join()
         for r, p, t in zip(rs, ps, toks):
             check(r, hf_beams(hf, p, 6, 10, eos=(EOS, t)), 6)
-        assert sum(r.usage.preemptions for r in rs) > 0
+        st = settle(cl)
+        assert st.preemptions > 0 and sum(r.usage.preemptions for r in rs) == st.preemptions, (peak, st.steps)
         assert peak["shared"] > 0
-        settle(cl)
 
 
 @pytest.mark.slow

@@ -71,7 +71,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
 
     # ------------------------------------------------------------------ generation
     def Generate(self, request, context):
-        if request.best_of > max(1, request.n):
+        if request.best_of > max(1, request.n) and not request.beam_width:  # (beams: normalize says why)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"best_of ({request.best_of}) > n ({max(1, request.n)}) cannot be streamed: which choices "
                           f"win is known only at the end; submit it as a job")

@@ -3,10 +3,12 @@ equal transformers' generate(num_beams=K, num_return_sequences=K, do_sample=Fals
 without EOS inside the horizon, across preemption and on 2 stages; every block is free at the end."""
 from __future__ import annotations
 
+import json
 import threading
 import time
 
 import grpc
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -128,8 +130,8 @@ def test_beams_across_preemption_on_two_stages(ckpt, hf):
 
 
 @pytest.mark.slow
-def test_bad_beam_requests_are_rejected_and_change_nothing(ckpt):
-    with LocalCluster(model=ckpt, workers=1, dtype="float64", block_size=4) as c:
+def test_bad_beam_requests_are_rejected_and_change_nothing_and_http_beams(ckpt):
+    with LocalCluster(model=ckpt, workers=1, dtype="float64", block_size=4, http=True) as c:
         cl = c.client
         before = cl.stats()
         p = [5, 6, 7, 8]
@@ -149,5 +151,27 @@ def test_bad_beam_requests_are_rejected_and_change_nothing(ckpt):
             assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and why in str(e.value), (kw, str(e.value))
         with pytest.raises(InvalidArgument, match="apply to beam search only"):
             cl.generate(prompt_token_ids=p, max_new_tokens=4, length_penalty=2.0)
+        url = c.http_url + "/v1/completions"
+        r = httpx.post(url, json={"prompt": p, "max_tokens": 5, "use_beam_search": True, "n": 3, "temperature": 0.8})
+        assert r.status_code == 400 and "temperature must be 0" in r.text
         after = settle(cl)
         assert after.steps == before.steps and after.prompt_tokens == before.prompt_tokens
+
+        # vLLM's extension: use_beam_search with n beams, best first, as the SDK's beam_width
+        want = cl.generate(prompt_token_ids=p, max_new_tokens=5, beam_width=3)
+        for stream in (False, True):
+            body = {"prompt": p, "max_tokens": 5, "use_beam_search": True, "n": 3, "stream": stream}
+            if not stream:
+                r = httpx.post(url, json=body, timeout=60)
+                assert r.status_code == 200, r.text
+                got = [ch["text"] for ch in sorted(r.json()["choices"], key=lambda ch: ch["index"])]
+            else:
+                texts = {}
+                with httpx.stream("POST", url, json=body, timeout=60) as r:
+                    for line in r.iter_lines():
+                        if line.startswith("data: {"):
+                            for ch in json.loads(line[6:])["choices"]:
+                                texts[ch["index"]] = texts.get(ch["index"], "") + ch["text"]
+                got = [texts[i] for i in sorted(texts)]
+            assert got == [ch.text for ch in want.choices]
+        settle(cl)

@@ -65,6 +65,18 @@ def test_scorer_keeps_the_best_finished_and_stops_when_nothing_can_improve():
     assert s.finished[0].token_ids == [1] and s.finished[0].finish_reason == "stop"
 
 
+def test_chat_and_completions_map_use_beam_search_to_beam_width():
+    from gateway import openai_api as oa
+    req = oa.ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], n=3, use_beam_search=True,
+                                   length_penalty=0.5, early_stopping="never")
+    kw = oa.chat_kwargs(req, 16)
+    assert (kw["beam_width"], kw["n"], kw["temperature"], kw["length_penalty"], kw["early_stopping"]) == \
+        (3, None, 0.0, 0.5, "never")
+    kw = oa.completion_kwargs(oa.CompletionRequest(prompt="x", n=2, use_beam_search=True, temperature=0.5))
+    assert kw["beam_width"] == 2 and kw["temperature"] == 0.5          # the service refuses it (400)
+    assert "beam_width" not in oa.completion_kwargs(oa.CompletionRequest(prompt="x", n=2))
+
+
 # ---------------------------------------------------------------- end to end
 
 @pytest.mark.slow
@@ -156,6 +168,15 @@ def test_bad_beam_requests_are_rejected_and_change_nothing_and_http_beams(ckpt):
         assert r.status_code == 400 and "temperature must be 0" in r.text
         after = settle(cl)
         assert after.steps == before.steps and after.prompt_tokens == before.prompt_tokens
+
+        # a cancelled beam job: every beam (forks included) ends and every block comes back
+        job = cl.submit([dict(prompt_token_ids=p * 4, max_new_tokens=100, beam_width=8, ignore_eos=True)])
+        deadline = time.monotonic() + 60
+        while cl.stats().shared_blocks == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        cl.cancel(job)
+        assert cl.wait(job) is not None
+        settle(cl)
 
         # vLLM's extension: use_beam_search with n beams, best first, as the SDK's beam_width
         want = cl.generate(prompt_token_ids=p, max_new_tokens=5, beam_width=3)

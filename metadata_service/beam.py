@@ -145,7 +145,7 @@ class BeamGroup:
 
     def _close(self, chain, reason: str, error: str = "", code: str = "") -> None:
         self.closing = True
-        for b in self.live:
+        for b in self.live if chain is not None else ():   # (parked beams have no chain: the engine ends them)
             if b.chain is chain:
                 self._retire(chain, b)
         self.live = []

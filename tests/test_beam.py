@@ -196,3 +196,20 @@ def test_bad_beam_requests_are_rejected_and_change_nothing_and_http_beams(ckpt):
                 got = [texts[i] for i in sorted(texts)]
             assert got == [ch.text for ch in want.choices]
         settle(cl)
+
+
+@pytest.mark.slow
+def test_beams_recompute_together_on_the_other_replica_after_a_worker_dies(ckpt, hf):
+    ps = prompts(4, 8, 20, seed=33)
+    with LocalCluster(model=ckpt, workers=1, replicas=2, dtype="float64", block_size=4) as c:
+        cl = c.client
+        job = cl.submit([dict(prompt_token_ids=p, max_new_tokens=24, beam_width=4) for p in ps])
+        end = time.monotonic() + 60
+        while cl.stats().steps < 4 and time.monotonic() < end:
+            time.sleep(0.02)
+        assert cl.get_job(job).completed < len(ps), "the job ended before the kill: make it longer"
+        c.kill_worker(0)
+        c.restart_worker(0, wait=False)
+        for r, p in zip(cl.wait(job, timeout=300), ps):
+            check(r, hf_beams(hf, p, 4, 24), 4)
+        settle(cl)

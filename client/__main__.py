@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--repetition-penalty", type=float, default=1.0, help="transformers' definition; 1 = off")
     g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's definition; 0 = off")
     g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's definition; 0 = off")
+    g.add_argument("--beam-width", type=int, default=0, help="beam search with K beams (K choices, best first)")
+    g.add_argument("--length-penalty", type=float, default=None, help="beam search: score = logprob / len ** this")
+    g.add_argument("--early-stopping", choices=("false", "true", "never"), default="false", help="beam search")
     g.add_argument("--logprobs", type=int, nargs="?", const=0, default=None, metavar="K",
                    help="return per-token logprobs, and the K best alternatives per token")
     g.add_argument("--stream", action="store_true", help="print text as it is generated")
@@ -134,6 +137,9 @@ def _generate_kwargs(a) -> dict:
               logprobs=a.logprobs, n=a.n, best_of=a.best_of, min_new_tokens=a.min_new_tokens,
               repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
               frequency_penalty=a.frequency_penalty)
+    if a.beam_width:
+        kw.update(beam_width=a.beam_width, n=None if a.n == 1 else a.n, length_penalty=a.length_penalty,
+                  early_stopping={"false": False, "true": True}.get(a.early_stopping, a.early_stopping))
     if a.prompt_ids is not None:
         kw["prompt_token_ids"] = a.prompt_ids
     return kw

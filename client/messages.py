@@ -23,7 +23,7 @@ TERMINAL_STATES = ("done", "cancelled", "failed")
 REQUEST_KEYS = ("prompt", "prompt_token_ids", "max_new_tokens", "temperature", "top_p", "top_k",
                 "seed", "stop", "stop_token_ids", "ignore_eos", "return_logprobs", "logprobs", "n", "best_of",
                 "min_new_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty",
-                "json_schema", "regex", "choice", "json_object")
+                "json_schema", "regex", "choice", "json_object", "beam_width", "length_penalty", "early_stopping")
 DEFAULT_PORT = 50051
 
 
@@ -72,6 +72,7 @@ class GenerateResult:
     choice: int = 0
     cumulative_logprob: float | None = None
     choices: list["GenerateResult"] | None = None
+    beam_score: float | None = None   # beam search: cumulative_logprob / length ** length_penalty
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -86,6 +87,8 @@ class StreamChunk:
     logprobs: list[float] | None = None
     index: int = 0                    # which choice (n > 1): chunks of different choices interleave
     top_logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None  # beam search: on each choice's (single) chunk
+    beam_score: float | None = None
 
 
 @dataclass
@@ -219,23 +222,27 @@ def build_generate_request(prompt: str | None = None, prompt_token_ids: Sequence
                            max_new_tokens: int = 32, temperature: float = 0.0, top_p: float | None = None,
                            top_k: int = 0, seed: int | None = None, stop: str | Sequence[str] | None = None,
                            stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
-                           return_logprobs: bool = False, logprobs: bool | int | None = None, n: int = 1,
-                           best_of: int | None = None, min_new_tokens: int = 0,
+                           return_logprobs: bool = False, logprobs: bool | int | None = None,
+                           n: int | None = None, best_of: int | None = None, min_new_tokens: int = 0,
                            repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
                            frequency_penalty: float = 0.0, json_schema: dict | str | None = None,
                            regex: str | None = None, choice: Sequence[str] | None = None,
-                           json_object: bool = False) -> pb.GenerateRequest:
+                           json_object: bool = False, beam_width: int = 0,
+                           length_penalty: float | None = None,
+                           early_stopping: bool | str = False) -> pb.GenerateRequest:
     """Type checks and the few value checks the wire cannot express (top_p=0, both prompt forms);
     the server validates every value and answers INVALID_ARGUMENT.
 
     Structured outputs (at most one): `json_schema` (a dict or its JSON text), `regex`, `choice` (a
-    list of strings), `json_object=True` (any JSON object)."""
+    list of strings), `json_object=True` (any JSON object). beam_width=K: beam search
+    (transformers' num_beams=K, num_return_sequences=K): K choices, best first, each with its
+    cumulative_logprob and beam_score; n must then be unset or K."""
     if prompt is not None and not isinstance(prompt, str):
         raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
     if prompt is not None and prompt_token_ids is not None:
         raise InvalidArgument("give prompt or prompt_token_ids, not both")
     for name, v in (("max_new_tokens", max_new_tokens), ("top_k", top_k), ("seed", seed), ("n", n),
-                    ("best_of", best_of), ("min_new_tokens", min_new_tokens)):
+                    ("best_of", best_of), ("min_new_tokens", min_new_tokens), ("beam_width", beam_width)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer))):
             raise TypeError(f"{name} must be an int, got {v!r}")
     if top_p is not None and not 0 < float(top_p) <= 1:  # also catches NaN
@@ -244,15 +251,20 @@ def build_generate_request(prompt: str | None = None, prompt_token_ids: Sequence
     if not all(isinstance(s, str) for s in stops):
         raise TypeError(f"stop must be a str or a list of str, got {stop!r}")
     want_logprobs, top_logprobs = _logprob_fields(logprobs, return_logprobs)
+    if early_stopping not in (True, False, "never"):
+        raise InvalidArgument(f'early_stopping must be True, False or "never", got {early_stopping!r}')
     try:  # values the wire cannot carry (an int past int32/int64) are the caller's error too
         req = pb.GenerateRequest(prompt=prompt or "", max_new_tokens=int(max_new_tokens),
                                  temperature=float(temperature), top_k=int(top_k),
                                  stop=stops, ignore_eos=bool(ignore_eos), return_logprobs=want_logprobs,
-                                 top_logprobs=top_logprobs, n=int(n), best_of=int(best_of or 0),
+                                 top_logprobs=top_logprobs, n=int(n or 0), best_of=int(best_of or 0),
                                  min_new_tokens=int(min_new_tokens),
                                  repetition_penalty=float(repetition_penalty),
                                  presence_penalty=float(presence_penalty),
-                                 frequency_penalty=float(frequency_penalty))
+                                 frequency_penalty=float(frequency_penalty), beam_width=int(beam_width or 0),
+                                 early_stopping=str(early_stopping).lower() if beam_width else "")
+        if length_penalty is not None:
+            req.length_penalty = float(length_penalty)
         if top_p is not None:  # proto3 optional: unset means 1 (off)
             req.top_p = float(top_p)
         if prompt_token_ids is not None:
@@ -348,7 +360,8 @@ def result_from_proto(r: pb.GenerationResult) -> GenerateResult:
     out = GenerateResult(token_ids=ids, text=r.text, finish_reason=r.finish_reason,
                          usage=Usage.from_proto(r.usage), logprobs=_floats(r.logprobs), index=r.index,
                          error=r.error or None, top_logprobs=_top(r.top_logprob_ids, r.top_logprobs, len(ids)),
-                         choice=r.choice, cumulative_logprob=r.cumulative_logprob if (r.logprobs or r.cumulative_logprob) else None)
+                         choice=r.choice, cumulative_logprob=r.cumulative_logprob if (r.logprobs or r.cumulative_logprob) else None,
+                         beam_score=r.beam_score if r.beam_score else None)
     if r.choices:
         out.choices = [result_from_proto(c) for c in r.choices]
         for c in out.choices:
@@ -361,7 +374,9 @@ def chunk_from_proto(c: pb.GenerateChunk) -> StreamChunk:
     return StreamChunk(token_ids=ids, text=c.text, finish_reason=c.finish_reason or None,
                        usage=Usage.from_proto(c.usage) if c.HasField("usage") else None,
                        logprobs=_floats(c.logprobs), index=c.index,
-                       top_logprobs=_top(c.top_logprob_ids, c.top_logprobs, len(ids)))
+                       top_logprobs=_top(c.top_logprob_ids, c.top_logprobs, len(ids)),
+                       cumulative_logprob=c.cumulative_logprob if c.beam_score else None,
+                       beam_score=c.beam_score if c.beam_score else None)
 
 
 def job_from_proto(j) -> JobStatus:
@@ -386,8 +401,11 @@ class _ChoiceAssembler:
         self.index = index
         self.token_ids, self.text, self.logprobs, self.top = [], [], [], []
         self.finish_reason, self.usage = "", Usage()
+        self.cumulative, self.beam_score = None, None
 
     def add(self, c: StreamChunk) -> None:
+        if c.beam_score is not None:
+            self.cumulative, self.beam_score = c.cumulative_logprob, c.beam_score
         self.token_ids += c.token_ids
         self.text.append(c.text)
         self.logprobs += c.logprobs or []
@@ -398,7 +416,9 @@ class _ChoiceAssembler:
     def result(self) -> GenerateResult:
         return GenerateResult(self.token_ids, "".join(self.text), self.finish_reason, self.usage,
                               self.logprobs or None, top_logprobs=self.top or None, choice=self.index,
-                              cumulative_logprob=float(sum(self.logprobs)) if self.logprobs else None)
+                              cumulative_logprob=self.cumulative if self.beam_score is not None
+                              else float(sum(self.logprobs)) if self.logprobs else None,
+                              beam_score=self.beam_score)
 
 
 class ResultAssembler:

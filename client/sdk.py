@@ -96,8 +96,9 @@ class Client:
         `params`: prompt_token_ids, max_new_tokens, temperature, top_p, top_k, seed, stop,
         stop_token_ids, ignore_eos, logprobs (True or k alternatives; return_logprobs is an alias
         of logprobs=True), n, best_of, min_new_tokens, repetition_penalty, presence_penalty,
-        frequency_penalty, and structured outputs json_schema (dict or JSON text), regex, choice (list of
-        str), json_object (see build_generate_request). best_of > n is refused (InvalidArgument)."""
+        frequency_penalty, structured outputs json_schema (dict or JSON text), regex, choice (list of
+        str), json_object, and beam_width, length_penalty, early_stopping (see build_generate_request;
+        beam search sends its K choices at the end, best first). best_of > n is refused (InvalidArgument)."""
         request = build_generate_request(prompt, **params)
         refuse_unstreamable(request)
         yield from self._chunks(request, timeout)

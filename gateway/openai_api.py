@@ -61,6 +61,9 @@ class _Sampling(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     structured_outputs: dict[str, Any] | None = None
+    use_beam_search: bool = False               # vLLM extension: n beams (metadata_service/beam.py)
+    length_penalty: float | None = None         # beam search: score = logprob / length ** length_penalty
+    early_stopping: Union[bool, Literal["never"]] = False
 
 
 class CompletionRequest(_Sampling):
@@ -117,7 +120,19 @@ def sampling_kwargs(req: _Sampling, max_tokens: int | None, default_max_tokens: 
     if req.stop_token_ids:
         kw["stop_token_ids"] = req.stop_token_ids
     kw.update(structured_kwargs(req))
+    if req.use_beam_search:
+        _beam_kwargs(req, kw)
     return kw
+
+
+def _beam_kwargs(req: _Sampling, kw: dict) -> None:
+    """vLLM's use_beam_search: `n` beams, all returned best first. Beam search is greedy: an unset
+    temperature means 0; a set one > 0 (or top_p / top_k, best_of) the service refuses (400)."""
+    kw.update(beam_width=req.n, n=None, early_stopping=req.early_stopping)
+    if req.temperature is None:
+        kw["temperature"] = 0.0
+    if req.length_penalty is not None:
+        kw["length_penalty"] = req.length_penalty
 
 
 def completion_prompts(req: CompletionRequest) -> list[dict]:

@@ -123,6 +123,8 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
                 if ev.new_top:
                     chunk.top_logprob_ids = pack(np.concatenate([t[0] for t in ev.new_top]))
                     chunk.top_logprobs = pack(np.concatenate([t[1] for t in ev.new_top]), FLOAT32)
+                if ev.beam_score is not None:                          # beam search: whole choices
+                    chunk.beam_score, chunk.cumulative_logprob = ev.beam_score, ev.cumulative_logprob
                 if ev.finished:
                     chunk.text, chunk.finish_reason = final_text(s, self.engine)[sent:], ev.finish_reason
                     chunk.usage.CopyFrom(usage(s))

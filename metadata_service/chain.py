@@ -26,6 +26,7 @@ import numpy as np
 from minipaged.v1 import metadata_pb2, worker_pb2
 from minipaged.wire import FLOAT32, FLOAT64, INT32, INT64, pack, unpack
 
+from .beam import on_beam_rows
 from .block_manager import KVBlockManager
 from .grammar import advance, fill_bitmask
 from .scheduler import ScheduledBatch, Scheduler
@@ -319,7 +320,7 @@ class ChainRunner:
             top = (top_ids, unpack(reply.top_logprobs, FLOAT32).reshape(top_ids.shape))
         mask = b.do_sample.tolist()
         eos, finished_status, engine = self.engine.eos_ids, SeqStatus.FINISHED, self.engine
-        finished, fill_ids, fill_toks, rejected = [], [], [], []
+        finished, fill_ids, fill_toks, rejected, beams = [], [], [], [], []
         j, kept = -1, 0
         now = 0.0
         for seq, gen, d in zip(b.seqs, b.gens, mask):
@@ -327,6 +328,9 @@ class ChainRunner:
                 continue
             j += 1
             if seq.gen != gen or seq.status is finished_status:  # preempted or ended while in flight
+                continue
+            if seq.group is not None and seq.group.beam:  # beam search: its group picks the tokens
+                beams.append((seq, j))
                 continue
             tok = tokens[j]
             if seq.deferred:                # the step after this one already reads this token
@@ -355,6 +359,8 @@ class ChainRunner:
             elif seq.sink is not None and seq.tag is None:  # streams hear every token
                 engine.stream_tokens(seq, [tok], [logprobs[j]] if logprobs else [],
                                      seq.output_top[-1:] if p.top_logprobs else [])
+        if beams:
+            kept += on_beam_rows(self, beams, top)
         if fill_ids:
             self.manager.fill_tokens(fill_ids, fill_toks)
         self.generated_tokens += kept        # tokens requests kept (not one computed and dropped)

@@ -199,8 +199,15 @@ class Engine:
             else:
                 cancelled = []
                 ids = [c.chain_id for c in live]
+                beam_chain: dict[int, int] = {}   # a beam group's beams stay on one chain (beam.py forks)
                 for s in seqs:
-                    cid, load = self.router.choose(ids, s.all_token_ids, s.params.max_new_tokens)
+                    g = s.group if s.group is not None and s.group.beam else None
+                    if g is not None and id(g) in beam_chain:
+                        cid, load = beam_chain[id(g)], 0.0
+                    else:
+                        cid, load = self.router.choose(ids, s.all_token_ids, s.params.max_new_tokens)
+                        if g is not None:
+                            beam_chain[id(g)] = cid
                     s.chain, s.route_load = self.chains[cid], load
                     s.chain.add(s)
         for s in cancelled:

@@ -24,6 +24,7 @@ def choice_seed(seed: int, i: int) -> int:
 
 
 class SequenceGroup:
+    beam = False                              # (metadata_service/beam.py's BeamGroup is True)
     def __init__(self, parent: Sequence, engine):
         self.engine = engine
         self.size, self.n = parent.params.best_of, parent.params.n

@@ -15,6 +15,8 @@ import numpy as np
 from minipaged.wire import FLOAT32, INT32, WireError, pack, unpack
 
 from .grammar import GrammarError, new_matcher, spec_of
+from .beam import MAX_BEAM_CANDIDATES, MAX_BEAM_WIDTH, BeamGroup, beam_candidates
+from .beam_scorer import candidates_per_beam, parse_early_stopping
 from .sequence import SamplingParams, Sequence
 from .stop import StopChecker
 
@@ -84,11 +86,15 @@ def normalize(req: metadata_pb2.GenerateRequest, engine) -> metadata_pb2.Generat
         raise RequestError(bad, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}")
     if len(req.stop) > 16 or any(len(s) > 256 for s in req.stop):
         raise RequestError(bad, "at most 16 stop strings of at most 256 characters each")
+    _check_beams(req, engine)
     total = int(ids.size) + req.max_new_tokens
     if total > engine.max_model_len:
         raise RequestError(bad, f"prompt ({ids.size} tokens) + max_new_tokens ({req.max_new_tokens}) = {total} "
                                 f"exceeds max_model_len {engine.max_model_len}")
     need = -(-total // engine.block_size) * best_of   # at worst every choice holds its own copy
+    if req.beam_width:   # beams share the prompt's full blocks; at worst each holds its own rest
+        full = int(ids.size) // engine.block_size
+        need = full + req.beam_width * -(-(total - full * engine.block_size) // engine.block_size)
     pool = engine.max_pool_blocks  # a sequence lives in one chain's pool: the largest one bounds it
     if need > pool:
         raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -100,6 +106,45 @@ def normalize(req: metadata_pb2.GenerateRequest, engine) -> metadata_pb2.Generat
     if not out.HasField("seed"):
         out.seed = secrets.randbits(63)
     return out
+
+
+def _check_beams(req: metadata_pb2.GenerateRequest, engine) -> None:
+    """Beam search is deterministic and scores raw logprobs: sampling rules do not combine with it."""
+    bad = grpc.StatusCode.INVALID_ARGUMENT
+    K = req.beam_width
+    if K == 0:
+        if req.HasField("length_penalty") or req.early_stopping:
+            raise RequestError(bad, "length_penalty and early_stopping apply to beam search only (set beam_width)")
+        return
+    if not 1 <= K <= MAX_BEAM_WIDTH:
+        raise RequestError(bad, f"beam_width must be in [1, {MAX_BEAM_WIDTH}] (0 = off), got {K}")
+    if req.n not in (0, 1, K) or (req.n == 1 and K != 1):
+        raise RequestError(bad, f"beam search returns its {K} beams: n must be unset or equal beam_width "
+                                f"({K}), got {req.n}")
+    if req.best_of:
+        raise RequestError(bad, "best_of does not combine with beam search (the beams are the candidates)")
+    if req.temperature > 0 or (req.HasField("top_p") and req.top_p < 1) or req.top_k > 0:
+        raise RequestError(bad, f"beam search is deterministic: temperature must be 0 and top_p / top_k unset "
+                                f"(got temperature {req.temperature}, top_p {req.top_p}, top_k {req.top_k})")
+    others = [name for name, on in (("stop strings", bool(req.stop)), ("min_new_tokens", req.min_new_tokens > 0),
+                                    ("repetition_penalty", req.repetition_penalty not in (0, 1)),
+                                    ("presence_penalty", req.presence_penalty != 0),
+                                    ("frequency_penalty", req.frequency_penalty != 0),
+                                    ("top_logprobs", req.top_logprobs > 0)) if on]
+    if others:
+        raise RequestError(bad, f"beam search does not support {', '.join(others)}")
+    lp = req.length_penalty if req.HasField("length_penalty") else 1.0
+    if not math.isfinite(lp):
+        raise RequestError(bad, f"length_penalty must be a finite number, got {lp}")
+    try:
+        parse_early_stopping(req.early_stopping)
+    except ValueError as e:
+        raise RequestError(bad, str(e)) from None
+    eos = set(unpack(req.stop_token_ids, INT32).tolist()) | (set() if req.ignore_eos else set(engine.eos_ids))
+    m = candidates_per_beam(K, len(eos))
+    if m > MAX_BEAM_CANDIDATES:
+        raise RequestError(bad, f"beam_width {K} with {len(eos)} EOS / stop token ids needs {m} candidates per "
+                                f"beam; the limit is {MAX_BEAM_CANDIDATES}")
 
 
 def to_sequence(req: metadata_pb2.GenerateRequest, engine, sink=None, tag=None) -> Sequence:
@@ -116,8 +161,13 @@ def to_sequence(req: metadata_pb2.GenerateRequest, engine, sink=None, tag=None) 
         show_logprobs=req.return_logprobs or req.top_logprobs > 0, grammar=compile_grammar(req, engine))
     if params.best_of > params.n:   # choosing the best needs every candidate's logprobs
         params.return_logprobs = True
+    if req.beam_width:
+        _beam_params(params, req, engine)
     seq = Sequence(unpack(req.prompt_token_ids, INT32).tolist(), params, sink=sink, tag=tag)
     prepare(seq, engine)
+    if req.beam_width:
+        seq.group = BeamGroup(seq, engine)
+        return seq
     if params.best_of > 1:
         from .groups import SequenceGroup
         seq.group = SequenceGroup(seq, engine)
@@ -131,6 +181,14 @@ def compile_grammar(req: metadata_pb2.GenerateRequest, engine):
         return None if spec is None else engine.grammars().compile(spec)
     except GrammarError as e:
         raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+def _beam_params(params: SamplingParams, req, engine) -> None:
+    """One sequence per beam, greedy, each step returning its top M logprobs (beam_scorer.py)."""
+    params.n = params.best_of = 1
+    params.beam_width = req.beam_width
+    params.length_penalty = req.length_penalty if req.HasField("length_penalty") else 1.0
+    params.early_stopping = parse_early_stopping(req.early_stopping)
+    params.top_logprobs = beam_candidates(params, engine)
+    params.extras = True              # the top logprobs ride on the worker's extras path
 
 
 def prepare(seq: Sequence, engine) -> None:
@@ -158,6 +216,8 @@ def usage(seq: Sequence) -> metadata_pb2.Usage:
 def result(seq: Sequence, event, index: int, engine) -> metadata_pb2.GenerationResult:
     """A job's result for one request: its sequence, or with n / best_of every chosen choice (the
     top-level fields are the first one's; usage counts every token generated, as OpenAI's does)."""
+    if seq.group is not None and seq.group.beam:
+        return beam_result(seq, event, index, engine)
     members = seq.group.chosen() if seq.group is not None else [seq]
     choices = [_choice(m, engine, seq.group.ended[m.choice].finish_reason if seq.group else event.finish_reason)
                for m in members]
@@ -183,3 +243,22 @@ def _choice(seq: Sequence, engine, finish_reason: str) -> metadata_pb2.Generatio
         r.top_logprob_ids = pack(np.concatenate([t[0] for t in seq.output_top]))
         r.top_logprobs = pack(np.concatenate([t[1] for t in seq.output_top]), FLOAT32)
     return r
+
+
+def beam_result(seq: Sequence, event, index: int, engine) -> metadata_pb2.GenerationResult:
+    """A beam search job's result: the K hypotheses, best first, with their scores."""
+    g = seq.group
+    choices = []
+    for s_, h in zip(g.choice_sequences(), g.hypotheses):
+        c = _choice(s_, engine, h.finish_reason)
+        c.cumulative_logprob, c.beam_score = float(h.cumulative_logprob), float(h.score)
+        choices.append(c)
+    out = metadata_pb2.GenerationResult()
+    out.CopyFrom(choices[0] if choices else _choice(seq, engine, event.finish_reason))
+    out.index, out.error = index, event.error
+    out.choices.extend(choices)
+    for i, c in enumerate(out.choices):
+        c.choice = i
+    out.usage.completion_tokens = sum(len(c_.output_token_ids) for c_ in g.choice_sequences())
+    out.usage.preemptions = sum(m.preemptions for m in g.members)
+    return out

@@ -147,9 +147,37 @@ class Scheduler:
         if not mine:
             return None
         s = mine[-1]
+        if s.group is not None and s.group.beam:
+            self.preempt_beams([b for b in s.group.live if b.chain is s.chain])
+            return s
         self._drop_running(s)
         self._preempt(s)
         return s
+
+    # ------------------------------------------------------------------ beam groups (beam.py)
+    # A beam group waits for every live beam's tokens, so part of one holding blocks while the
+    # rest waits for blocks could stall every group: its beams leave and come back together.
+    def preempt_beams(self, beams: list[Sequence]) -> None:
+        for b in reversed(beams):
+            if b.status is SeqStatus.RUNNING:
+                self._drop_running(b)
+                self._preempt(b)
+
+    @staticmethod
+    def _beam_sibling(s: Sequence, mine: list[Sequence]) -> bool:
+        return bool(mine) and s.group is not None and s.group.beam and mine[-1].group is s.group
+
+    def _beams_fit(self, s: Sequence) -> bool:
+        """The first beam of a waiting group comes in only when all of them fit (the prompt's
+        full blocks counted once: they are shared), or when nothing else runs."""
+        live = s.group.live
+        waiting = [b for b in live if b.status is SeqStatus.WAITING]
+        if len(waiting) < len(live) or not self.running:
+            return True
+        bs = self.manager.block_size
+        full = s.num_prompt_tokens // bs
+        need = full + sum(-(-(b.num_tokens - full * bs) // bs) for b in waiting)
+        return need <= self.manager.num_free_blocks
 
     # ------------------------------------------------------------------ forks (n / best_of)
     @staticmethod
@@ -187,7 +215,8 @@ class Scheduler:
             known = s.num_tokens - s.num_computed_tokens if g is None else self._todo(s)
             grouped = g is not None and not g.forked
             if not grouped and (known == 1 or (known == 0 and self.overlap and s.inflight == 1 and not s.deferred
-                                               and s.pending_sample and not s.params.waits_for_token)):
+                                               and s.pending_sample and not s.params.waits_for_token
+                                               and not s.params.beam_width)):
                 decodes.append(s)
             elif known > 1 or (grouped and known > 0):
                 chunks.append(s)
@@ -206,9 +235,9 @@ class Scheduler:
                 victim = self._preempt_newest(slot)
                 if victim is None:
                     return None
-                for group in (decodes, chunks):
-                    if victim in group:
-                        group.remove(victim)
+                # the victim, or a whole beam group (preempt_beams), leaves both lists
+                decodes[:] = [s for s in decodes if s.status is SeqStatus.RUNNING]
+                chunks[:] = [s for s in chunks if s.status is SeqStatus.RUNNING]
         chosen: list[tuple[Sequence, int]] = [(s, 1) for s in decodes]
         num_decodes = len(decodes)
         budget -= num_decodes
@@ -225,8 +254,10 @@ class Scheduler:
         # a fair share per micro-batch, so a few requests still spread over every pipeline slot
         share = min(self.max_num_seqs, -(-(len(self.running) + len(self.waiting)) // self.micro_batches))
         mine = self.by_slot[slot]
-        while self.waiting and budget > 0 and len(mine) < share:
+        while self.waiting and budget > 0 and (len(mine) < share or self._beam_sibling(self.waiting[0], mine)):
             s = self.waiting[0]
+            if s.group is not None and s.group.beam and not self._beams_fit(s):
+                break
             created = s.seq_id not in self.manager.sequences
             if created:
                 cached = self.manager.create_sequence(s.seq_id, s.all_token_ids)

@@ -46,6 +46,9 @@ class SamplingParams:
     top_logprobs: int = 0
     show_logprobs: bool = False              # the caller asked for them (best_of computes them anyway)
     grammar: object = None                   # xgrammar CompiledGrammar (structured outputs; grammar.py)
+    beam_width: int = 0                      # beam search (metadata_service/beam.py): K beams, 0 = off
+    length_penalty: float = 1.0
+    early_stopping: object = False           # transformers': False, True or "never"
     # derived once (read for every sequence of every step):
     penalized: bool = field(init=False)      # its next sample depends on every token so far
     waits_for_token: bool = field(init=False)  # never decodes ahead of its sampled token (async scheduling)
@@ -68,6 +71,8 @@ class SeqEvent:
     error: str = ""
     error_code: str = ""                     # a grpc.StatusCode name when error is set
     new_top: list = field(default_factory=list)  # per new token: (ids [k], logprobs [k]) alternatives
+    beam_score: float | None = None          # beam search: a returned hypothesis' score ...
+    cumulative_logprob: float | None = None  # ... and its cumulative logprob
 
 
 @dataclass(eq=False)  # identity semantics: sequences live in lists and sets

@@ -92,7 +92,7 @@ def _range(name: str, arr: np.ndarray, lo, hi_excl) -> None:
         _fail(f"{name}[{', '.join(map(str, idx))}] = {arr[idx]} is out of range [{lo}, {hi_excl})")
 
 
-MAX_TOP_LOGPROBS = 20
+MAX_TOP_LOGPROBS = 64   # alternatives per row: OpenAI allows 20; beam search needs (1 + #EOS) x K
 
 
 def validate_step(req, lim: StepLimits, store: SequenceStore | None = None,

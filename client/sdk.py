@@ -84,7 +84,8 @@ class Client:
         `params`: prompt_token_ids, max_new_tokens, temperature, top_p, top_k, seed, stop,
         stop_token_ids, ignore_eos, logprobs (True or k alternatives; return_logprobs is an alias
         of logprobs=True), n, best_of, min_new_tokens, repetition_penalty, presence_penalty,
-        frequency_penalty (see build_generate_request)."""
+        frequency_penalty, prompt_logprobs (k >= 0: every prompt token's logprob, and its k best
+        alternatives, on the first chunk; max_new_tokens may then be 0) (see build_generate_request)."""
         request = build_generate_request(prompt, **params)
         self._await_ready(timeout)
         call = self._stub.Generate(request, **self._kw(timeout))

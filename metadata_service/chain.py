@@ -26,6 +26,7 @@ import numpy as np
 from minipaged.v1 import metadata_pb2, worker_pb2
 from minipaged.wire import FLOAT32, FLOAT64, INT32, INT64, pack, unpack
 
+from . import prompt_logprobs
 from .block_manager import KVBlockManager
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import SAMPLING_ROW, SeqStatus, Sequence
@@ -175,6 +176,8 @@ class ChainRunner:
         elif kind == "add":
             if item.abort_requested:
                 self.engine.finish(item, "cancelled")
+            elif prompt_logprobs.trivial(item):       # a one-token prompt, max_new_tokens 0
+                self.engine.finish(item, "length")
             else:
                 with self.lock:
                     self.scheduler.add(item)
@@ -238,6 +241,8 @@ class ChainRunner:
             req.copy_src, req.copy_dst = pack([c[0] for c in b.copies]), pack([c[1] for c in b.copies])
         if any(s.params.extras for s in seqs):
             _add_extras(req, seqs, unpack(req.sample_offsets, INT32))
+        if b.prompt_rows is not None:
+            prompt_logprobs.add_to_request(req, b.prompt_rows)
         self.wire_bytes += req.ByteSize()
         return req
 
@@ -264,7 +269,12 @@ class ChainRunner:
             self.stage_busy_ms[i] += t.compute_ms
         with self.lock:
             self.scheduler.step_done(b)
+            done = prompt_logprobs.apply(b, reply) if b.prompt_rows is not None else ()
+            for seq in done:                  # max_new_tokens 0: ended before any token is applied
+                self.scheduler.remove(seq)
             self._apply(b, reply)
+        for seq in done:
+            self.engine.finish(seq, "length")
         self.steps += 1
         self.metadata_s += time.perf_counter() - t0
 

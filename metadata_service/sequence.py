@@ -45,6 +45,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     top_logprobs: int = 0
     show_logprobs: bool = False              # the caller asked for them (best_of computes them anyway)
+    prompt_logprobs: int = -1                # alternatives per prompt token (0 = own only, -1 = off)
     # derived once (read for every sequence of every step):
     penalized: bool = field(init=False)      # its next sample depends on every token so far
     extras: bool = field(init=False)         # needs worker/logits_processors.py
@@ -103,6 +104,7 @@ class Sequence:
     suppress_ids: tuple = ()                 # EOS + stop ids, masked while output < min_new_tokens
 
     sampling_row: bytes = b""                # the params packed once, for the per-step Step arrays
+    prompt_lp: object = None                 # PromptState when the request asked for prompt logprobs
 
     def __post_init__(self):
         self.num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)

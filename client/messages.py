@@ -320,18 +320,19 @@ def _top(ids: bytes, lps: bytes, n_tokens: int) -> list[dict[int, float]] | None
 
 
 def _prompt_logprobs(msg) -> tuple[list | None, list | None]:
-    """float64 [P-1] (+ int32 / float64 [P-1, k]) -> per prompt token, None for the first."""
+    """float64 [P] (+ int32 / float64 [P, k]) -> per prompt token, None for the first (the wire's
+    NaN row: nothing comes before it)."""
     if not msg.prompt_logprobs:
         return None, None
     lps = wire.unpack(msg.prompt_logprobs, wire.FLOAT64, name="prompt_logprobs")
-    own = [None] + lps.tolist()
+    own = [None] + lps[1:].tolist()
     if not msg.prompt_top_logprob_ids:
         return own, None
     ids = wire.unpack(msg.prompt_top_logprob_ids, wire.INT32, name="prompt_top_logprob_ids")
     vals = wire.unpack(msg.prompt_top_logprobs, wire.FLOAT64, name="prompt_top_logprobs", count=ids.size)
-    if lps.size == 0 or ids.size % lps.size:
+    if ids.size % lps.size:
         raise wire.WireError(f"prompt_top_logprob_ids: {ids.size} values for {lps.size} prompt tokens")
-    rows = zip(ids.reshape(lps.size, -1).tolist(), vals.reshape(lps.size, -1).tolist())
+    rows = zip(ids.reshape(lps.size, -1)[1:].tolist(), vals.reshape(lps.size, -1)[1:].tolist())
     return own, [None] + [dict(zip(a, b)) for a, b in rows]
 
 

@@ -2,7 +2,7 @@
 gathering the last stage's answers into each request's arrays.
 
 A prompt of P tokens has P-1 prompt logprobs: token i (i >= 1) is scored by the row of position
-i-1. A prefill chunk over positions [start, start + n) therefore scores tokens start+1 ...
+i-1 (token 0 has none: NaN on the wire, so the arrays line up with the prompt, one entry per token). A prefill chunk over positions [start, start + n) therefore scores tokens start+1 ...
 start+n that are still prompt tokens: its first min(n, P-1-start) rows. The arrays are indexed by
 position, so a preempted request that recomputes its prompt just writes the same values again.
 
@@ -24,15 +24,19 @@ from minipaged.wire import FLOAT64, INT32, pack, unpack
 class PromptState:
     """One request's prompt logprobs, filled as its prefill chunks come back."""
     k: int                       # alternatives per token (0 = own logprob only)
-    logprobs: np.ndarray         # float64 [P-1]: token i+1's logprob at index i (NaN until computed)
-    top_ids: np.ndarray          # int32 [P-1, k]
-    top_logprobs: np.ndarray     # float64 [P-1, k]
+    logprobs: np.ndarray         # float64 [P]: token i's logprob at index i (NaN for token 0 and until computed)
+    top_ids: np.ndarray          # int32 [P, k] (row 0: -1)
+    top_logprobs: np.ndarray     # float64 [P, k] (row 0: NaN)
     sent: bool = False           # already on a stream chunk
 
     @classmethod
     def new(cls, prompt_len: int, k: int) -> "PromptState":
-        n = max(0, prompt_len - 1)
-        return cls(k, np.full(n, np.nan), np.zeros((n, k), np.int32), np.zeros((n, k), np.float64))
+        return cls(k, np.full(prompt_len, np.nan), np.full((prompt_len, k), -1, np.int32),
+                   np.full((prompt_len, k), np.nan))
+
+    @property
+    def num_scored(self) -> int:
+        return max(0, self.logprobs.size - 1)
 
 
 @dataclass
@@ -60,7 +64,7 @@ def plan(seqs: list, starts: np.ndarray, num_new: np.ndarray, first: int) -> Ste
         if st is None:
             continue
         a, n = int(starts[b]), int(num_new[b])
-        c = max(0, min(n, st.logprobs.size - a))
+        c = max(0, min(n, st.num_scored - a))
         counts[b] = c
         targets.extend(seqs[b].prompt_token_ids[a + 1:a + 1 + c])
         k = max(k, st.k)
@@ -93,11 +97,11 @@ def apply(batch, reply) -> list:
             continue
         a = int(rows.starts[b])
         if seq.gen == gen and seq.status.value != "finished":   # else preempted or ended meanwhile
-            st.logprobs[a:a + c] = lp[off:off + c]
+            st.logprobs[a + 1:a + 1 + c] = lp[off:off + c]       # position a scores token a + 1
             if st.k:
-                st.top_ids[a:a + c] = ids[off:off + c, :st.k]
-                st.top_logprobs[a:a + c] = tops[off:off + c, :st.k]
-            if seq.params.max_new_tokens == 0 and rows.ends[b] >= st.logprobs.size:
+                st.top_ids[a + 1:a + 1 + c] = ids[off:off + c, :st.k]
+                st.top_logprobs[a + 1:a + 1 + c] = tops[off:off + c, :st.k]
+            if seq.params.max_new_tokens == 0 and rows.ends[b] >= st.num_scored:
                 done.append(seq)
         off += c
     return done
@@ -105,7 +109,7 @@ def apply(batch, reply) -> list:
 
 def trivial(seq) -> bool:
     """A one-token prompt with max_new_tokens = 0 has nothing to compute: it is done at once."""
-    return seq.prompt_lp is not None and seq.params.max_new_tokens == 0 and seq.prompt_lp.logprobs.size == 0
+    return seq.prompt_lp is not None and seq.params.max_new_tokens == 0 and seq.prompt_lp.num_scored == 0
 
 
 def attach(msg, st: PromptState | None) -> None:

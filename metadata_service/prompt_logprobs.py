@@ -52,7 +52,7 @@ class StepRows:
 def plan(seqs: list, starts: np.ndarray, num_new: np.ndarray, first: int) -> StepRows | None:
     """Rows of a step's prefill chunks (seqs[first:], the decodes before them score nothing);
     None when none of its requests asked for prompt logprobs (the common case: one pass of
-    attribute reads)."""
+    attribute reads) or none of their chunks reaches a prompt token (a one-token prompt)."""
     chunks = range(first, len(seqs))
     if not any(seqs[b].prompt_lp is not None for b in chunks):
         return None
@@ -68,6 +68,8 @@ def plan(seqs: list, starts: np.ndarray, num_new: np.ndarray, first: int) -> Ste
         counts[b] = c
         targets.extend(seqs[b].prompt_token_ids[a + 1:a + 1 + c])
         k = max(k, st.k)
+    if not targets:
+        return None
     starts = np.asarray(starts, np.int64)
     return StepRows(counts, starts, np.asarray(targets, np.int32), k, starts + np.asarray(num_new, np.int64))
 
@@ -98,7 +100,7 @@ def apply(batch, reply) -> list:
         a = int(rows.starts[b])
         if seq.gen == gen and seq.status.value != "finished":   # else preempted or ended meanwhile
             st.logprobs[a + 1:a + 1 + c] = lp[off:off + c]       # position a scores token a + 1
-            if st.k:
+            if st.k and c:
                 st.top_ids[a + 1:a + 1 + c] = ids[off:off + c, :st.k]
                 st.top_logprobs[a + 1:a + 1 + c] = tops[off:off + c, :st.k]
             if seq.params.max_new_tokens == 0 and rows.ends[b] >= st.num_scored:

@@ -87,6 +87,8 @@ def test_plan_scores_the_prompt_tokens_each_chunk_reaches():
     rows = mplp.plan([b, a, c], np.array([2, 8, 0]), np.array([1, 4, 5]), first=1)
     assert rows.counts.tolist() == [0, 1, 5] and rows.targets.tolist() == [19, 41, 42, 43, 44, 45]
     assert mplp.plan([b, a], np.array([0, 0]), np.array([1, 3]), first=2) is None   # decodes only
+    one = _Seq([9], k=2, max_new_tokens=3)                  # a one-token prompt scores nothing
+    assert mplp.plan([one], np.array([0]), np.array([1]), first=0) is None
 
 
 def test_apply_writes_by_position_and_ends_max_tokens_zero():
@@ -162,7 +164,8 @@ def cluster(request, ckpt):
 @pytest.mark.slow
 def test_prompt_logprobs_equal_transformers(cluster, oracle):
     cl = cluster.client
-    batch = prompts(6, 1, 40, seed=5) + [[9], [9, 10]]
+    # a one-token prompt with max_new_tokens 0 and with 3 (k=3 both), two-token prompts
+    batch = prompts(6, 1, 40, seed=5) + [[9], [9], [9, 10], [9, 11]]
     # one job: prompt-logprob requests share steps with each other and with requests without them
     items = [dict(prompt_token_ids=p, max_new_tokens=(0, 3)[i % 2], prompt_logprobs=(0, 3)[(i // 2) % 2])
              for i, p in enumerate(batch)] + [dict(prompt_token_ids=p, max_new_tokens=4) for p in batch[:3]]

@@ -259,3 +259,18 @@ def test_openai_echo_with_logprobs(cluster, oracle, ckpt):
         assert len(first.logprobs.tokens) == len(p)
         want = oracle(p)[torch.arange(len(p) - 1), torch.tensor(p[1:])].numpy()
         assert np.max(np.abs(np.asarray(first.logprobs.token_logprobs[1:]) - want)) < TOL
+
+
+@pytest.mark.slow
+def test_preempted_requests_keep_every_prompt_logprob(ckpt, oracle):
+    """A pool too small for all of them at once: preempted requests recompute their prompts and
+    rewrite the same positions (values by position, never appended twice)."""
+    with LocalCluster(model=ckpt, workers=1, dtype="float64", block_size=4, num_blocks=24,
+                      extra_service_args=BUDGET) as c:
+        batch = prompts(8, 14, 30, seed=9)
+        results = c.client.wait(c.client.submit([dict(prompt_token_ids=p, max_new_tokens=12, ignore_eos=True,
+                                                       prompt_logprobs=2) for p in batch]))
+        for p, r in zip(batch, results):
+            check(p, r.prompt_logprobs, r.prompt_top_logprobs, oracle(p), 2)
+            assert len(r.token_ids) == 12
+        assert c.client.stats().preemptions > 0, "the pool was meant to force preemption"

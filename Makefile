@@ -7,7 +7,11 @@ STAMP  := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 EXTRA ?=
 
-.PHONY: venv proto test test-fast demo bench clean compose-test
+.PHONY: venv proto test test-fast demo bench clean compose-test lmeval-venv
+
+# lm-evaluation-harness in a venv of its own (its dependencies must not move the project's torch);
+# tests/test_lm_eval.py uses it when it exists (LMEVAL_VENV), docs/gateway.md shows the commands.
+LMEVAL_VENV ?= /work/lmeval-venv
 
 $(STAMP): requirements.txt requirements-nodeps.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,6 +40,11 @@ bench: proto
 	$(BIN)/python bench/block_manager.py
 	$(BIN)/python bench/kernels.py
 	$(BIN)/python bench/e2e.py
+
+lmeval-venv:
+	test -x $(LMEVAL_VENV)/bin/python || $(PYTHON) -m venv $(LMEVAL_VENV)
+	$(LMEVAL_VENV)/bin/pip install -q --disable-pip-version-check "$(TORCH_SPEC)" "transformers==5.23.0" \
+		"lm-eval[api,hf]==0.4.13"
 
 clean:
 	rm -rf $(VENV) .pytest_cache build/kernels

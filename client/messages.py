@@ -23,7 +23,8 @@ TERMINAL_STATES = ("done", "cancelled", "failed")
 REQUEST_KEYS = ("prompt", "prompt_token_ids", "max_new_tokens", "temperature", "top_p", "top_k",
                 "seed", "stop", "stop_token_ids", "ignore_eos", "return_logprobs", "logprobs", "n", "best_of",
                 "min_new_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty",
-                "json_schema", "regex", "choice", "json_object", "beam_width", "length_penalty", "early_stopping")
+                "json_schema", "regex", "choice", "json_object", "beam_width", "length_penalty", "early_stopping",
+                "prompt_logprobs")
 DEFAULT_PORT = 50051
 
 
@@ -73,6 +74,10 @@ class GenerateResult:
     cumulative_logprob: float | None = None
     choices: list["GenerateResult"] | None = None
     beam_score: float | None = None   # beam search: cumulative_logprob / length ** length_penalty
+    # prompt_logprobs=k: per prompt token its logprob given the tokens before it (None for the
+    # first token), and with k > 0 its k best alternatives {token_id: logprob} (None first)
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -89,6 +94,8 @@ class StreamChunk:
     top_logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None  # beam search: on each choice's (single) chunk
     beam_score: float | None = None
+    prompt_logprobs: list[float | None] | None = None          # on the first chunk (prompt_logprobs=k)
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass
@@ -229,7 +236,8 @@ def build_generate_request(prompt: str | None = None, prompt_token_ids: Sequence
                            regex: str | None = None, choice: Sequence[str] | None = None,
                            json_object: bool = False, beam_width: int = 0,
                            length_penalty: float | None = None,
-                           early_stopping: bool | str = False) -> pb.GenerateRequest:
+                           early_stopping: bool | str = False,
+                           prompt_logprobs: int | None = None) -> pb.GenerateRequest:
     """Type checks and the few value checks the wire cannot express (top_p=0, both prompt forms);
     the server validates every value and answers INVALID_ARGUMENT.
 
@@ -274,6 +282,13 @@ def build_generate_request(prompt: str | None = None, prompt_token_ids: Sequence
         if seed is not None:  # proto3 optional: unset means "the service picks one"
             req.seed = int(seed)
         _structured(req, json_schema, regex, choice, json_object)
+        if prompt_logprobs is not None:  # proto3 optional: 0 (own logprob only) differs from unset
+            if isinstance(prompt_logprobs, bool) or not isinstance(prompt_logprobs, (int, np.integer)):
+                raise TypeError(f"prompt_logprobs must be an int >= 0 or None, got {prompt_logprobs!r}")
+            if prompt_logprobs < 0:
+                raise InvalidArgument(f"prompt_logprobs must be >= 0 (alternatives per prompt token), "
+                                      f"got {prompt_logprobs}")
+            req.prompt_logprobs = int(prompt_logprobs)
     except (ValueError, OverflowError) as e:
         raise InvalidArgument(f"{e} (max_new_tokens, top_k, n, best_of, min_new_tokens are int32, seed int64, "
                               f"token ids int32)") from None
@@ -355,6 +370,23 @@ def _top(ids: bytes, lps: bytes, n_tokens: int) -> list[dict[int, float]] | None
     return [dict(zip(r, s)) for r, s in zip(a, b)]
 
 
+def _prompt_logprobs(msg) -> tuple[list | None, list | None]:
+    """float64 [P] (+ int32 / float64 [P, k]) -> per prompt token, None for the first (the wire's
+    NaN row: nothing comes before it)."""
+    if not msg.prompt_logprobs:
+        return None, None
+    lps = wire.unpack(msg.prompt_logprobs, wire.FLOAT64, name="prompt_logprobs")
+    own = [None] + lps[1:].tolist()
+    if not msg.prompt_top_logprob_ids:
+        return own, None
+    ids = wire.unpack(msg.prompt_top_logprob_ids, wire.INT32, name="prompt_top_logprob_ids")
+    vals = wire.unpack(msg.prompt_top_logprobs, wire.FLOAT64, name="prompt_top_logprobs", count=ids.size)
+    if ids.size % lps.size:
+        raise wire.WireError(f"prompt_top_logprob_ids: {ids.size} values for {lps.size} prompt tokens")
+    rows = zip(ids.reshape(lps.size, -1)[1:].tolist(), vals.reshape(lps.size, -1)[1:].tolist())
+    return own, [None] + [dict(zip(a, b)) for a, b in rows]
+
+
 def result_from_proto(r: pb.GenerationResult) -> GenerateResult:
     ids = wire.unpack(r.token_ids, name="token_ids").tolist()
     out = GenerateResult(token_ids=ids, text=r.text, finish_reason=r.finish_reason,
@@ -362,6 +394,7 @@ def result_from_proto(r: pb.GenerationResult) -> GenerateResult:
                          error=r.error or None, top_logprobs=_top(r.top_logprob_ids, r.top_logprobs, len(ids)),
                          choice=r.choice, cumulative_logprob=r.cumulative_logprob if (r.logprobs or r.cumulative_logprob) else None,
                          beam_score=r.beam_score if r.beam_score else None)
+    out.prompt_logprobs, out.prompt_top_logprobs = _prompt_logprobs(r)
     if r.choices:
         out.choices = [result_from_proto(c) for c in r.choices]
         for c in out.choices:
@@ -371,12 +404,14 @@ def result_from_proto(r: pb.GenerationResult) -> GenerateResult:
 
 def chunk_from_proto(c: pb.GenerateChunk) -> StreamChunk:
     ids = wire.unpack(c.token_ids, name="token_ids").tolist()
+    own, top = _prompt_logprobs(c)
     return StreamChunk(token_ids=ids, text=c.text, finish_reason=c.finish_reason or None,
                        usage=Usage.from_proto(c.usage) if c.HasField("usage") else None,
                        logprobs=_floats(c.logprobs), index=c.index,
                        top_logprobs=_top(c.top_logprob_ids, c.top_logprobs, len(ids)),
                        cumulative_logprob=c.cumulative_logprob if c.beam_score else None,
-                       beam_score=c.beam_score if c.beam_score else None)
+                       beam_score=c.beam_score if c.beam_score else None,
+                       prompt_logprobs=own, prompt_top_logprobs=top)
 
 
 def job_from_proto(j) -> JobStatus:
@@ -427,13 +462,21 @@ class ResultAssembler:
 
     def __init__(self):
         self._choices: dict[int, _ChoiceAssembler] = {}
+        self._prompt = (None, None)     # prompt logprobs: the request's, on its first chunk
 
     def add(self, c: StreamChunk) -> None:
+        if c.prompt_logprobs is not None:
+            self._prompt = (c.prompt_logprobs, c.prompt_top_logprobs)
         if c.index not in self._choices:
             self._choices[c.index] = _ChoiceAssembler(c.index)
         self._choices[c.index].add(c)
 
     def result(self) -> GenerateResult:
+        out = self._result()
+        out.prompt_logprobs, out.prompt_top_logprobs = self._prompt
+        return out
+
+    def _result(self) -> GenerateResult:
         if not self._choices:
             return _ChoiceAssembler(0).result()
         choices = [self._choices[i].result() for i in sorted(self._choices)]

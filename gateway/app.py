@@ -409,23 +409,25 @@ def create_app(config: GatewayConfig) -> FastAPI:
         gw.check_model(req.model)
         kw = oa.completion_kwargs(req)
         prompts = oa.completion_prompts(req)
-        echo = None
+        echo = prompt_ids = None
         if req.echo:
-            if req.logprobs is not None:
-                raise bad_request("echo with logprobs is not supported (no prompt logprobs)", "echo")
             echo = [p.get("prompt") if "prompt" in p else _decode_or_fail(gw, p["prompt_token_ids"])
                     for p in prompts]
+        if "prompt_logprobs" in kw:   # the service scores token ids the gateway knows, to name them
+            prompt_ids = [p["prompt_token_ids"] if "prompt_token_ids" in p else _encode_or_fail(gw, p["prompt"])
+                          for p in prompts]
+            prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
         items = [{**kw, **p} for p in prompts]
         rid = oa.new_id("cmpl")
         stream = gw.generate_stream(items, req.n, t0)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return await _start_sse(request, stream, _completion_events(gw, rid, req, stream, echo, include_usage,
-                                                                          len(prompts)))
+                                                                          len(prompts), prompt_ids))
         choices = await _unless_disconnected(request, _collect(stream))
         per_prompt = [[c for c in choices.values() if c.index // req.n == p] for p in range(len(prompts))]
         return oa.completion_response(rid, gw.model_name, [choices[i] for i in sorted(choices)], per_prompt,
-                                      gw.token_text_for(req), echo, req.n)
+                                      gw.token_text_for(req), echo, req.n, prompt_ids)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -503,6 +505,14 @@ def _forced_tool_kwargs(tools: tc.ToolPlan, kw: dict) -> dict:
         raise bad_request(f"tool_choice {tools.mode!r} needs structured outputs (json_schema), which this "
                           f"build does not have; use \"auto\"", "tool_choice")
     return {"json_schema": schema}
+def _encode_or_fail(gw: Gateway, text: str) -> list[int]:
+    if gw.tokenizer is None:
+        raise bad_request("echo with logprobs of a text prompt needs the model's tokenizer on the gateway "
+                          "(--model PATH)", "echo")
+    ids = list(gw.tokenizer.encode(text))
+    if not ids:
+        raise bad_request("the prompt is empty: it has no token", "prompt")
+    return ids
 
 
 def _default_max_tokens(gw: Gateway, prompt: str) -> int:
@@ -551,18 +561,24 @@ def _error_event(e: Exception) -> str:
 
 
 async def _completion_events(gw: Gateway, rid: str, req: oa.CompletionRequest, stream, echo, include_usage: bool,
-                             num_prompts: int):
+                             num_prompts: int, prompt_ids=None):
     created, model, n = int(time.time()), gw.model_name, req.n
     offsets: dict[int, int] = {}
     choices: dict[int, oa.Choice] = {}
+    prompt_lp: dict[int, tuple] = {}      # per prompt: its logprobs (the first chunk of its stream)
     started = False
     try:
         async for idx, chunk in stream:
             ch = choices.setdefault(idx, oa.Choice(idx))
             ch.add(chunk)
+            if chunk.prompt_logprobs is not None:
+                prompt_lp[idx // n] = (chunk.prompt_logprobs, chunk.prompt_top_logprobs)
             if echo and idx not in offsets:
                 offsets[idx] = len(echo[idx // n])
-                yield _sse(oa.completion_chunk(rid, created, model, idx, echo[idx // n], None, None))
+                elp = None
+                if prompt_ids is not None and idx // n in prompt_lp:
+                    elp = oa.echo_logprobs(prompt_ids[idx // n], *prompt_lp[idx // n], gw.token_text_for(req))
+                yield _sse(oa.completion_chunk(rid, created, model, idx, echo[idx // n], elp, None))
             part = oa.Choice(idx, token_ids=chunk.token_ids, logprobs=chunk.logprobs or [],
                              top=chunk.top_logprobs or [])
             lp = oa.completion_logprobs(part, gw.token_text_for(req), offsets.get(idx, 0))

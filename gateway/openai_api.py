@@ -163,6 +163,10 @@ def completion_kwargs(req: CompletionRequest) -> dict:
     kw = sampling_kwargs(req, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
     if req.logprobs is not None:
         kw["logprobs"] = req.logprobs
+    if req.echo and (req.logprobs is not None or kw["max_new_tokens"] == 0):
+        # the prompt's own logprobs (max_tokens 0: the prompt is the whole answer, and only a
+        # request with prompt logprobs may ask for no token)
+        kw["prompt_logprobs"] = req.logprobs or 0
     return kw
 
 
@@ -216,8 +220,12 @@ class Choice:
     top: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     usage: Usage | None = None
+    prompt_logprobs: list | None = None   # echo + logprobs: [None, lp_1, ...] (the request's first chunk)
+    prompt_top: list | None = None
 
     def add(self, c: StreamChunk) -> None:
+        if c.prompt_logprobs is not None:
+            self.prompt_logprobs, self.prompt_top = c.prompt_logprobs, c.prompt_top_logprobs
         self.token_ids += c.token_ids
         self.text.append(c.text)
         self.logprobs += c.logprobs or []
@@ -265,6 +273,46 @@ def completion_logprobs(choice: Choice, token_text, offset0: int = 0) -> dict | 
             "text_offset": offsets}
 
 
+def echo_logprobs(prompt_ids: list[int], logprobs: list, top: list | None, token_text) -> dict:
+    """The echoed prompt's part of the legacy logprobs: token_logprobs and top_logprobs are null
+    for the first token (nothing comes before it), as OpenAI's are."""
+    tokens = [token_text(t) for t in prompt_ids]
+    offsets, pos = [], 0
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    alts = None
+    if top is not None:
+        alts = [None]
+        for d in top[1:]:
+            row: dict[str, float] = {}
+            for t, lp in d.items():       # best first: two ids of one text keep the better logprob
+                row.setdefault(token_text(t), lp)
+            alts.append(row)
+    return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": alts, "text_offset": offsets}
+
+
+def join_logprobs(prompt: dict | None, completion: dict | None) -> dict | None:
+    """Echoed prompt + completion logprobs as one legacy logprobs object."""
+    if prompt is None or completion is None:
+        return prompt or completion
+    out = {k: prompt[k] + completion[k] for k in ("tokens", "token_logprobs", "text_offset")}
+    if prompt["top_logprobs"] is None and completion["top_logprobs"] is None:
+        out["top_logprobs"] = None
+    else:
+        out["top_logprobs"] = (prompt["top_logprobs"] or [None] * len(prompt["tokens"])) + \
+            (completion["top_logprobs"] or [None] * len(completion["tokens"]))
+    return out
+
+
+def prompt_logprobs_of(choices: list[Choice], prompt_index: int, n: int) -> tuple[list | None, list | None]:
+    """The prompt logprobs of a prompt, from whichever of its choices got the first chunk."""
+    for ch in choices:
+        if ch.index // n == prompt_index and ch.prompt_logprobs is not None:
+            return ch.prompt_logprobs, ch.prompt_top
+    return None, None
+
+
 def chat_logprobs(choice: Choice, token_text) -> dict | None:
     if not choice.logprobs:
         return None
@@ -287,12 +335,17 @@ def new_id(prefix: str) -> str:
 
 
 def completion_response(rid: str, model: str, choices: list[Choice], per_prompt: list[list[Choice]],
-                        token_text, echo_texts: list[str] | None = None, n: int = 1) -> dict:
+                        token_text, echo_texts: list[str] | None = None, n: int = 1,
+                        prompt_ids: list[list[int]] | None = None) -> dict:
     out = []
     for ch in choices:
         prefix = echo_texts[ch.index // n] if echo_texts else ""
-        out.append({"index": ch.index, "text": prefix + "".join(ch.text),
-                    "logprobs": completion_logprobs(ch, token_text, len(prefix)),
+        lp = completion_logprobs(ch, token_text, len(prefix))
+        if prompt_ids is not None:        # echo + logprobs: the prompt's tokens come first
+            own, top = prompt_logprobs_of(choices, ch.index // n, n)
+            if own is not None:
+                lp = join_logprobs(echo_logprobs(prompt_ids[ch.index // n], own, top, token_text), lp)
+        out.append({"index": ch.index, "text": prefix + "".join(ch.text), "logprobs": lp,
                     "finish_reason": ch.finish_reason})
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": out, "usage": total_usage(per_prompt)}

@@ -18,6 +18,7 @@ from minipaged.tokenizer import IncrementalDetokenizer
 from minipaged.v1 import metadata_pb2, metadata_pb2_grpc
 from minipaged.wire import FLOAT32, INT32, pack
 
+from . import prompt_logprobs
 from .block_api import BlockApi
 from .block_manager import KVBlockManager
 from .jobs import JobManager
@@ -120,6 +121,7 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
                 chunk = metadata_pb2.GenerateChunk(token_ids=pack(ev.new_token_ids, INT32), index=s.choice,
                                                    logprobs=pack(ev.new_logprobs, FLOAT32)
                                                    if seq.params.show_logprobs else b"")
+                prompt_logprobs.attach_once(chunk, seq.prompt_lp)   # the first chunk carries them
                 if ev.new_top:
                     chunk.top_logprob_ids = pack(np.concatenate([t[0] for t in ev.new_top]))
                     chunk.top_logprobs = pack(np.concatenate([t[1] for t in ev.new_top]), FLOAT32)

@@ -165,11 +165,14 @@ class KVBlockManager:
         return t.astype(np.int32, copy=False)
 
     # ------------------------------------------------------------------ create
-    def create_sequence(self, sequence_id: int, prompt_token_ids=None) -> int:
-        """New sequence; returns the prompt tokens served from the prefix cache (its start length)."""
-        return self.create_and_append(sequence_id, prompt_token_ids, 0)[0]
+    def create_sequence(self, sequence_id: int, prompt_token_ids=None, reuse_cached: bool = True) -> int:
+        """New sequence; returns the prompt tokens served from the prefix cache (its start length).
+        reuse_cached=False: no lookup (the sequence computes every token; its full blocks still
+        enter the prefix cache for others)."""
+        return self.create_and_append(sequence_id, prompt_token_ids, 0, reuse_cached)[0]
 
-    def create_and_append(self, sequence_id: int, prompt_token_ids=None, num_tokens: int = 0):
+    def create_and_append(self, sequence_id: int, prompt_token_ids=None, num_tokens: int = 0,
+                          reuse_cached: bool = True):
         """create_sequence + append num_tokens (ids from the prompt past the cached part), all or
         nothing. Returns (num_cached_tokens, slots of the appended tokens)."""
         if sequence_id in self._row_of:
@@ -180,7 +183,7 @@ class KVBlockManager:
         if prompt_token_ids is not None and len(prompt_token_ids):
             prompt = self._tokens(prompt_token_ids, len(prompt_token_ids))
         hit, last_hash, max_hit = [], None, 0
-        if prompt is not None and self.enable_prefix_caching:
+        if prompt is not None and self.enable_prefix_caching and reuse_cached:
             max_hit = (len(prompt) - 1) // self.block_size      # always leave >= 1 token to compute
             hit, last_hash = self.pool.cache.match(prompt.tolist(), max_hit)
         cached = len(hit) * self.block_size

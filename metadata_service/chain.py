@@ -27,6 +27,7 @@ from minipaged.v1 import metadata_pb2, worker_pb2
 from minipaged.wire import FLOAT32, FLOAT64, INT32, INT64, pack, unpack
 
 from .beam import on_beam_rows
+from . import prompt_logprobs
 from .block_manager import KVBlockManager
 from .grammar import advance, fill_bitmask
 from .scheduler import ScheduledBatch, Scheduler
@@ -188,6 +189,8 @@ class ChainRunner:
         elif kind == "add":
             if item.abort_requested:
                 self.engine.finish(item, "cancelled")
+            elif prompt_logprobs.trivial(item):       # a one-token prompt, max_new_tokens 0
+                self.engine.finish(item, "length")
             else:
                 with self.lock:
                     self.scheduler.add(item)
@@ -274,6 +277,8 @@ class ChainRunner:
             _add_extras(req, seqs, unpack(req.sample_offsets, INT32))
         if any(s.matcher is not None for s in seqs):
             _add_grammar(req, b, self.stages[-1].info.vocab_size)
+        if b.prompt_rows is not None:
+            prompt_logprobs.add_to_request(req, b.prompt_rows)
         self.wire_bytes += req.ByteSize()
         return req
 
@@ -305,8 +310,13 @@ class ChainRunner:
             self.slowest_s_per_token = max(self.slowest_s_per_token, step_ms / 1e3 / b.num_tokens)
         with self.lock:
             self.scheduler.step_done(b)
+            done = prompt_logprobs.apply(b, reply) if b.prompt_rows is not None else ()
+            for seq in done:                  # max_new_tokens 0: ended before any token is applied
+                self.scheduler.remove(seq)
             self._apply(b, reply)
         self._invariants_dirty = True
+        for seq in done:
+            self.engine.finish(seq, "length")
         self.steps += 1
         self.metadata_s += time.perf_counter() - t0
 

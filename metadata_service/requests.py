@@ -17,6 +17,7 @@ from minipaged.wire import FLOAT32, INT32, WireError, pack, unpack
 from .grammar import GrammarError, new_matcher, spec_of
 from .beam import MAX_BEAM_CANDIDATES, MAX_BEAM_WIDTH, BeamGroup, beam_candidates
 from .beam_scorer import candidates_per_beam, parse_early_stopping
+from . import prompt_logprobs
 from .sequence import SamplingParams, Sequence
 from .stop import StopChecker
 
@@ -60,8 +61,13 @@ def normalize(req: metadata_pb2.GenerateRequest, engine) -> metadata_pb2.Generat
         raise RequestError(bad, f"prompt token ids must be in [0, {vocab}); got min {lo}, max {hi}")
     if stop_ids.size and vocab and (stop_ids.min() < 0 or stop_ids.max() >= vocab):
         raise RequestError(bad, f"stop_token_ids must be in [0, {vocab})")
-    if req.max_new_tokens < 1:
-        raise RequestError(bad, f"max_new_tokens must be >= 1, got {req.max_new_tokens}")
+    plp = req.HasField("prompt_logprobs")
+    if req.max_new_tokens < (0 if plp else 1):
+        raise RequestError(bad, f"max_new_tokens must be >= 1 (0 only with prompt_logprobs), got {req.max_new_tokens}")
+    if plp and not 0 <= req.prompt_logprobs <= MAX_TOP_LOGPROBS:
+        raise RequestError(bad, f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.prompt_logprobs}")
+    if plp and req.max_new_tokens == 0 and (max(1, req.n) > 1 or req.best_of > 1):
+        raise RequestError(bad, "max_new_tokens = 0 returns the prompt only: n and best_of must be 1")
     if not math.isfinite(req.temperature) or req.temperature < 0:
         raise RequestError(bad, f"temperature must be a finite number >= 0, got {req.temperature}")
     if req.HasField("top_p") and (not math.isfinite(req.top_p) or not 0 < req.top_p <= 1):
@@ -158,12 +164,15 @@ def to_sequence(req: metadata_pb2.GenerateRequest, engine, sink=None, tag=None) 
         n=n, best_of=req.best_of or n, min_new_tokens=req.min_new_tokens,
         repetition_penalty=req.repetition_penalty or 1.0, presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty, top_logprobs=req.top_logprobs,
-        show_logprobs=req.return_logprobs or req.top_logprobs > 0, grammar=compile_grammar(req, engine))
+        show_logprobs=req.return_logprobs or req.top_logprobs > 0, grammar=compile_grammar(req, engine),
+        prompt_logprobs=req.prompt_logprobs if req.HasField("prompt_logprobs") else -1)
     if params.best_of > params.n:   # choosing the best needs every candidate's logprobs
         params.return_logprobs = True
     if req.beam_width:
         _beam_params(params, req, engine)
     seq = Sequence(unpack(req.prompt_token_ids, INT32).tolist(), params, sink=sink, tag=tag)
+    if params.prompt_logprobs >= 0:
+        seq.prompt_lp = prompt_logprobs.PromptState.new(seq.num_prompt_tokens, params.prompt_logprobs)
     prepare(seq, engine)
     if req.beam_width:
         seq.group = BeamGroup(seq, engine)
@@ -224,6 +233,7 @@ def result(seq: Sequence, event, index: int, engine) -> metadata_pb2.GenerationR
     out = metadata_pb2.GenerationResult()
     out.CopyFrom(choices[0] if choices else _choice(seq, engine, event.finish_reason))
     out.index, out.error = index, event.error
+    prompt_logprobs.attach(out, seq.prompt_lp)
     if seq.group is not None:
         out.choices.extend(choices)
         for i, c in enumerate(out.choices):

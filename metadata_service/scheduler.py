@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .block_manager import KVBlockManager, OutOfBlocksError
+from .prompt_logprobs import plan as plan_prompt_rows
 from .sequence import SeqStatus, Sequence
 
 
@@ -48,6 +49,7 @@ class ScheduledBatch:
     deferred: list[Sequence] = field(default_factory=list)  # sequences whose input is -1
     block_tables: np.ndarray | None = None   # int32 [B, max_blocks], only when sending full tables
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) before the step
+    prompt_rows: object = None   # prompt_logprobs.StepRows when a request of the step asked for them
 
     @property
     def num_tokens(self) -> int:
@@ -260,7 +262,8 @@ class Scheduler:
                 break
             created = s.seq_id not in self.manager.sequences
             if created:
-                cached = self.manager.create_sequence(s.seq_id, s.all_token_ids)
+                # prompt logprobs need every prompt position's logits: no cached blocks for them
+                cached = self.manager.create_sequence(s.seq_id, s.all_token_ids, reuse_cached=s.prompt_lp is None)
                 s.num_computed_tokens = cached
                 if s.preemptions == 0:
                     s.num_cached_tokens = cached
@@ -308,6 +311,7 @@ class Scheduler:
         seqs = [s for s, _ in chosen]
         ids = [s.seq_id for s in seqs]
         seq_lens = np.asarray(self.manager.get_seq_lens_tensor(ids), dtype=np.int32)  # after the appends
+        prompt_rows = None
         B = len(seqs)
         do_sample = np.ones(B, dtype=np.uint8)
         deferred = [s for s in seqs[:num_decodes] if s.num_tokens == s.num_computed_tokens]
@@ -330,6 +334,7 @@ class Scheduler:
             ends = np.cumsum(num_new)
             offsets = np.arange(int(ends[-1]), dtype=np.int32) - np.repeat(ends - num_new, num_new)
             positions = np.repeat(starts, num_new) + offsets
+            prompt_rows = plan_prompt_rows(seqs, starts, num_new, num_decodes)
             for s, n in chosen:
                 s.num_computed_tokens += n
             # a prefill chunk samples only once it reaches the last known token (a request with
@@ -358,7 +363,8 @@ class Scheduler:
             slot_mapping=(slots[0] if len(slots) == 1 else np.concatenate(slots)).astype(np.int32, copy=False),
             query_start_loc=qsl, seq_lens=seq_lens, do_sample=do_sample,
             table_base=base, new_block_counts=counts, new_blocks=new_blocks.astype(np.int32, copy=False),
-            slot=slot, deferred=deferred, block_tables=tables, copies=self._take_copies())
+            slot=slot, deferred=deferred, block_tables=tables, copies=self._take_copies(),
+            prompt_rows=prompt_rows)
 
     def _take_copies(self) -> list[tuple[int, int]]:
         copies, self.copies = self.copies, []

@@ -49,6 +49,7 @@ class SamplingParams:
     beam_width: int = 0                      # beam search (metadata_service/beam.py): K beams, 0 = off
     length_penalty: float = 1.0
     early_stopping: object = False           # transformers': False, True or "never"
+    prompt_logprobs: int = -1                # alternatives per prompt token (0 = own only, -1 = off)
     # derived once (read for every sequence of every step):
     penalized: bool = field(init=False)      # its next sample depends on every token so far
     waits_for_token: bool = field(init=False)  # never decodes ahead of its sampled token (async scheduling)
@@ -112,6 +113,7 @@ class Sequence:
     matcher: object = None                   # xgrammar GrammarMatcher when params.grammar is set
 
     sampling_row: bytes = b""                # the params packed once, for the per-step Step arrays
+    prompt_lp: object = None                 # PromptState when the request asked for prompt logprobs
 
     def __post_init__(self):
         self.num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)

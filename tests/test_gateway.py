@@ -240,8 +240,11 @@ def test_seeded_sampling_is_reproducible_over_http(cluster, oai, ckpt):
 def test_echo(cluster, oai, ckpt):
     r = oai.completions.create(model=ckpt, prompt="hello world", max_tokens=3, temperature=0, echo=True)
     assert r.choices[0].text.startswith("hello world")
-    with pytest.raises(openai.BadRequestError, match="echo with logprobs"):
-        oai.completions.create(model=ckpt, prompt="hello", max_tokens=3, echo=True, logprobs=1)
+    # echo + logprobs: the prompt's own logprobs first (tests/test_prompt_logprobs.py checks the values)
+    r = oai.completions.create(model=ckpt, prompt="hello", max_tokens=3, echo=True, logprobs=1, temperature=0)
+    lp = r.choices[0].logprobs
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert len(lp.tokens) == r.usage.prompt_tokens + 3 and all(x is not None for x in lp.token_logprobs[1:])
 
 
 # ---------------------------------------------------------------- disconnects

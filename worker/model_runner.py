@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from minipaged.config import ModelConfig, load_model_config
-from worker import logits_processors, sampler
+from worker import logits_processors, prompt_logprobs as plp, sampler
 from worker.model import Qwen3Stage, StepBatch
 from worker.paged_cache import PagedKVCache, as_dtype, bytes_per_block
 from worker.weights import fingerprint, load_state_dict
@@ -150,3 +150,7 @@ class ModelRunner:
                 top = logits_processors.top_logprobs(logits, x.top_logprobs) if x.top_logprobs else None
             out_logits = logits.to(torch.float64).cpu().numpy() if return_logits else None
         return ids, logprobs, out_logits, top
+
+    def prompt_logprobs(self, hidden: torch.Tensor, rows: "plp.PromptRows"):
+        """Prompt logprobs of the asked-for rows, in row chunks (worker/prompt_logprobs.py)."""
+        return plp.compute(self.stage.compute_logits, hidden, rows, self.config.vocab_size)

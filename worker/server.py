@@ -40,6 +40,7 @@ from minipaged.tls import add_port
 from minipaged.v1 import worker_pb2 as pb
 from minipaged.v1 import worker_pb2_grpc as pb_grpc
 from worker.busy_clock import BusyClock
+from worker import prompt_logprobs
 from worker.data_link import payload_bytes
 from worker.stage_link import StageLink
 from worker.step_stream import StepError, StepPipe, relayed, upstream_code, wait_until
@@ -239,6 +240,9 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                 raise StepError(grpc.StatusCode.INVALID_ARGUMENT, f"step {request.step_id}: {e}") from None
             except StepPrecondition as e:
                 raise StepError(grpc.StatusCode.FAILED_PRECONDITION, f"step {request.step_id}: {e}") from None
+            if a.prompt_rows is not None and not hasattr(self.runner, "prompt_logprobs"):
+                raise StepError(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"step {request.step_id}: this worker (simulated) computes no prompt logprobs")
             if a.extras is not None and not getattr(self.runner, "supports_extras", False):
                 raise StepError(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"step {request.step_id}: this worker's sampler has no penalties / min tokens / "
@@ -307,6 +311,8 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
 
     def _sample(self, request, a, hidden) -> pb.StepReply:
         reply = pb.StepReply(step_id=request.step_id)
+        if a.prompt_rows is not None:   # only steps whose requests asked: the others pay nothing
+            prompt_logprobs.fill_reply(reply, self.runner, hidden, a.prompt_rows)
         if not a.do_sample.any():
             return reply  # a prefill chunk that ends mid-prompt: nothing to sample
         kw = {"extras": a.extras} if a.extras is not None else {}

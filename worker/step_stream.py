@@ -39,10 +39,13 @@ def upstream_code(code: grpc.StatusCode) -> grpc.StatusCode:
 
 
 def relayed(down: pb.StepReply, timing: pb.StageTiming, step_id: int, epoch: int) -> pb.StepReply:
-    return pb.StepReply(step_id=step_id, sampled_token_ids=down.sampled_token_ids, logprobs=down.logprobs,
-                        logits=down.logits, timings=[timing, *down.timings], cache_epoch=epoch,
-                        error_code=down.error_code, error=down.error, top_logprob_ids=down.top_logprob_ids,
-                        top_logprobs=down.top_logprobs)
+    # every field of the reply (sampled tokens, logprobs, prompt logprobs, ...) travels up as it came
+    out = pb.StepReply()
+    out.CopyFrom(down)
+    out.step_id, out.cache_epoch = step_id, epoch
+    del out.timings[:]
+    out.timings.extend([timing, *down.timings])
+    return out
 
 
 def error_reply(step_id: int, code: grpc.StatusCode, message: str, epoch: int) -> pb.StepReply:

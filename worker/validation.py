@@ -14,6 +14,7 @@ import numpy as np
 
 from minipaged import wire
 from minipaged.wire import WireError
+from worker.prompt_logprobs import PromptRows, parse as parse_prompt_rows
 from worker.step_state import SequenceStore, StepPrecondition  # noqa: F401 (re-exported)
 
 # Element sizes of the hidden-state dtypes a previous stage may send (bfloat16 has no numpy dtype).
@@ -61,6 +62,7 @@ class StepArrays:
     copy_src: np.ndarray | None = None   # int32 [K] copy-on-write before the step
     copy_dst: np.ndarray | None = None
     extras: "SamplingExtras | None" = None
+    prompt_rows: "PromptRows | None" = None  # prompt logprobs asked for (worker/prompt_logprobs.py)
 
 
 @dataclass
@@ -229,12 +231,16 @@ def _validate(req, lim: StepLimits, store, placeholder_timeout_s, hidden_bytes=N
         if np.unique(copy_dst).size != copy_dst.size:
             _fail("copy_dst: duplicate destination blocks")
     release = wire.unpack(req.release_sequence_ids, wire.INT64, name="release_sequence_ids").tolist()
+    try:
+        prompt_rows = parse_prompt_rows(req, qsl, lim.vocab_size)
+    except ValueError as e:
+        _fail(str(e))
 
     return StepArrays(B, T, input_ids, hidden, req.hidden_dtype, positions, slots, qsl, seq_lens,
                       tables, do_sample.astype(bool), temperature, top_p, top_k, seeds, offsets,
                       seq_ids=seq_ids, table_delta=table_delta, placeholders=placeholders,
                       release_ids=release, copy_src=copy_src, copy_dst=copy_dst,
-                      extras=_extras(req, B, lim.vocab_size, do_sample))
+                      extras=_extras(req, B, lim.vocab_size, do_sample), prompt_rows=prompt_rows)
 
 
 def _resolve_placeholders(input_ids, qsl, seq_ids, store, timeout_s):

@@ -93,7 +93,7 @@ class InitCacheReply(_message.Message):
     def __init__(self, cache_epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "cache_epoch", "sequence_ids", "input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables", "max_blocks_per_seq", "do_sample", "temperature", "top_p", "top_k", "seeds", "sample_offsets", "return_logprobs", "hidden_states", "hidden_dtype", "return_logits", "delta_tables", "table_base", "new_block_counts", "new_blocks", "release_sequence_ids", "copy_src", "copy_dst", "min_tokens_suppress", "suppress_counts", "suppress_ids", "repetition_penalty", "presence_penalty", "frequency_penalty", "penalty_counts", "penalty_prompt_lens", "penalty_tokens", "top_logprobs", "reply_direct", "upstream_timings", "grammar_rows", "grammar_bitmask")
+    __slots__ = ("step_id", "cache_epoch", "sequence_ids", "input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables", "max_blocks_per_seq", "do_sample", "temperature", "top_p", "top_k", "seeds", "sample_offsets", "return_logprobs", "hidden_states", "hidden_dtype", "return_logits", "delta_tables", "table_base", "new_block_counts", "new_blocks", "release_sequence_ids", "copy_src", "copy_dst", "min_tokens_suppress", "suppress_counts", "suppress_ids", "repetition_penalty", "presence_penalty", "frequency_penalty", "penalty_counts", "penalty_prompt_lens", "penalty_tokens", "top_logprobs", "reply_direct", "upstream_timings", "grammar_rows", "grammar_bitmask", "prompt_logprob_rows", "prompt_logprob_targets", "prompt_top_logprobs")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +135,9 @@ class StepRequest(_message.Message):
     UPSTREAM_TIMINGS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_ROWS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_BITMASK_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROB_ROWS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROB_TARGETS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     cache_epoch: int
     sequence_ids: bytes
@@ -176,7 +179,10 @@ class StepRequest(_message.Message):
     upstream_timings: _containers.RepeatedCompositeFieldContainer[StageTiming]
     grammar_rows: bytes
     grammar_bitmask: bytes
-    def __init__(self, step_id: _Optional[int] = ..., cache_epoch: _Optional[int] = ..., sequence_ids: _Optional[bytes] = ..., input_ids: _Optional[bytes] = ..., positions: _Optional[bytes] = ..., slot_mapping: _Optional[bytes] = ..., query_start_loc: _Optional[bytes] = ..., seq_lens: _Optional[bytes] = ..., block_tables: _Optional[bytes] = ..., max_blocks_per_seq: _Optional[int] = ..., do_sample: _Optional[bytes] = ..., temperature: _Optional[bytes] = ..., top_p: _Optional[bytes] = ..., top_k: _Optional[bytes] = ..., seeds: _Optional[bytes] = ..., sample_offsets: _Optional[bytes] = ..., return_logprobs: _Optional[bool] = ..., hidden_states: _Optional[bytes] = ..., hidden_dtype: _Optional[str] = ..., return_logits: _Optional[bool] = ..., delta_tables: _Optional[bool] = ..., table_base: _Optional[bytes] = ..., new_block_counts: _Optional[bytes] = ..., new_blocks: _Optional[bytes] = ..., release_sequence_ids: _Optional[bytes] = ..., copy_src: _Optional[bytes] = ..., copy_dst: _Optional[bytes] = ..., min_tokens_suppress: _Optional[bytes] = ..., suppress_counts: _Optional[bytes] = ..., suppress_ids: _Optional[bytes] = ..., repetition_penalty: _Optional[bytes] = ..., presence_penalty: _Optional[bytes] = ..., frequency_penalty: _Optional[bytes] = ..., penalty_counts: _Optional[bytes] = ..., penalty_prompt_lens: _Optional[bytes] = ..., penalty_tokens: _Optional[bytes] = ..., top_logprobs: _Optional[int] = ..., reply_direct: _Optional[bool] = ..., upstream_timings: _Optional[_Iterable[_Union[StageTiming, _Mapping]]] = ..., grammar_rows: _Optional[bytes] = ..., grammar_bitmask: _Optional[bytes] = ...) -> None: ...
+    prompt_logprob_rows: bytes
+    prompt_logprob_targets: bytes
+    prompt_top_logprobs: int
+    def __init__(self, step_id: _Optional[int] = ..., cache_epoch: _Optional[int] = ..., sequence_ids: _Optional[bytes] = ..., input_ids: _Optional[bytes] = ..., positions: _Optional[bytes] = ..., slot_mapping: _Optional[bytes] = ..., query_start_loc: _Optional[bytes] = ..., seq_lens: _Optional[bytes] = ..., block_tables: _Optional[bytes] = ..., max_blocks_per_seq: _Optional[int] = ..., do_sample: _Optional[bytes] = ..., temperature: _Optional[bytes] = ..., top_p: _Optional[bytes] = ..., top_k: _Optional[bytes] = ..., seeds: _Optional[bytes] = ..., sample_offsets: _Optional[bytes] = ..., return_logprobs: _Optional[bool] = ..., hidden_states: _Optional[bytes] = ..., hidden_dtype: _Optional[str] = ..., return_logits: _Optional[bool] = ..., delta_tables: _Optional[bool] = ..., table_base: _Optional[bytes] = ..., new_block_counts: _Optional[bytes] = ..., new_blocks: _Optional[bytes] = ..., release_sequence_ids: _Optional[bytes] = ..., copy_src: _Optional[bytes] = ..., copy_dst: _Optional[bytes] = ..., min_tokens_suppress: _Optional[bytes] = ..., suppress_counts: _Optional[bytes] = ..., suppress_ids: _Optional[bytes] = ..., repetition_penalty: _Optional[bytes] = ..., presence_penalty: _Optional[bytes] = ..., frequency_penalty: _Optional[bytes] = ..., penalty_counts: _Optional[bytes] = ..., penalty_prompt_lens: _Optional[bytes] = ..., penalty_tokens: _Optional[bytes] = ..., top_logprobs: _Optional[int] = ..., reply_direct: _Optional[bool] = ..., upstream_timings: _Optional[_Iterable[_Union[StageTiming, _Mapping]]] = ..., grammar_rows: _Optional[bytes] = ..., grammar_bitmask: _Optional[bytes] = ..., prompt_logprob_rows: _Optional[bytes] = ..., prompt_logprob_targets: _Optional[bytes] = ..., prompt_top_logprobs: _Optional[int] = ...) -> None: ...
 
 class StepResultsRequest(_message.Message):
     __slots__ = ("cache_epoch",)
@@ -195,7 +201,7 @@ class StageTiming(_message.Message):
     def __init__(self, layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., compute_ms: _Optional[float] = ...) -> None: ...
 
 class StepReply(_message.Message):
-    __slots__ = ("step_id", "cache_epoch", "sampled_token_ids", "logprobs", "timings", "logits", "error_code", "error", "top_logprob_ids", "top_logprobs")
+    __slots__ = ("step_id", "cache_epoch", "sampled_token_ids", "logprobs", "timings", "logits", "error_code", "error", "top_logprob_ids", "top_logprobs", "prompt_logprobs", "prompt_top_logprob_ids", "prompt_top_logprobs")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +212,9 @@ class StepReply(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROB_IDS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOP_LOGPROB_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     cache_epoch: int
     sampled_token_ids: bytes
@@ -216,7 +225,10 @@ class StepReply(_message.Message):
     error: str
     top_logprob_ids: bytes
     top_logprobs: bytes
-    def __init__(self, step_id: _Optional[int] = ..., cache_epoch: _Optional[int] = ..., sampled_token_ids: _Optional[bytes] = ..., logprobs: _Optional[bytes] = ..., timings: _Optional[_Iterable[_Union[StageTiming, _Mapping]]] = ..., logits: _Optional[bytes] = ..., error_code: _Optional[int] = ..., error: _Optional[str] = ..., top_logprob_ids: _Optional[bytes] = ..., top_logprobs: _Optional[bytes] = ...) -> None: ...
+    prompt_logprobs: bytes
+    prompt_top_logprob_ids: bytes
+    prompt_top_logprobs: bytes
+    def __init__(self, step_id: _Optional[int] = ..., cache_epoch: _Optional[int] = ..., sampled_token_ids: _Optional[bytes] = ..., logprobs: _Optional[bytes] = ..., timings: _Optional[_Iterable[_Union[StageTiming, _Mapping]]] = ..., logits: _Optional[bytes] = ..., error_code: _Optional[int] = ..., error: _Optional[str] = ..., top_logprob_ids: _Optional[bytes] = ..., top_logprobs: _Optional[bytes] = ..., prompt_logprobs: _Optional[bytes] = ..., prompt_top_logprob_ids: _Optional[bytes] = ..., prompt_top_logprobs: _Optional[bytes] = ...) -> None: ...
 
 class CopyBlocksRequest(_message.Message):
     __slots__ = ("cache_epoch", "src_blocks", "dst_blocks")

@@ -4,8 +4,8 @@ every per-choice loglikelihood equals the one its own `hf` model computes in pro
 checkpoint (float32 on both sides).
 
 lm-eval lives in its own venv (its dependencies must not touch the project's torch): create it
-with `make lmeval-venv` (LMEVAL_VENV, default /work/lmeval-venv; see docs/gateway.md). Without it
-this test is skipped and says so."""
+with `make lmeval-venv` (LMEVAL_VENV, default .venv-lmeval in the repository; `make test` builds it;
+see docs/gateway.md). Without it this test is skipped and says so."""
 from __future__ import annotations
 
 import glob
@@ -20,7 +20,7 @@ from tests.checkpoints import make_checkpoint
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VENV = os.environ.get("LMEVAL_VENV", "/work/lmeval-venv")
+VENV = os.environ.get("LMEVAL_VENV", os.path.join(ROOT, ".venv-lmeval"))
 LM_EVAL = os.path.join(VENV, "bin", "lm_eval")
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 

@@ -49,9 +49,15 @@ from minipaged.config import TINY_CONFIG, load_model_config  # noqa: E402
 from worker.model_runner import cpu_compute_threads  # noqa: E402
 
 
-def workload(n: int, seed: int = 0):
+# name -> (prompts, shortest, longest prompt, new tokens): the tiny rows of issues 4/12, and the
+# two workloads of issue 18 at real shapes (prefill-heavy, decode-heavy)
+WORKLOADS = {"tiny": (64, 16, 512, 64), "prefill": (16, 64, 512, 32), "decode": (16, 16, 64, 64)}
+
+
+def workload(n: int, seed: int = 0, shortest: int = 16, longest: int = 512, vocab: int = 256):
+    """n prompts of random ids below `vocab`, lengths uniform in [shortest, longest] (fixed seed)."""
     rng = random.Random(seed)
-    return [[rng.randrange(0, 256) for _ in range(rng.randint(16, 512))] for _ in range(n)]
+    return [[rng.randrange(0, vocab) for _ in range(rng.randint(shortest, longest))] for _ in range(n)]
 
 
 def hf_model():

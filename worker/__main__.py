@@ -48,8 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="tiny", help="'tiny' (embedded) or a local Qwen3 checkpoint directory")
     p.add_argument("--layers", default="", help="A:B, the layer range [A, B) this stage serves (default: all)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--dtype", choices=["float32", "float64", "bfloat16", "float16"], default=None,
-                   help="default: float32 on cpu, bfloat16 on cuda")
+    p.add_argument("--dtype", choices=["auto", "float32", "float64", "bfloat16", "float16"], default="auto",
+                   help="auto: the checkpoint's dtype where the device computes it well, else float32 "
+                        "(worker/dtype_choice.py: bfloat16 on cuda; float32 on a CPU without "
+                        "AVX512_BF16/AMX; tiny: float32 on cpu, bfloat16 on cuda)")
     cap = p.add_mutually_exclusive_group()
     cap.add_argument("--num-blocks", type=int, default=0, help="fixed K/V capacity in blocks")
     cap.add_argument("--kv-memory-fraction", type=float, default=None,
@@ -122,7 +124,8 @@ def resolve_args(argv=None) -> argparse.Namespace:
         except (ValueError, OSError) as e:
             parser.error(str(e))
         cuda = True  # it stands in for a GPU: bfloat16 by default
-    args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    from worker.dtype_choice import resolve_dtype
+    args.dtype = resolve_dtype(args.dtype, args.config, "cuda" if cuda else "cpu")
     args.backend = args.backend or ("pycuda" if cuda else "torch")
     if args.num_blocks < 0:
         parser.error("--num-blocks must be > 0")

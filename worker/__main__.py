@@ -33,6 +33,10 @@ def keep_freed_memory() -> None:
 
 
 DEFAULT_CPU_KV_BYTES = 256 * 1024 * 1024
+# ... or room for this many tokens if that is more (capped at a quarter of the free RAM): at the
+# real Qwen3 shapes a token's K/V is ~112 KB in float32, so 256 MiB held only ~2,300 tokens and a
+# batch of 16 long prompts was cut to a few at a time (issue 18: most of its 0.41x)
+DEFAULT_CPU_KV_TOKENS = 8192
 DEFAULT_GPU_MEMORY_FRACTION = 0.9
 SHUTDOWN_GRACE_S = 5.0
 
@@ -146,13 +150,24 @@ def resolve_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def default_cpu_kv_bytes(args) -> int:
+    """DEFAULT_CPU_KV_BYTES, or DEFAULT_CPU_KV_TOKENS tokens of this stage's K/V if more, but no
+    more than a quarter of the RAM free now (the weights are loaded by then)."""
+    from worker.paged_cache import bytes_per_block
+    c = args.config
+    per_token = bytes_per_block(args.layer_end - args.layer_start, c.num_key_value_heads, 1, c.head_dim,
+                                args.dtype)
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return max(DEFAULT_CPU_KV_BYTES, min(DEFAULT_CPU_KV_TOKENS * per_token, free // 4))
+
+
 def kv_budget_bytes(args) -> int:
     """K/V byte budget once the weights are loaded (0 when --num-blocks fixes the capacity).
     Only this process's own device memory counts against --kv-memory-fraction (worker/memory.py)."""
     from worker import memory
     return memory.kv_budget_bytes(args.device, args.kv_memory_fraction, args.kv_cache_bytes, args.num_blocks,
                                   default_gpu_fraction=DEFAULT_GPU_MEMORY_FRACTION,
-                                  default_cpu_bytes=DEFAULT_CPU_KV_BYTES,
+                                  default_cpu_bytes=default_cpu_kv_bytes(args),
                                   baseline=getattr(args, "memory_baseline", None))
 
 

@@ -110,3 +110,12 @@ def test_load_streams_without_a_second_copy(bf16_sharded, monkeypatch):
     assert not any(n.startswith("model.layers.0.mlp.") for n in seen)   # not this stage's
     ref = ModelRunner(bf16_sharded, 0, None, "float32", "cpu")
     assert runner.fingerprint == ref.fingerprint                          # stages agree on identity
+
+
+def test_bfloat16_runs_on_cpu(bf16_sharded):
+    """What auto picks on a CPU with bfloat16 instructions must run on any CPU (the torch paths;
+    the compiled kernels are float32/float64 only)."""
+    runner = ModelRunner(bf16_sharded, 0, None, "bfloat16", "cpu")
+    assert runner.dtype == torch.bfloat16 and runner.stage.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
+    tokens = greedy_ours(runner, [3, 1, 4, 1, 5, 9, 2, 6], 4)
+    assert len(tokens) == 4 and all(0 <= t < VOCAB for t in tokens)

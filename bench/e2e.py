@@ -317,6 +317,25 @@ def main():
             anchors.append(("vLLM-CPU, its default threads", {}))
     runs: dict[str, dict[str, list[dict]]] = {w: {} for w in loads}
     version = ""
+
+    def report(final: bool):
+        ref_key = next((f"{a} {version}" for a, _ in anchors if "equal" in a), None)
+        alt_key = next((f"{a} {version}" for a, _ in anchors if "default" in a), None)
+        print(f"\n{'' if final else '(partial, so far) '}model {args.model} ({ckpt}), float32 compute, greedy, "
+              f"ignore_eos; {os.cpu_count()} CPUs; K/V space {kv_gib:g} GiB for us and vLLM; load average "
+              f"{os.getloadavg()[0]:.1f} now; start-up: ours = processes spawned to cluster ready (weights "
+              f"loaded), vLLM = LLM() + its warm-up", flush=True)
+        for w, (prompts, new) in loads.items():
+            lens = [len(p) for p in prompts]
+            print_table(f"{w}: {len(prompts)} prompts of {min(lens)}-{max(lens)} ids ({sum(lens)} in all), "
+                        f"{new} new tokens each", runs[w], ref_key, alt_key)
+        sys.stdout.flush()
+
+    def note(w, name, r):  # each run as it ends: a long run that is cut short still says something
+        runs[w].setdefault(name, []).append(r)
+        print(f"[{time.strftime('%H:%M:%S')}] {w}: {name}: {tps(r):.2f} tok/s, start-up "
+              f"{r.get('startup') or 0:.0f} s, load average {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
+
     for i, (aname, env) in enumerate(anchors or [(None, None)]):
         anchor = None
         try:
@@ -329,13 +348,14 @@ def main():
                 for _ in range(repeat):
                     if i == 0:  # ours alternate with the first (equal-cores) anchor's runs
                         for name, cluster in ours.items():
-                            r = run_system(ckpt, prompts, new, kv_bytes=kv_bytes, **cluster)
-                            runs[w].setdefault(name, []).append(r)
+                            note(w, name, run_system(ckpt, prompts, new, kv_bytes=kv_bytes, **cluster))
                     if anchor is not None:
-                        runs[w].setdefault(f"{aname} {version}", []).append(anchor.run(prompts, new))
+                        note(w, f"{aname} {version}", anchor.run(prompts, new))
         finally:
             if anchor is not None:
                 anchor.close()
+        if i < len(anchors) - 1:
+            report(final=False)
     if tiny and not args.skip_hf and "tiny" in loads:
         # HF on one core fewer than the machine has, as vLLM's compute (and ours with the
         # recommended setting): the other serves the host side
@@ -350,15 +370,7 @@ def main():
             print(f"generate_batch failed: {type(e).__name__}: {e}", file=sys.stderr)
     shutil.rmtree(workdir, ignore_errors=True)
 
-    ref_key = next((f"{a} {version}" for a, _ in anchors if "equal" in a), None)
-    alt_key = next((f"{a} {version}" for a, _ in anchors if "default" in a), None)
-    print(f"\nmodel {args.model} ({ckpt}), float32 compute, greedy, ignore_eos; {os.cpu_count()} CPUs; "
-          f"K/V space {kv_gib:g} GiB for us and vLLM; load average {os.getloadavg()[0]:.1f} at the end; "
-          f"start-up: ours = processes spawned to cluster ready (weights loaded), vLLM = LLM() + its warm-up")
-    for w, (prompts, new) in loads.items():
-        lens = [len(p) for p in prompts]
-        print_table(f"{w}: {len(prompts)} prompts of {min(lens)}-{max(lens)} ids ({sum(lens)} in all), "
-                    f"{new} new tokens each", runs[w], ref_key, alt_key)
+    report(final=True)
     print("\nthe metadata service's per-step path on its own: bench/scale.py (wire section)")
 
 

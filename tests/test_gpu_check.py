@@ -14,7 +14,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.sh")
-STAGES = ["wheels", "device", "versions-e2e", "compile", "tests", "racecheck", "memcheck", "bench", "e2e", "e2e-0.6b"]
+STAGES = ["wheels", "device", "versions-e2e", "compile", "tests", "racecheck", "memcheck", "bench", "e2e", "e2e-06b"]
 
 pytestmark = pytest.mark.slow
 

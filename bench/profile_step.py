@@ -38,7 +38,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from e2e import workload  # noqa: E402
+from e2e import WORKLOADS, workload  # noqa: E402
+from shapes import SHAPES, resolve_model  # noqa: E402
 
 
 CLOCK = time.perf_counter   # --cpu-time: time.thread_time (this thread's CPU time)
@@ -82,14 +83,17 @@ class _Span:
         self.timers.pop()
 
 
-def instrument(stage: torch.nn.Module, backend, timers: Timers) -> None:
-    """Time every submodule (layer indices folded into `*`) and every attention-backend call."""
+def instrument(stage: torch.nn.Module, backend, timers: Timers):
+    """Time every submodule (layer indices folded into `*`) and every attention-backend call.
+    Returns a function that takes the timers out again."""
+    handles = []
     for name, module in stage.named_modules():
         if not name:
             continue
         label = "fwd: " + re.sub(r"\.\d+\.", ".*.", name + ".").rstrip(".")
-        module.register_forward_pre_hook(lambda m, a, label=label: timers.push(label))
-        module.register_forward_hook(lambda m, a, o: timers.pop())
+        handles.append(module.register_forward_pre_hook(lambda m, a, label=label: timers.push(label)))
+        handles.append(module.register_forward_hook(lambda m, a, o: timers.pop()))
+    patched = []
     for method in ("write_kv", "paged_decode", "paged_prefill"):
         fn = getattr(backend, method, None)
         if fn is None:
@@ -99,6 +103,14 @@ def instrument(stage: torch.nn.Module, backend, timers: Timers) -> None:
             with timers(_label):
                 return _fn(*a, **k)
         setattr(backend, method, timed)
+        patched.append(method)
+
+    def undo():
+        for h in handles:
+            h.remove()
+        for method in patched:
+            delattr(backend, method)  # the instance attribute: the class's method shows again
+    return undo
 
 
 # ------------------------------------------------------------------------------------ part 1
@@ -129,6 +141,14 @@ def service_shell(num_blocks: int, block_size: int):
     return svc
 
 
+def pool_blocks(runner, prompts, args) -> int:
+    """The worker's CPU default (256 MiB of K/V), or what the workload needs if that is more: at
+    real shapes a block holds ~100x the tiny model's bytes, and the whole workload runs at once."""
+    bs = args.block_size
+    need = sum(-(-(len(p) + args.new_tokens + 32) // bs) for p in prompts) + 4 * -(-(512 + 4) // bs) + 8
+    return max(need, 256 * 1024 * 1024 // runner.kv_bytes_per_block(bs))
+
+
 def replay(args, prompts):
     """The whole workload through both planes' code in one process, one timer per phase."""
     from metadata_service.sequence import SamplingParams, Sequence
@@ -141,7 +161,7 @@ def replay(args, prompts):
     keep_freed_memory()  # as the worker process does at start (re-faulting pages would dominate)
     runner = ModelRunner(args.model, 0, None, args.dtype, "cpu")
     cfg = runner.config
-    num_blocks = 256 * 1024 * 1024 // runner.kv_bytes_per_block(args.block_size)  # the worker's CPU default
+    num_blocks = pool_blocks(runner, prompts, args)
     runner.init_cache(num_blocks, args.block_size)
     limits = StepLimits(cfg.vocab_size, cfg.hidden_size, cfg.max_position_embeddings, num_blocks,
                         args.block_size, True)
@@ -185,7 +205,7 @@ def replay(args, prompts):
     while svc.scheduler.has_work():
         run_step(Timers())
     # the forward's and the sampler's insides get their own timers from here on
-    instrument(runner.stage, runner.stage.backend, timers)
+    undo = instrument(runner.stage, runner.stage.backend, timers)
     import worker.sampler as sampler_mod
     real_sample = sampler_mod.sample
 
@@ -211,6 +231,8 @@ def replay(args, prompts):
         per_step.append((is_decode, ntok, wall, timers.snapshot() - before))
     total = CLOCK() - t_all
     sampler_mod.sample = real_sample
+    runner.stage.compute_logits = real_logits
+    undo()
 
     untimed = None
     if any(d for d, *_ in per_step):  # the same decode forward once more with no timer (reference)
@@ -250,9 +272,7 @@ def decode_batch(runner, prompts, args, extra: int):
 
 def untimed_decode_ms(runner, cfg, prompts, args, reps=15):
     """Median ms of a steady decode step (forward + sample) at mid-generation context, no timers."""
-    from worker.model_runner import ModelRunner
-    clean = ModelRunner(args.model, 0, None, args.dtype, "cpu")
-    clean.kv_cache = runner.kv_cache              # same K/V (contents do not matter for time)
+    clean = runner                                # its timers are off again (instrument's undo)
     B = len(prompts)
     zeros, ones = np.zeros(B), np.ones(B)
     times = []
@@ -351,11 +371,15 @@ def cluster_run(args, prompts):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--model", default="tiny", help=f"tiny, a checkpoint directory, or a named shape "
+                    f"({', '.join(SHAPES)}: random weights, made once into bench/shapes.py's cache)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--workers", type=int, default=1)
-    ap.add_argument("--prompts", type=int, default=64)
-    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="tiny",
+                    help="prompt count, prompt lengths and new tokens (bench/e2e.py's WORKLOADS)")
+    ap.add_argument("--prompts", type=int, default=0, help="override the workload's prompt count")
+    ap.add_argument("--new-tokens", type=int, default=0, help="override the workload's new tokens")
+    ap.add_argument("--quick", action="store_true", help="4 prompts, 4 new tokens (a smoke test)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--skip-cluster", action="store_true", help="skip Part 2")
     ap.add_argument("--threads", type=int, default=0,
@@ -366,13 +390,19 @@ def main():
                     help="time Part 1 with this thread's CPU time instead of wall time: steadier on a busy "
                          "machine, but only meaningful with 1 torch thread (other threads' work is not counted)")
     args = ap.parse_args()
+    n, shortest, longest, new = WORKLOADS[args.workload]
+    args.prompts = 4 if args.quick else (args.prompts or n)
+    args.new_tokens = 4 if args.quick else (args.new_tokens or new)
+    args.model = resolve_model(args.model)
     if args.cpu_time:
         global CLOCK
         CLOCK = time.thread_time
     from worker.model_runner import cpu_compute_threads
     torch.set_num_threads(args.threads or cpu_compute_threads())
-    prompts = workload(args.prompts)
-    print(f"{args.prompts} prompts of 16-512 ids, {args.new_tokens} new tokens, greedy, model {args.model} "
+    from minipaged.config import load_model_config
+    vocab = 256 if args.workload == "tiny" else load_model_config(args.model).vocab_size
+    prompts = workload(args.prompts, 0, shortest, longest, vocab)
+    print(f"{args.prompts} prompts of {shortest}-{longest} ids, {args.new_tokens} new tokens, greedy, model {args.model} "
           f"{args.dtype}, block size {args.block_size}, {torch.get_num_threads()} torch threads, "
           f"{'CPU' if args.cpu_time else 'wall'} time in Part 1, load average {os.getloadavg()[0]:.1f}\n")
 

@@ -25,7 +25,11 @@
 #   bench     bench/kernels.py: copy bandwidth, decode, prefill and cache write vs SDPA, registers
 #   e2e       two pipeline stages on the GPU at --kv-memory-fraction 0.45 next to a process holding
 #             45% of it (another stage's cache), a worker restarted, generation before and after
-# GPU_CHECK_BUDGET_S (default 420) bounds the whole run: a stage gets min(its timeout, time left),
+#   e2e-06b   one worker on the real Qwen3-0.6B shape (random weights written on the device, as
+#             Qwen3 ships them: bfloat16 safetensors; --dtype auto = bfloat16 there), both bench
+#             workloads (16 prompts of 64-512 ids / 32 new, 16 of 16-64 / 64 new): tok/s, start-up,
+#             load time; the dry run uses a 2-layer, 4,096-vocab cut of the shape on the CPU
+# GPU_CHECK_BUDGET_S (default 540) bounds the whole run: a stage gets min(its timeout, time left),
 # so the table always comes out. GPU_CHECK_FAIL=<stage> makes that stage fail (tests the logic).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -61,7 +65,7 @@ WORK=$(mktemp -d /tmp/gpu_check.XXXXXX)
 LOG=$OUT/gpu_check.log
 : > "$LOG"
 T0=$(date +%s)
-BUDGET=${GPU_CHECK_BUDGET_S:-420}
+BUDGET=${GPU_CHECK_BUDGET_S:-540}
 DEADLINE=$(( T0 + BUDGET ))
 RESERVE_S=15            # for the table
 stamp() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$LOG"; }
@@ -182,6 +186,79 @@ with LocalCluster(model="tiny", workers=2, device=device, dtype="float32" if dry
           f"again (tokens {'identical' if same else 'DIFFERENT'}), invariants_ok {st.invariants_ok}")
 sys.exit(0 if ok else 1)
 EOF
+cat > "$WORK/e2e_06b.py" <<'EOF'
+"""The Qwen3-0.6B shape end to end (issue 18): random bfloat16 weights written with torch alone (no
+transformers on the device) as one safetensors file, one worker, --dtype auto, both workloads."""
+import json, os, random, struct, sys, time
+import torch
+from client import LocalCluster
+dry = sys.argv[1] == "dry"
+cfg = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=1024,
+           intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+           head_dim=128, tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=40960,
+           rms_norm_eps=1e-6, hidden_act="silu", attention_bias=False, torch_dtype="bfloat16",
+           bos_token_id=151643, eos_token_id=151645)
+if dry:  # the same code on the CPU at a size the dry run can afford
+    cfg.update(num_hidden_layers=2, vocab_size=4096)
+d = f"/tmp/qwen3-0.6b-shape{'-dry' if dry else ''}"
+if not os.path.isfile(os.path.join(d, "config.json")):
+    H, L, I, V, D = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"], cfg["vocab_size"], 128
+    shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
+    for i in range(L):
+        p = f"model.layers.{i}."
+        shapes.update({p + "self_attn.q_proj.weight": (16 * D, H), p + "self_attn.k_proj.weight": (8 * D, H),
+                       p + "self_attn.v_proj.weight": (8 * D, H), p + "self_attn.o_proj.weight": (H, 16 * D),
+                       p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,),
+                       p + "mlp.gate_proj.weight": (I, H), p + "mlp.up_proj.weight": (I, H),
+                       p + "mlp.down_proj.weight": (H, I), p + "input_layernorm.weight": (H,),
+                       p + "post_attention_layernorm.weight": (H,)})
+    gen = torch.Generator().manual_seed(0)
+    header, off = {}, 0
+    for name, shape in shapes.items():
+        n = 2 * torch.Size(shape).numel()
+        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [off, off + n]}
+        off += n
+    os.makedirs(d + ".partial", exist_ok=True)
+    with open(os.path.join(d + ".partial", "model.safetensors"), "wb") as f:
+        h = json.dumps(header).encode()
+        h += b" " * (-len(h) % 8)
+        f.write(struct.pack("<Q", len(h)) + h)
+        for name, shape in shapes.items():
+            t = (torch.ones(shape) if name.endswith("norm.weight")
+                 else torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
+            f.write(t.view(torch.uint8).numpy().tobytes())
+    with open(os.path.join(d + ".partial", "config.json"), "w") as f:
+        json.dump(cfg, f)
+    os.replace(d + ".partial", d)
+rng = random.Random(0)
+loads = {"prefill": [(rng.randint(64, 512), 32) for _ in range(16)],
+         "decode": [(rng.randint(16, 64), 64) for _ in range(16)]}
+if dry:
+    loads = {k: [(n // 8, 4) for n, _ in v[:4]] for k, v in loads.items()}
+t0 = time.time()
+with LocalCluster(model=d, workers=1, device="cpu" if dry else "cuda", dtype=None, startup_timeout=240,
+                  extra_service_args=["--num-blocks", "4096"]) as c:
+    startup = time.time() - t0
+    c.client.wait(c.client.submit([{"prompt_token_ids": [1, 2, 3, 4], "max_new_tokens": 2}]))  # warm-up
+    out = []
+    for name, spec in loads.items():
+        reqs = [{"prompt_token_ids": [rng.randrange(cfg["vocab_size"]) for _ in range(n)], "max_new_tokens": m,
+                 "ignore_eos": True} for n, m in spec]
+        t = time.time()
+        res = c.client.wait(c.client.submit(reqs))
+        dt = time.time() - t
+        n_tok = sum(len(r.token_ids) for r in res)
+        assert n_tok == sum(m for _, m in spec), (name, n_tok)
+        out.append(f"{name} {n_tok / dt:.0f} tok/s")
+    logs = c.logs(400)
+    st = c.client.stats()
+loaded = [line.split("ready: ", 1)[-1] for line in logs.splitlines() if "weights in" in line]
+dtype = loaded[-1].split(" of ", 1)[-1].split(" ", 1)[0] if loaded else "?"
+print(f"load: {loaded[-1] if loaded else '?'}")
+print(f"SUMMARY: {'dry, 2-layer cut of ' if dry else ''}qwen3-0.6b shape, dtype auto = {dtype}: "
+      f"{', '.join(out)}; start-up {startup:.0f} s; invariants_ok {st.invariants_ok}")
+sys.exit(0 if st.invariants_ok else 1)
+EOF
 
 # ------------------------------------------------------------------ 1. wheels
 SITE=/tmp/site SITE_E2E=/tmp/site-e2e
@@ -293,8 +370,10 @@ run_stage bench 180 "spill bytes" "$PY" bench/kernels.py ${BENCH[@]+"${BENCH[@]}
 # ------------------------------------------------------------------ 7. end to end
 if (( COMPILED )); then
     PYTHONPATH=$E2E_PATH run_stage e2e 150 SUMMARY "$PY" "$WORK/e2e.py" "$MODE"
+    PYTHONPATH=$E2E_PATH run_stage e2e-06b 180 SUMMARY "$PY" "$WORK/e2e_06b.py" "$MODE"
 else
     skip_stage e2e "$NO_MODULE"
+    skip_stage e2e-06b "$NO_MODULE"
 fi
 
 # ------------------------------------------------------------------ 8. the table, last

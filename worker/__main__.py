@@ -34,6 +34,10 @@ def keep_freed_memory() -> None:
 
 
 DEFAULT_CPU_KV_BYTES = 256 * 1024 * 1024
+# ... or room for this many tokens if that is more (capped at a quarter of the free RAM): at the
+# real Qwen3 shapes a token's K/V is 229 KB in float32, so 256 MiB held only ~1,170 tokens and a
+# batch of 16 long prompts ran a few sequences at a time (issue 18 measured with it)
+DEFAULT_CPU_KV_TOKENS = 8192
 DEFAULT_GPU_MEMORY_FRACTION = 0.9
 SHUTDOWN_GRACE_S = 5.0
 DEFAULT_METADATA = "127.0.0.1:50051"   # the metadata service's default port, as client and gateway use
@@ -54,8 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="tiny", help="'tiny' (embedded) or a local Qwen3 checkpoint directory")
     p.add_argument("--layers", default="", help="A:B, the layer range [A, B) this stage serves (default: all)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--dtype", choices=["float32", "float64", "bfloat16", "float16"], default=None,
-                   help="default: float32 on cpu, bfloat16 on cuda")
+    p.add_argument("--dtype", choices=["auto", "float32", "float64", "bfloat16", "float16"], default="auto",
+                   help="auto: the checkpoint's dtype where the device computes it well, else float32 "
+                        "(worker/dtype_choice.py: bfloat16 on cuda; float32 on a CPU without "
+                        "AVX512_BF16/AMX; tiny: float32 on cpu, bfloat16 on cuda)")
     cap = p.add_mutually_exclusive_group()
     cap.add_argument("--num-blocks", type=int, default=0, help="fixed K/V capacity in blocks")
     cap.add_argument("--kv-memory-fraction", type=float, default=None,
@@ -136,7 +142,8 @@ def resolve_args(argv=None) -> argparse.Namespace:
         except (ValueError, OSError) as e:
             parser.error(str(e))
         cuda = True  # it stands in for a GPU: bfloat16 by default
-    args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    from worker.dtype_choice import resolve_dtype
+    args.dtype = resolve_dtype(args.dtype, args.config, "cuda" if cuda else "cpu")
     args.backend = args.backend or ("pycuda" if cuda else "torch")
     if args.num_blocks < 0:
         parser.error("--num-blocks must be > 0")
@@ -157,13 +164,24 @@ def resolve_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def default_cpu_kv_bytes(args) -> int:
+    """DEFAULT_CPU_KV_BYTES, or DEFAULT_CPU_KV_TOKENS tokens of this stage's K/V if more, but no
+    more than a quarter of the RAM free now (the weights are loaded by then)."""
+    from worker.paged_cache import bytes_per_block
+    c = args.config
+    per_token = bytes_per_block(args.layer_end - args.layer_start, c.num_key_value_heads, 1, c.head_dim,
+                                args.dtype)
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return max(DEFAULT_CPU_KV_BYTES, min(DEFAULT_CPU_KV_TOKENS * per_token, free // 4))
+
+
 def kv_budget_bytes(args) -> int:
     """K/V byte budget once the weights are loaded (0 when --num-blocks fixes the capacity).
     Only this process's own device memory counts against --kv-memory-fraction (worker/memory.py)."""
     from worker import memory
     return memory.kv_budget_bytes(args.device, args.kv_memory_fraction, args.kv_cache_bytes, args.num_blocks,
                                   default_gpu_fraction=DEFAULT_GPU_MEMORY_FRACTION,
-                                  default_cpu_bytes=DEFAULT_CPU_KV_BYTES,
+                                  default_cpu_bytes=default_cpu_kv_bytes(args),
                                   baseline=getattr(args, "memory_baseline", None))
 
 

@@ -8,8 +8,9 @@ in form: it reads K/V from the paged cache through the step's block tables.
 Like vLLM, the q/k/v projections are one matrix (`qkv_proj`, rows q|k|v) and gate/up another
 (`gate_up_proj`, rows gate|up): one GEMM instead of three and two, which matters most for decode
 steps, where the GEMMs are small and their per-call cost shows. Each output element is still the
-dot product of one weight row with the input. `load_weights` stacks the checkpoint's separate
-tensors into them (`fuse_hf_weights`), so checkpoints keep Hugging Face's names.
+dot product of one weight row with the input. `load_weights` copies the checkpoint's separate
+tensors into their rows, one tensor at a time, so checkpoints keep Hugging Face's names
+(`fuse_hf_weights` does the same stacking on a whole state dict, for other callers).
 """
 from __future__ import annotations
 
@@ -247,22 +248,56 @@ class Qwen3Stage(nn.Module):
             return None if self.config.tie_word_embeddings or not self.is_last else "lm_head.weight"
         return None
 
+    def _target(self, name: str, params: dict) -> tuple[str, int] | None:
+        """Checkpoint name -> (this module's parameter, first row inside it) or None. A q/k/v or
+        gate/up part lands in its rows of the fused parameter, so tensors can be copied in one at
+        a time, never stacked into a second copy first."""
+        for fused, parts in FUSED:
+            for j, part in enumerate(parts):
+                for suffix in ("weight", "bias"):
+                    tail = f".{part}.{suffix}"
+                    if not name.endswith(tail):
+                        continue
+                    local = self._local_name(name[:-len(tail)] + f".{fused}.{suffix}")
+                    if local is None or local not in params:
+                        return None if local is None else (local, -1)
+                    sizes = self._fused_sizes(fused)
+                    return local, sum(sizes[:j])
+        local = self._local_name(name)
+        return None if local is None else (local, 0)
+
+    def _fused_sizes(self, fused: str) -> list[int]:
+        c = self.config
+        if fused == "qkv_proj":
+            return [c.num_attention_heads * c.head_dim] + [c.num_key_value_heads * c.head_dim] * 2
+        return [c.intermediate_size] * 2
+
     @torch.no_grad()
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, state) -> None:
+        """Copy a checkpoint into the parameters (cast to the model dtype): `state` is a dict or
+        an iterable of (Hugging Face name, tensor) pairs, consumed one tensor at a time."""
         params = dict(self.named_parameters())          # tied parameters are listed once
-        loaded = set()
-        for name, tensor in fuse_hf_weights(state_dict).items():
-            local = self._local_name(name)
-            if local is None:
+        rows_done: dict[str, int] = {}                   # parameter -> rows copied so far
+        items = state.items() if hasattr(state, "items") else state
+        for name, tensor in items:
+            target = self._target(name, params)
+            if target is None:
                 continue
-            if local not in params:
+            local, row = target
+            if row < 0 or local not in params:
                 raise ValueError(f"{name}: no such parameter here (an incomplete q/k/v or gate/up set?)")
             p = params[local]
-            if p.shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(p.shape)}")
-            p.copy_(tensor)
-            loaded.add(local)
-        missing = sorted(set(params) - loaded)
+            dst = None
+            if row == 0 and tensor.shape == p.shape:
+                dst = p
+            elif tensor.dim() and row + tensor.shape[0] <= p.shape[0]:
+                dst = p.narrow(0, row, tensor.shape[0])
+            if dst is None or dst.shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} does not fit "
+                                 f"model {tuple(p.shape)} at row {row}")
+            dst.copy_(tensor)
+            rows_done[local] = rows_done.get(local, 0) + (tensor.shape[0] if tensor.dim() else 1)
+        missing = sorted(n for n, p in params.items() if rows_done.get(n, 0) != (p.shape[0] if p.dim() else 1))
         if missing:
             raise ValueError(f"weights missing for layers [{self.layer_start}, {self.layer_end}): {missing[:8]}")
 

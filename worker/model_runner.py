@@ -2,7 +2,9 @@
 worker's Step handler drives. It keeps no per-sequence state (DESIGN section 1)."""
 from __future__ import annotations
 
+import logging
 import os
+import time
 import warnings
 
 import numpy as np
@@ -12,7 +14,10 @@ from minipaged.config import ModelConfig, load_model_config
 from worker import logits_processors, prompt_logprobs as plp, sampler
 from worker.model import Qwen3Stage, StepBatch
 from worker.paged_cache import PagedKVCache, as_dtype, bytes_per_block
-from worker.weights import fingerprint, load_state_dict
+from worker.dtype_choice import resolve_dtype
+from worker.weights import fingerprint, stream_state, tap_probes
+
+log = logging.getLogger("worker.model_runner")
 
 
 def _tensor(arr, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -49,16 +54,22 @@ class ModelRunner:
         self.config: ModelConfig = load_model_config(model)
         layer_end = self.config.num_hidden_layers if layer_end is None else layer_end
         self.device = torch.device(device)
-        self.dtype = as_dtype(dtype)
-        if self.device.type == "cpu" and self.dtype not in (torch.float32, torch.float64):
-            raise ValueError(f"dtype {dtype} is not supported on CPU (use float32 or float64)")
+        self.dtype = as_dtype(resolve_dtype(dtype, self.config, self.device.type))
+        if self.device.type == "cpu" and self.dtype == torch.float16:
+            raise ValueError(f"dtype {dtype} is not supported on CPU (use float32, float64 or bfloat16)")
         if self.device.type == "cuda" and self.dtype == torch.float64:
             raise ValueError("float64 is a CPU parity mode; use bfloat16/float16/float32 on CUDA")
         self.layer_start, self.layer_end = layer_start, layer_end
         self.stage = Qwen3Stage(self.config, layer_start, layer_end, self.dtype, self.device, backend)
-        state = load_state_dict(model, self.config, layer_start, layer_end)
-        self.stage.load_weights(state)
-        self.fingerprint = fingerprint(self.config, state)
+        t0 = time.monotonic()
+        # one tensor at a time, straight into the parameters: peak memory is the weights, not 2x
+        probes: dict = {}
+        self.stage.load_weights(tap_probes(self.config, stream_state(model, self.config, layer_start,
+                                                                      layer_end), probes))
+        self.fingerprint = fingerprint(self.config, known=probes)
+        n_bytes = sum(p.numel() * p.element_size() for p in self.stage.parameters())
+        log.info("model %s layers [%d, %d) ready: %.0f MB of %s weights in %.1f s", model, layer_start,
+                 layer_end, n_bytes / 1e6, str(self.dtype).removeprefix("torch."), time.monotonic() - t0)
         self.stage.eval()
         self.kv_cache: PagedKVCache | None = None
 

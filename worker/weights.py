@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import time
+import warnings
 
 import torch
 
 from minipaged.config import TINY_SEED, ModelConfig
+
+log = logging.getLogger("worker.weights")
 
 _LAYER_MATRICES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -81,22 +86,83 @@ def _checkpoint_files(path: str) -> list[str]:
     raise FileNotFoundError(f"{path}: no model.safetensors(.index.json) or pytorch_model.bin(.index.json)")
 
 
-def _read_tensors(path: str, want) -> dict[str, torch.Tensor]:
-    """Read the tensors whose name satisfies want(name), opening each file lazily."""
-    out = {}
-    for fname in _checkpoint_files(path):
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+              "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def _safetensors_tensors(full: str, want):
+    """(name, tensor) for each wanted tensor of one safetensors file, one at a time, straight off a
+    memory map of the file. Each tensor is a view of the map, valid until the next one is yielded:
+    then its pages are dropped (MADV_DONTNEED), so the file's pages never pile up in this process's
+    resident memory (a 1.2 GB shard read through safe_open stays resident until it is closed)."""
+    import mmap
+    import struct
+    with open(full, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        header.pop("__metadata__", None)
+        if not header:
+            return
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        base, page = 8 + n, mmap.PAGESIZE
+        for name, meta in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):  # file order
+            if not want(name):
+                continue
+            lo, hi = (base + o for o in meta["data_offsets"])
+            dtype = _ST_DTYPES.get(meta["dtype"])
+            if dtype is None:
+                raise ValueError(f"{full}: {name} has dtype {meta['dtype']}, which this loader cannot read")
+            with warnings.catch_warnings():  # read-only map: the consumer copies, never writes
+                warnings.simplefilter("ignore", UserWarning)
+                t = (torch.frombuffer(mm, dtype=dtype, offset=lo, count=(hi - lo) // dtype.itemsize)
+                     if hi > lo else torch.empty(0, dtype=dtype))
+            yield name, t.view(meta["shape"])
+            del t
+            start = lo // page * page
+            if hasattr(mm, "madvise") and hi > start:
+                mm.madvise(mmap.MADV_DONTNEED, start, hi - start)
+    finally:
+        try:
+            mm.close()
+        except BufferError:  # a consumer kept a view: the map goes when that view does
+            pass
+
+
+def iter_tensors(path: str, want, log_every_s: float = 5.0):
+    """(name, tensor) for every tensor of a checkpoint directory that want(name) accepts, one at a
+    time (see _safetensors_tensors: a tensor is only valid until the next is yielded). Logs
+    progress (bytes read) every log_every_s seconds and the total at the end: a large checkpoint
+    takes minutes, and a silent worker looks hung."""
+    files = _checkpoint_files(path)
+    total = sum(os.path.getsize(os.path.join(path, f)) for f in files)
+    done, t0, last = 0, time.monotonic(), time.monotonic()
+    for i, fname in enumerate(files):
         full = os.path.join(path, fname)
         if fname.endswith(".safetensors"):
-            from safetensors import safe_open
-            with safe_open(full, framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    if want(name):
-                        out[name] = f.get_tensor(name)
+            for name, t in _safetensors_tensors(full, want):
+                yield name, t
+                done += t.numel() * t.element_size()
+                if time.monotonic() - last >= log_every_s:
+                    last = time.monotonic()
+                    log.info("loading weights: %.0f MB read (file %d/%d, %.0f MB in all), %.1f s",
+                             done / 1e6, i + 1, len(files), total / 1e6, last - t0)
         else:
             # mmap: only the pages of the tensors we keep are read.
             sd = torch.load(full, map_location="cpu", weights_only=True, mmap=True)
-            out.update({k: v for k, v in sd.items() if want(k)})
-    return out
+            for name in [k for k in sd if want(k)]:
+                t = sd.pop(name)
+                yield name, t
+                done += t.numel() * t.element_size()
+            del sd
+    log.info("weights loaded: %.0f MB of tensors from %d file(s) in %.1f s", done / 1e6, len(files),
+             time.monotonic() - t0)
+
+
+def _read_tensors(path: str, want) -> dict[str, torch.Tensor]:
+    """The tensors whose name satisfies want(name), as tensors of their own (copies of the map)."""
+    return {name: t.clone() for name, t in iter_tensors(path, want, log_every_s=float("inf"))}
 
 
 def load_state_dict(model: str, config: ModelConfig, layer_start: int,
@@ -109,6 +175,15 @@ def load_state_dict(model: str, config: ModelConfig, layer_start: int,
     return _read_tensors(model, want)
 
 
+def stream_state(model: str, config: ModelConfig, layer_start: int, layer_end: int):
+    """What load_state_dict returns, as (name, tensor) pairs one at a time (see iter_tensors), for
+    loading straight into a model's parameters without holding a second copy of the weights."""
+    want = lambda name: stage_needs(name, config, layer_start, layer_end)  # noqa: E731
+    if model == "tiny":
+        return iter(load_state_dict(model, config, layer_start, layer_end).items())
+    return iter_tensors(model, want)
+
+
 def _probe_names(config: ModelConfig) -> list[str]:
     last = config.num_hidden_layers - 1
     names = ["model.embed_tokens.weight", f"model.layers.{last}.mlp.down_proj.weight",
@@ -116,7 +191,8 @@ def _probe_names(config: ModelConfig) -> list[str]:
     return names + ([] if config.tie_word_embeddings else ["lm_head.weight"])
 
 
-def fingerprint(config: ModelConfig, state_dict: dict[str, torch.Tensor] | None = None) -> str:
+def fingerprint(config: ModelConfig, state_dict: dict[str, torch.Tensor] | None = None,
+                known: dict | None = None) -> str:
     """Identity of (config, weights) that every stage of one model computes identically.
 
     Decision: the stage's own state_dict is NOT hashed (stages hold disjoint tensors). Instead every
@@ -124,18 +200,43 @@ def fingerprint(config: ModelConfig, state_dict: dict[str, torch.Tensor] | None 
     layer's matrices, the final norm, an untied lm_head) straight from the source: re-generated for
     "tiny", read lazily from the checkpoint files otherwise (safetensors reads just those tensors).
     Their float64 sums and sums of squares, plus the config's shape fields, go into a sha256.
-    Different weights change these sums unless the checkpoints differ only outside the probes."""
+    Different weights change these sums unless the checkpoints differ only outside the probes.
+    `known`: probe sums already taken while loading (tap_probes); only the others are read."""
     shape_fields = {k: getattr(config, k) for k in (
         "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
         "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "tie_word_embeddings",
         "attention_bias")}
     names = set(_probe_names(config))
+    sums = {k: v for k, v in (known or {}).items() if k in names}
+    want = lambda n: n in names and n not in sums  # noqa: E731
     if config.name == "tiny":
-        probes = {k: v for k, v in tiny_state_dict(config).items() if k in names}
-    else:
-        probes = _read_tensors(config.name, lambda n: n in names)
+        probes = ((k, v) for k, v in tiny_state_dict(config).items() if want(k))
+    else:  # streamed, summed in row chunks: no float64 copy of a 151,936-row embedding
+        probes = iter_tensors(config.name, want, log_every_s=float("inf")) if names - sums.keys() else ()
+    for name, t in probes:
+        sums[name] = probe_sums(t)
     h = hashlib.sha256(json.dumps(shape_fields, sort_keys=True).encode())
-    for name in sorted(probes):
-        t = probes[name].to(torch.float64)
-        h.update(f"{name}:{tuple(t.shape)}:{t.sum().item():.12e}:{t.square().sum().item():.12e}".encode())
+    for name in sorted(sums):
+        shape, s1, s2 = sums[name]
+        h.update(f"{name}:{shape}:{s1:.12e}:{s2:.12e}".encode())
     return h.hexdigest()[:16]
+
+
+def probe_sums(t: torch.Tensor) -> tuple[tuple[int, ...], float, float]:
+    """(shape, float64 sum, float64 sum of squares) of one probe tensor, in row chunks."""
+    flat = t.reshape(t.shape[0] if t.dim() else 1, -1)
+    s1 = s2 = 0.0
+    for lo in range(0, flat.shape[0], 8192):
+        c = flat[lo:lo + 8192].to(torch.float64)
+        s1, s2 = s1 + c.sum().item(), s2 + c.square().sum().item()
+    return tuple(t.shape), s1, s2
+
+
+def tap_probes(config: ModelConfig, pairs, out: dict):
+    """Pass (name, tensor) pairs through, noting the probe sums of those that are probes (so a
+    stage that loads them need not read them again for its fingerprint)."""
+    names = set(_probe_names(config))
+    for name, t in pairs:
+        if name in names:
+            out[name] = probe_sums(t)
+        yield name, t

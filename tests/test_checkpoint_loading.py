@@ -1,0 +1,121 @@
+"""Checkpoints as they ship (issue 18): bfloat16 `torch_dtype`, sharded safetensors with an index,
+`--dtype auto`, loading one tensor at a time with progress logged."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from minipaged.config import load_model_config
+from tests.checkpoints import make_checkpoint
+from tests.test_model_parity import Pager
+from worker.dtype_choice import checkpoint_dtype, cpu_has_bf16, resolve_dtype
+from worker.model_runner import ModelRunner
+
+VOCAB = 128
+
+
+@pytest.fixture(scope="module")
+def bf16_sharded(tmp_path_factory):
+    """A random Qwen3 (GQA, tied) saved the way Qwen3-1.7B ships: bfloat16, several shards."""
+    from transformers import Qwen3ForCausalLM
+    src = make_checkpoint(num_layers=3, hidden=128, heads=4, kv_heads=2, head_dim=64, vocab=VOCAB, seed=5,
+                          directory=str(tmp_path_factory.mktemp("f32")))
+    d = str(tmp_path_factory.mktemp("bf16-sharded"))
+    Qwen3ForCausalLM.from_pretrained(src).to(torch.bfloat16).save_pretrained(d, max_shard_size="200KB")
+    return d
+
+
+def fake_cpuinfo(tmp_path, flags: str) -> str:
+    p = tmp_path / "cpuinfo"
+    p.write_text(f"processor\t: 0\nflags\t\t: fpu sse avx2 {flags}\n")
+    return str(p)
+
+
+def test_checkpoint_is_sharded_bf16(bf16_sharded):
+    with open(os.path.join(bf16_sharded, "model.safetensors.index.json")) as f:
+        assert len(set(json.load(f)["weight_map"].values())) > 1
+    assert checkpoint_dtype(load_model_config(bf16_sharded)) == "bfloat16"
+
+
+def test_dtype_auto_picks_what_the_readme_says(bf16_sharded, tmp_path):
+    cfg = load_model_config(bf16_sharded)
+    no_bf16, bf16 = fake_cpuinfo(tmp_path, "avx512f avx512bw"), fake_cpuinfo(tmp_path / "..", "avx512_bf16")
+    assert not cpu_has_bf16(no_bf16) and cpu_has_bf16(bf16)
+    assert resolve_dtype("auto", cfg, "cpu", no_bf16) == "float32"      # AVX-512 alone: float32
+    assert resolve_dtype("auto", cfg, "cpu", bf16) == "bfloat16"
+    assert resolve_dtype("auto", cfg, "cuda") == "bfloat16"
+    assert resolve_dtype("float64", cfg, "cpu", bf16) == "float64"       # explicit wins
+    tiny = load_model_config("tiny")                                     # no dtype in its config
+    assert resolve_dtype("auto", tiny, "cpu", bf16) == "float32" and resolve_dtype(None, tiny, "cuda") == "bfloat16"
+    from worker.__main__ import resolve_args
+    a = resolve_args(["--model", bf16_sharded])                          # the default is auto
+    assert a.dtype == ("bfloat16" if cpu_has_bf16() else "float32")
+
+
+def greedy_ours(runner, prompt, n):
+    runner.init_cache(32, 4)
+    pager, tokens, chunk = Pager(32, 4, seed=1), [], prompt
+    one, zero = np.ones(1), np.zeros(1)
+    for _ in range(n):
+        args = pager.step({0: chunk})
+        hidden = runner.execute(runner.make_batch(*args))
+        ids = runner.sample(hidden, args[3], one, zero, one, zero.astype(np.int32), zero.astype(np.int64),
+                            np.array([len(tokens)], np.int32))[0]
+        tokens.append(int(ids[0]))
+        chunk = [tokens[-1]]
+    return tokens
+
+
+def test_sharded_bf16_checkpoint_matches_transformers_in_float32(bf16_sharded, caplog):
+    from transformers import Qwen3ForCausalLM
+    hf = Qwen3ForCausalLM.from_pretrained(bf16_sharded, dtype=torch.float32).eval()
+    with caplog.at_level(logging.INFO):
+        runner = ModelRunner(bf16_sharded, 0, None, "auto", "cpu")
+    if not cpu_has_bf16():
+        assert runner.dtype == torch.float32
+    assert any("weights loaded" in r.getMessage() for r in caplog.records)   # load time logged
+    assert any("ready" in r.getMessage() and "weights in" in r.getMessage() for r in caplog.records)
+    # the values are the checkpoint's bfloat16 ones, exactly (bfloat16 -> float32 is exact)
+    sd = hf.state_dict()
+    qkv = runner.stage.layers[2].self_attn.qkv_proj.weight
+    want = torch.cat([sd[f"model.layers.2.self_attn.{n}_proj.weight"] for n in "qkv"])
+    assert torch.equal(qkv.to(torch.float32), want)
+    rng = np.random.default_rng(3)
+    for length in (7, 13):
+        prompt = rng.integers(0, VOCAB, length).tolist()
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=8, min_new_tokens=8,
+                              pad_token_id=0)[0, length:].tolist()
+        assert greedy_ours(runner, prompt, 8) == ref
+
+
+def test_load_streams_without_a_second_copy(bf16_sharded, monkeypatch):
+    """Tensors reach load_weights one at a time: the loader never builds the whole state dict."""
+    import worker.weights as weights
+    seen, real = [], weights.iter_tensors
+
+    def spy(path, want, **kw):
+        for name, t in real(path, want, **kw):
+            seen.append(name)
+            yield name, t
+    monkeypatch.setattr(weights, "iter_tensors", spy)
+    monkeypatch.setattr(weights, "load_state_dict", lambda *a: pytest.fail("whole state dict built"))
+    runner = ModelRunner(bf16_sharded, 1, 3, "float32", "cpu")
+    assert "model.layers.2.mlp.down_proj.weight" in seen
+    assert not any(n.startswith("model.layers.0.mlp.") for n in seen)   # not this stage's
+    ref = ModelRunner(bf16_sharded, 0, None, "float32", "cpu")
+    assert runner.fingerprint == ref.fingerprint                          # stages agree on identity
+
+
+def test_bfloat16_runs_on_cpu(bf16_sharded):
+    """What auto picks on a CPU with bfloat16 instructions must run on any CPU (the torch paths;
+    the compiled kernels are float32/float64 only)."""
+    runner = ModelRunner(bf16_sharded, 0, None, "bfloat16", "cpu")
+    assert runner.dtype == torch.bfloat16 and runner.stage.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
+    tokens = greedy_ours(runner, [3, 1, 4, 1, 5, 9, 2, 6], 4)
+    assert len(tokens) == 4 and all(0 <= t < VOCAB for t in tokens)

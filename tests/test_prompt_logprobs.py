@@ -156,7 +156,7 @@ def prompts(n, lo, hi, seed, prefix=()):
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["1stage", "2stages"])
 def cluster(request, ckpt):
-    with LocalCluster(model=ckpt, workers=request.param, dtype="float64", block_size=4, http=request.param == 1,
+    with LocalCluster(model=ckpt, workers=request.param, dtype="float64", block_size=4, http=True,
                       extra_service_args=BUDGET) as c:
         yield c
 
@@ -223,8 +223,6 @@ def test_bad_prompt_logprobs_requests_are_rejected(cluster):
 
 @pytest.mark.slow
 def test_openai_echo_with_logprobs(cluster, oracle, ckpt):
-    if cluster.http_url is None:
-        pytest.skip("the gateway runs with the 1-stage cluster only")
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(ckpt)
     with openai.OpenAI(base_url=cluster.http_url + "/v1", api_key="unused", max_retries=0) as oai:

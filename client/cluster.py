@@ -1,7 +1,7 @@
 """LocalCluster: the metadata service and a chain of workers as subprocesses on loopback.
 
 For tests, the demo and notebooks. The services are started as processes (`python -m ...`), never
-imported: the client stays on its side of the wire (DESIGN section 1)."""
+imported: the client stays on its side of the wire (docs/architecture.md section 1)."""
 from __future__ import annotations
 
 import atexit

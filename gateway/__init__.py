@@ -1,4 +1,4 @@
 """The HTTP gateway: an OpenAI-compatible API, Prometheus metrics and a live block-pool dashboard
 in front of the metadata service. A stateless gRPC client of the service (through the SDK), like
 any other: it imports neither metadata_service nor worker, and can be restarted or scaled out on
-its own (DESIGN sections 1 and 8)."""
+its own (docs/architecture.md sections 1 and 8)."""

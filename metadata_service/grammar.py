@@ -1,4 +1,4 @@
-"""Structured outputs in the metadata plane (DESIGN section 10): xgrammar keeps the grammar state.
+"""Structured outputs in the metadata plane (docs/architecture.md section 10): xgrammar keeps the grammar state.
 
 A request with a JSON schema, a regex, a choice or json_object gets a grammar compiled against the
 served model's vocabulary (once per distinct grammar: xgrammar's GrammarCompiler caches the

@@ -1,4 +1,4 @@
-"""Packed little-endian arrays on the wire (DESIGN section 5): one memcpy per array, no varints."""
+"""Packed little-endian arrays on the wire (docs/architecture.md section 5): one memcpy per array, no varints."""
 from __future__ import annotations
 
 import numpy as np

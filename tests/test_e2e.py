@@ -1,5 +1,5 @@
 """End to end: metadata service + worker processes on loopback, float64, checked token for token
-against Hugging Face transformers' `generate` on the same checkpoint (DESIGN section 6)."""
+against Hugging Face transformers' `generate` on the same checkpoint (docs/architecture.md section 6)."""
 from __future__ import annotations
 
 import concurrent.futures as cf

@@ -1,4 +1,4 @@
-"""Structured outputs (DESIGN section 10): xgrammar in the metadata plane, the bitmask on the wire,
+"""Structured outputs (docs/architecture.md section 10): xgrammar in the metadata plane, the bitmask on the wire,
 the logits masked on the last stage.
 
 Oracle: transformers `generate` with xgrammar's own logits processor (xgrammar.contrib.hf) on the

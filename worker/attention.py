@@ -1,4 +1,4 @@
-"""The attention-backend contract (DESIGN section 4) and the factory that picks one.
+"""The attention-backend contract (docs/architecture.md section 4) and the factory that picks one.
 
 Every backend reads and writes the same paged layout, so backends are interchangeable per step:
   key_cache / value_cache: [num_blocks, num_kv_heads, block_size, head_dim]   (one pair per layer)

@@ -1,6 +1,6 @@
 """One pipeline stage of Qwen3 over the paged K/V cache.
 
-Numerics follow Hugging Face `modeling_qwen3` op for op (the oracle, DESIGN section 6): RMSNorm
+Numerics follow Hugging Face `modeling_qwen3` op for op (the oracle, docs/architecture.md section 6): RMSNorm
 casts to float32 exactly as HF does, RoPE's inv_freq/cos/sin are computed in float32 like HF and
 then cast to the model dtype, and residual additions happen in the same order. Attention differs
 in form: it reads K/V from the paged cache through the step's block tables.

@@ -1,5 +1,5 @@
 """ModelRunner: one stage's model, weights, K/V cache and sampler behind a small API that the
-worker's Step handler drives. It keeps no per-sequence state (DESIGN section 1)."""
+worker's Step handler drives. It keeps no per-sequence state (docs/architecture.md section 1)."""
 from __future__ import annotations
 
 import logging

@@ -1,6 +1,6 @@
 """The paged K/V cache: per layer one key and one value tensor [num_blocks, Hkv, block_size, D].
 
-One block id names the same slots in every layer (DESIGN section 1), so a single block table from
+One block id names the same slots in every layer (docs/architecture.md section 1), so a single block table from
 the metadata service addresses all layers of this stage. The cache holds data only: which block
 belongs to whom is the metadata plane's business.
 """

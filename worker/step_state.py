@@ -1,5 +1,5 @@
 """What a stage remembers between Steps of one cache epoch, per sequence: its block table (so Steps
-can send only the blocks that are new, DESIGN section 7) and the token last sampled for it (so the
+can send only the blocks that are new, docs/architecture.md section 7) and the token last sampled for it (so the
 metadata service can schedule step k+1 before step k's tokens come back: an input id of -1 means
 "that token").
 

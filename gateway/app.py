@@ -197,8 +197,9 @@ class Gateway:
 
         async def pump(p: int, kw: dict) -> None:
             obs = _Observed(self, t0)
-            agen = self.client.chunks(**kw)  # best_of > n (refused when streaming): winners at the end
-            try:
+            agen = None
+            try:  # (a failure to even start the stream must reach the consumer too, or it waits forever)
+                agen = self.client.chunks(**kw)  # best_of > n (refused when streaming): winners at the end
                 async for chunk in agen:
                     obs.chunk(chunk)
                     await queue.put((p * n + chunk.index, chunk))
@@ -209,7 +210,8 @@ class Gateway:
             except BaseException as e:  # noqa: BLE001 - handed to the consumer
                 await queue.put((p, e))
             finally:
-                await agen.aclose()  # a stream left at a yield: cancel its RPC now, not at GC
+                if agen is not None:
+                    await agen.aclose()  # a stream left at a yield: cancel its RPC now, not at GC
 
         tasks = [asyncio.ensure_future(pump(p, kw)) for p, kw in enumerate(items)]
         try:

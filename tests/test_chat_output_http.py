@@ -23,7 +23,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 
 
 class FakeClient:
-    """AsyncClient's stream() and stats(), replaying ANSWER for each of the n choices."""
+    """AsyncClient's stream() / chunks() and stats(), replaying ANSWER for each of the n choices."""
     seen: list[dict] = []
 
     def __init__(self, *a, **kw):
@@ -41,6 +41,8 @@ class FakeClient:
                 yield StreamChunk(token_ids=[k], text=text, index=i, finish_reason="stop" if last else None,
                                   usage=Usage(10, len(ANSWER)) if last else None)
                 await asyncio.sleep(0)
+
+    chunks = stream   # the gateway's path (AsyncClient.chunks: best_of > n whole at the end)
 
     async def close(self):
         pass
@@ -110,3 +112,12 @@ def test_bad_tools_are_400_before_any_generation(monkeypatch, body, needle):
     status, text = post(monkeypatch, {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, **body})
     assert status == 400 and needle in json.loads(text)["error"]["message"], text
     assert FakeClient.seen == []
+
+
+def test_a_stream_that_fails_to_start_answers_instead_of_hanging(monkeypatch):
+    def broken(self, **kw):
+        raise RuntimeError("the SDK could not start the stream")
+    monkeypatch.setattr(FakeClient, "chunks", broken)
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    with pytest.raises(RuntimeError, match="could not start"):   # (the server's 500; it used to hang)
+        post(monkeypatch, body)

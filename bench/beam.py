@@ -25,7 +25,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.e2e import hf_model, save_checkpoint  # noqa: E402
+from bench.e2e import VllmAnchor, hf_model, save_checkpoint  # noqa: E402
 from client import LocalCluster  # noqa: E402
 
 
@@ -66,7 +66,9 @@ def run_ours(c, prompts, k: int, new_tokens: int, block_size: int) -> dict:
                 shared=peak["shared"], unshared=unshared)
 
 
-class VllmBeams:
+class VllmBeams(VllmAnchor):
+    """bench/vllm_beam.py in vLLM's venv; replies and shutdown as VllmAnchor's."""
+
     def __init__(self, python: str, ckpt: str, prompts, new_tokens: int, block_size: int, workdir: str):
         pf = os.path.join(workdir, "prompts.json")
         with open(pf, "w") as f:
@@ -82,27 +84,10 @@ class VllmBeams:
         ready = self._read()
         self.version, self.startup_s = ready["version"], ready["startup_s"]
 
-    def _read(self) -> dict:
-        for line in self.proc.stdout:
-            if line.startswith("@@ "):
-                return json.loads(line[3:])
-        raise RuntimeError(f"vLLM runner exited ({self.proc.wait()}): " + open(self.log_path).read()[-3000:])
-
     def run(self, k: int) -> dict:
         self.proc.stdin.write(f"run {k}\n")
         self.proc.stdin.flush()
         return self._read()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write("quit\n")
-                self.proc.stdin.flush()
-                self.proc.wait(timeout=60)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
 
 
 def main():

@@ -1,5 +1,6 @@
-"""The CPU kernels library (worker/cpu_kernels.cpp): paged attention loops and two fused
-elementwise steps of the Qwen3 block, called through ctypes on torch tensors.
+"""The CPU kernels library (worker/cpu_kernels.cpp: paged attention loops and two fused
+elementwise steps of the Qwen3 block; worker/cpu_gemm.cpp: the bfloat16-weight GEMM of
+worker/cpu_gemm.py), called through ctypes on torch tensors.
 
 It is compiled on first use with the machine's C++ compiler (`g++ -O3 -march=native -fopenmp`,
 about a second) into build/cpu_kernels/<hash>/, where the hash covers the source, the flags, the
@@ -24,7 +25,8 @@ from minipaged.paths import build_dir
 
 log = logging.getLogger("worker.cpu_kernels")
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.cpp")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCES = [os.path.join(_HERE, "cpu_kernels.cpp"), os.path.join(_HERE, "cpu_gemm.cpp")]
 BUILD_DIR = os.environ.get("MINIPAGED_CPU_KERNEL_DIR", build_dir("cpu_kernels"))  # not site-packages
 CXX = os.environ.get("CXX", "g++")
 FLAGS = ["-x", "c++", "-std=c++17", "-O3", "-march=native", "-fopenmp", "-fno-trapping-math",
@@ -45,8 +47,9 @@ def _cpu_flags() -> str:
 
 def library_path() -> str:
     h = hashlib.sha256()
-    with open(SOURCE, "rb") as f:
-        h.update(f.read())
+    for source in SOURCES:
+        with open(source, "rb") as f:
+            h.update(f.read())
     version = subprocess.run([CXX, "--version"], capture_output=True, text=True).stdout
     for part in (" ".join(FLAGS), version, _cpu_flags()):
         h.update(part.encode())
@@ -61,7 +64,7 @@ def build_library() -> str:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
     os.close(fd)
-    cmd = [CXX, *FLAGS, SOURCE, "-o", tmp]
+    cmd = [CXX, *FLAGS, *SOURCES, "-o", tmp]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         os.unlink(tmp)
@@ -94,8 +97,10 @@ def load_library() -> ctypes.CDLL | None:
             fn.restype = ctypes.c_int
         lib.minipaged_qk_norm_rope_f32.argtypes = [P, I, I, I, I, I, P, P, ctypes.c_float, P, P, P, P, I]
         lib.minipaged_silu_mul_f32.argtypes = [P, I, I, I, P, I]
-        for fn in (lib.minipaged_qk_norm_rope_f32, lib.minipaged_silu_mul_f32):
+        lib.minipaged_linear_bf16w_f32.argtypes = [P, ctypes.c_int64, I, I, P, I, P, P, ctypes.c_int64, I]
+        for fn in (lib.minipaged_qk_norm_rope_f32, lib.minipaged_silu_mul_f32, lib.minipaged_linear_bf16w_f32):
             fn.restype = None
+        lib.minipaged_bf16w_available.restype = I
         _lib = lib
         return _lib
 

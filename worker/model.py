@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minipaged.config import ModelConfig
-from worker import cpu_kernels
+from worker import cpu_gemm, cpu_kernels
 from worker.attention import AttentionBackend, get_backend
 from worker.paged_cache import PagedKVCache, as_dtype
 
@@ -64,9 +64,16 @@ ONEDNN_FP32_GEMM = _onednn_fp32_gemm()
 
 class Linear(nn.Linear):
     """nn.Linear whose float32 CPU GEMM is oneDNN's when available (see _onednn_fp32_gemm);
-    float64 (the parity mode) and other devices use F.linear."""
+    float64 (the parity mode) and other devices use F.linear. With `packed` (worker/cpu_gemm.py:
+    the same weights as bfloat16 panels), batches of at most `packed_rows` rows run the
+    bfloat16-weight kernel instead."""
+
+    packed: torch.Tensor | None = None
+    packed_rows: int = 0               # the most rows that take the packed path (all: a large number)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and x.dtype == torch.float32 and x.numel() <= self.packed_rows * x.shape[-1]:
+            return cpu_gemm.linear(x, self.packed, self.out_features, self.bias)
         if ONEDNN_FP32_GEMM and x.dtype == torch.float32 and x.device.type == "cpu":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -304,7 +311,7 @@ class Qwen3Stage(nn.Module):
     def forward(self, batch: StepBatch, kv_cache: PagedKVCache,
                 hidden_states: torch.Tensor | None = None) -> torch.Tensor:
         if self.is_first:
-            h = self.embed_tokens(batch.input_ids)
+            h = self.embed_tokens(batch.input_ids).to(self.dtype)  # a bfloat16 table: exact widening
         else:
             if hidden_states is None:
                 raise ValueError(f"stage [{self.layer_start}, {self.layer_end}) needs hidden states")
@@ -313,6 +320,37 @@ class Qwen3Stage(nn.Module):
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, batch, kv_cache.key_cache[i], kv_cache.value_cache[i])
         return self.norm(h) if self.is_last else h
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        """Every tensor of weights this stage holds (parameters, each once, and packed copies)."""
+        packed = [m.packed for m in self.modules() if isinstance(m, Linear) and m.packed is not None]
+        return list(self.parameters()) + packed
+
+    @torch.no_grad()
+    def use_bf16_weights(self) -> bool:
+        """Give every matrix a packed bfloat16 copy for small batches, and keep the lm_head and
+        the embedding in bfloat16 only (worker/cpu_gemm.py says when and why). Only for float32
+        compute on the CPU, with the kernel built, and weights that are exactly bfloat16 values;
+        returns whether it did."""
+        if self.dtype != torch.float32 or self.device.type != "cpu" or not cpu_gemm.available():
+            return False
+        layers = [m for m in self.layers.modules() if isinstance(m, Linear)]
+        tables = [m for m in (self.embed_tokens, self.lm_head) if m is not None]
+        if not all(cpu_gemm.exactly_bf16(m.weight) for m in layers + tables):
+            return False
+        for m in layers:
+            m.packed, m.packed_rows = cpu_gemm.pack(m.weight), cpu_gemm.SMALL_BATCH_ROWS
+            if m.bias is not None:
+                m.bias = nn.Parameter(m.bias.contiguous(), requires_grad=False)
+        if self.lm_head is not None:
+            self.lm_head.packed, self.lm_head.packed_rows = cpu_gemm.pack(self.lm_head.weight), 1 << 62
+        if self.embed_tokens is not None:
+            self.embed_tokens.weight = nn.Parameter(self.embed_tokens.weight.to(torch.bfloat16), requires_grad=False)
+        if self.lm_head is not None:     # its float32 copy is never read again (tied or not)
+            self.lm_head.weight = (self.embed_tokens.weight if self.embed_tokens is not None and
+                                   self.config.tie_word_embeddings else
+                                   nn.Parameter(self.lm_head.weight.to(torch.bfloat16), requires_grad=False))
+        return True
 
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
         """[S, hidden] -> [S, vocab], float32 (float64 for float64 models)."""

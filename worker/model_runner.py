@@ -14,7 +14,7 @@ from minipaged.config import ModelConfig, load_model_config
 from worker import logits_processors, prompt_logprobs as plp, sampler
 from worker.model import Qwen3Stage, StepBatch
 from worker.paged_cache import PagedKVCache, as_dtype, bytes_per_block
-from worker.dtype_choice import resolve_dtype
+from worker.dtype_choice import checkpoint_dtype, resolve_dtype
 from worker.weights import fingerprint, stream_state, tap_probes
 
 log = logging.getLogger("worker.model_runner")
@@ -67,9 +67,12 @@ class ModelRunner:
         self.stage.load_weights(tap_probes(self.config, stream_state(model, self.config, layer_start,
                                                                       layer_end), probes))
         self.fingerprint = fingerprint(self.config, known=probes)
-        n_bytes = sum(p.numel() * p.element_size() for p in self.stage.parameters())
-        log.info("model %s layers [%d, %d) ready: %.0f MB of %s weights in %.1f s", model, layer_start,
-                 layer_end, n_bytes / 1e6, str(self.dtype).removeprefix("torch."), time.monotonic() - t0)
+        # a bfloat16 checkpoint computed in float32: decode GEMMs read its 2-byte values (cpu_gemm.py)
+        self.bf16_weights = checkpoint_dtype(self.config) == "bfloat16" and self.stage.use_bf16_weights()
+        n_bytes = sum(t.numel() * t.element_size() for t in self.stage.weight_tensors())
+        log.info("model %s layers [%d, %d) ready: %.0f MB of %s weights in %.1f s%s", model, layer_start,
+                 layer_end, n_bytes / 1e6, str(self.dtype).removeprefix("torch."), time.monotonic() - t0,
+                 " (bfloat16 copies for small batches; the lm_head in bfloat16 only)" if self.bf16_weights else "")
         self.stage.eval()
         self.kv_cache: PagedKVCache | None = None
 

@@ -1,0 +1,62 @@
+"""The bfloat16-weight GEMM (worker/cpu_gemm.py, issue 18): the float32 product of the exact
+bfloat16 values, for every batch size, widths that are not a multiple of its panel, a bias, and
+row-strided input; the stage uses it only where the README says."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from worker import cpu_gemm
+
+pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="needs AVX2 + FMA and the CPU kernels")
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 48, 100])
+@pytest.mark.parametrize("n,k", [(16, 8), (40, 33), (257, 64)])
+def test_matches_float32_linear(m, n, k):
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x = torch.randn(m, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    packed = cpu_gemm.pack(w.float())
+    assert packed.shape == ((n + 15) // 16, k, 16)
+    want = F.linear(x.double(), w.double(), bias.double())
+    got = cpu_gemm.linear(x, packed, n, bias)
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cpu_gemm.linear(x, packed, n), F.linear(x, w.float()), rtol=1e-5, atol=1e-5)
+
+
+def test_strided_and_batched_input():
+    w = torch.randn(48, 32).bfloat16().float()
+    packed = cpu_gemm.pack(w)
+    wide = torch.randn(5, 64)
+    x = wide[:, :32]                                  # row stride 64, not 32
+    torch.testing.assert_close(cpu_gemm.linear(x, packed, 48), x @ w.T, rtol=1e-5, atol=1e-5)
+    x3 = torch.randn(2, 3, 32)
+    assert cpu_gemm.linear(x3, packed, 48).shape == (2, 3, 48)
+    assert cpu_gemm.linear(torch.empty(0, 32), packed, 48).shape == (0, 48)
+
+
+def test_exactly_bf16():
+    w = torch.randn(64, 64)
+    assert not cpu_gemm.exactly_bf16(w)
+    assert cpu_gemm.exactly_bf16(w.bfloat16().float())
+
+
+def test_stage_uses_it_only_for_bf16_values_in_float32():
+    from minipaged.config import load_model_config
+    from worker.model import Qwen3Stage
+    from worker.weights import tiny_state_dict
+    cfg = load_model_config("tiny")
+    sd = tiny_state_dict(cfg)
+    stage = Qwen3Stage(cfg, 0, cfg.num_hidden_layers, torch.float32, "cpu")
+    stage.load_weights(sd)
+    assert not stage.use_bf16_weights()               # the tiny weights are not bfloat16 values
+    stage.load_weights({k: v.bfloat16().float() for k, v in sd.items()})
+    assert stage.use_bf16_weights()
+    assert stage.layers[0].mlp.down_proj.packed is not None and stage.lm_head.weight.dtype == torch.bfloat16
+    f64 = Qwen3Stage(cfg, 0, cfg.num_hidden_layers, torch.float64, "cpu")
+    f64.load_weights({k: v.bfloat16().float() for k, v in sd.items()})
+    assert not f64.use_bf16_weights()                 # the parity mode keeps its own GEMMs

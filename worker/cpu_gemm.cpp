@@ -1,0 +1,112 @@
+// y = x W^T with W kept in bfloat16 and everything computed in float32 (worker/cpu_gemm.py).
+//
+// Why: a Qwen3 checkpoint ships bfloat16 weights; a CPU without bfloat16 instructions computes in
+// float32 (worker/dtype_choice.py), and a decode step then reads every weight as 4 bytes although
+// its value has only 2 bytes of information. A decode step reads all the weights for a handful of
+// rows, so it is bound by those bytes. Here the weights stay 2 bytes in memory and each one is
+// widened in a register (a bfloat16 is the top half of a float32: shift left 16 bits), so the
+// product is the float32 product of the exact checkpoint values, from half the memory traffic.
+//
+// Layout: W [N, K] is packed once at load time into panels of 16 output columns,
+// packed[p][k][j] = W[16 p + j][k] (zero rows pad N up to a multiple of 16), so one k step of a
+// panel is 32 contiguous bytes. The micro-kernel keeps a 6 x 16 tile of y in 12 AVX2 registers
+// and adds x[m, k] * W[16p .. 16p+15, k] for each k (broadcast x, FMA), summing over k in order:
+// one FMA chain per output, like a plain dot product. Rows of x are taken in chunks that fit in
+// L2 with the panels split across threads inside each chunk, so a panel is read from memory once
+// per chunk and x stays in cache.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+namespace {
+
+constexpr int kNR = 16;  // output columns per panel (two 8-wide registers)
+constexpr int kMR = 6;   // rows per micro-tile: 12 accumulators + 2 weights + 1 broadcast <= 16
+
+inline __m256 widen(const uint16_t* p) {  // 8 bfloat16 -> 8 float32, exactly
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+template <int MR>
+inline void tile(const float* x, int64_t ldx, int K, const uint16_t* panel, float* y, int64_t ldy,
+                 int ncols, const float* bias) {
+  __m256 acc[MR][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const uint16_t* w = panel;
+  for (int k = 0; k < K; ++k, w += kNR) {
+    const __m256 w0 = widen(w), w1 = widen(w + 8);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);
+      acc[r][0] = _mm256_fmadd_ps(xb, w0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(xb, w1, acc[r][1]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) {
+    alignas(32) float out[kNR];
+    _mm256_store_ps(out, acc[r][0]);
+    _mm256_store_ps(out + 8, acc[r][1]);
+    if (bias != nullptr)
+      for (int j = 0; j < ncols; ++j) out[j] += bias[j];
+    std::memcpy(y + r * ldy, out, sizeof(float) * ncols);
+  }
+}
+
+void rows(const float* x, int64_t ldx, int M, int K, const uint16_t* panel, float* y, int64_t ldy,
+          int ncols, const float* bias) {
+  int m = 0;
+  for (; m + kMR <= M; m += kMR) tile<kMR>(x + m * ldx, ldx, K, panel, y + m * ldy, ldy, ncols, bias);
+  const float* xr = x + m * ldx;
+  float* yr = y + m * ldy;
+  switch (M - m) {
+    case 5: tile<5>(xr, ldx, K, panel, yr, ldy, ncols, bias); break;
+    case 4: tile<4>(xr, ldx, K, panel, yr, ldy, ncols, bias); break;
+    case 3: tile<3>(xr, ldx, K, panel, yr, ldy, ncols, bias); break;
+    case 2: tile<2>(xr, ldx, K, panel, yr, ldy, ncols, bias); break;
+    case 1: tile<1>(xr, ldx, K, panel, yr, ldy, ncols, bias); break;
+    default: break;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int minipaged_bf16w_available() { return 1; }
+
+// x [M, K] float32 (row stride ldx), packed [ceil(N/16), K, 16] bfloat16 bits, bias [N] or null,
+// y [M, N] float32 (row stride ldy).
+void minipaged_linear_bf16w_f32(const float* x, int64_t ldx, int M, int K, const uint16_t* packed,
+                                int N, const float* bias, float* y, int64_t ldy, int num_threads) {
+  const int panels = (N + kNR - 1) / kNR;
+  // rows per chunk: x's chunk stays within ~192 KB of L2 while every panel passes over it
+  const int chunk = std::max(kMR, int((192 * 1024) / (int64_t(K) * 4)) / kMR * kMR);
+#pragma omp parallel num_threads(std::max(1, num_threads))
+  for (int m0 = 0; m0 < M; m0 += chunk) {
+    const int mc = std::min(chunk, M - m0);
+#pragma omp for schedule(static)
+    for (int p = 0; p < panels; ++p) {
+      const int n0 = p * kNR;
+      rows(x + m0 * ldx, ldx, mc, K, packed + int64_t(p) * K * kNR, y + m0 * ldy + n0, ldy,
+           std::min(kNR, N - n0), bias != nullptr ? bias + n0 : nullptr);
+    }
+  }
+}
+
+}  // extern "C"
+
+#else  // no AVX2 + FMA: the caller keeps float32 weights and its usual GEMM
+
+extern "C" {
+int minipaged_bf16w_available() { return 0; }
+void minipaged_linear_bf16w_f32(const float*, int64_t, int, int, const uint16_t*, int, const float*,
+                                float*, int64_t, int) {}
+}
+
+#endif

@@ -1,0 +1,76 @@
+"""bfloat16 weights, float32 compute, on CPUs without bfloat16 instructions (worker/cpu_gemm.cpp).
+
+A released Qwen3 checkpoint is bfloat16. On a CPU without AVX512_BF16/AMX the worker computes in
+float32 (worker/dtype_choice.py), which stores every weight in 4 bytes. A decode step reads all of
+them for a few rows, so its time is the weights' bytes: the lm_head alone is 622 MB in float32 at
+the Qwen3-0.6B shape. The kernel here reads the same exact values from 2 bytes each and widens them
+in registers, so the result is the float32 product of the checkpoint's own numbers (to float32
+rounding of a different summation order than oneDNN's, ~1e-6 relative), from half the bytes.
+
+Policy (Qwen3Stage.use_bf16_weights):
+  - every matrix of a layer keeps its float32 copy for large batches (prefill chunks, where
+    oneDNN's blocked GEMM is ~15% faster than this kernel) and gains a packed bfloat16 copy for
+    batches of at most SMALL_BATCH_ROWS rows (decode steps), where this kernel is 1.3-2.6x faster
+    on this project's CPU (bench/results/profile-*.md has the table);
+  - the lm_head (and the embedding it is tied to) keeps only the bfloat16 copies: its input is
+    one row per sampling sequence, a small batch, and dropping its float32 copy pays for the layers'
+    second copy in memory;
+  - only when the checkpoint's values are exactly bfloat16 (a bfloat16 checkpoint computed in
+    float32) and the CPU has AVX2 + FMA; MINIPAGED_BF16_WEIGHTS=0 switches it off. float64 (the
+    parity mode) never uses it.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from worker.cpu_kernels import load_library
+
+PANEL = 16                  # output columns per packed panel (the kernel's register tile width)
+SMALL_BATCH_ROWS = 48       # at most this many rows: the packed kernel; more: the float32 GEMM
+
+
+def available() -> bool:
+    """The kernel is built for this CPU (AVX2 + FMA) and not switched off."""
+    if os.environ.get("MINIPAGED_BF16_WEIGHTS", "1") == "0":
+        return False
+    lib = load_library()
+    return lib is not None and bool(lib.minipaged_bf16w_available())
+
+
+def exactly_bf16(weight: torch.Tensor) -> bool:
+    """Is every value of this float32 tensor a bfloat16 value? (Checked in slices: no full copy.)"""
+    flat = weight.detach().reshape(-1)
+    step = 1 << 22
+    return all(torch.equal(flat[i:i + step], flat[i:i + step].bfloat16().float())
+               for i in range(0, flat.numel(), step))
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] weight -> [ceil(N/16), K, 16] bfloat16 panels (zero rows pad N), as int16 bits."""
+    n, k = weight.shape
+    panels = (n + PANEL - 1) // PANEL
+    out = torch.empty(panels, k, PANEL, dtype=torch.bfloat16)
+    for p0 in range(0, panels, 256):     # a slice at a time: no second full-size temporary
+        p1 = min(panels, p0 + 256)
+        rows = weight.detach()[p0 * PANEL:p1 * PANEL].to(torch.bfloat16)
+        if rows.shape[0] < (p1 - p0) * PANEL:
+            rows = torch.cat([rows, rows.new_zeros((p1 - p0) * PANEL - rows.shape[0], k)])
+        out[p0:p1] = rows.view(p1 - p0, PANEL, k).transpose(1, 2)
+    return out.view(torch.int16)
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] float32 @ W^T (+ bias) -> [..., n] float32, W given as pack(W)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m, k = x2.shape
+    y = torch.empty(m, n, dtype=torch.float32)
+    if m:
+        load_library().minipaged_linear_bf16w_f32(
+            x2.data_ptr(), x2.stride(0), m, k, packed.data_ptr(), n,
+            bias.data_ptr() if bias is not None else None, y.data_ptr(), y.stride(0), torch.get_num_threads())
+    return y.view(*shape[:-1], n)

@@ -96,9 +96,15 @@ def test_prefill_of_one_token_each_equals_decode():
                                be.paged_decode(q, kc, vc, tables, sl, 0.5), rtol=0, atol=1e-14)
 
 
+def write_backends():
+    from worker.attention_cpu import CpuTorchBackend
+    return [TorchBackend, CpuTorchBackend]     # the torch code and the compiled copy (when built)
+
+
+@pytest.mark.parametrize("backend", write_backends())
 @pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("block_size", [1, 7, 16])
-def test_write_kv_scatters_and_skips_padding(block_size, slot_dtype):
+def test_write_kv_scatters_and_skips_padding(block_size, slot_dtype, backend):
     num_blocks, Hkv = 6, 2
     g = torch.Generator().manual_seed(block_size)
     kc = torch.randn(num_blocks, Hkv, block_size, D, generator=g, dtype=DT)
@@ -107,8 +113,9 @@ def test_write_kv_scatters_and_skips_padding(block_size, slot_dtype):
     chosen = torch.randperm(num_blocks * block_size, generator=g)[:5]
     slots = torch.cat([chosen[:2], torch.tensor([-1]), chosen[2:], torch.tensor([-1])]).to(slot_dtype)
     key = torch.randn(len(slots), Hkv, D, generator=g, dtype=DT)
-    value = torch.randn(len(slots), Hkv, D, generator=g, dtype=DT)
-    TorchBackend().write_kv(key, value, kc, vc, slots)
+    # value as the model passes it: a column slice of one [T, q|k|v] tensor (rows strided)
+    value = torch.randn(len(slots), 3 * Hkv * D, generator=g, dtype=DT)[:, Hkv * D:2 * Hkv * D].view(-1, Hkv, D)
+    backend().write_kv(key, value, kc, vc, slots)
     exp_k, exp_v = before_k.clone(), before_v.clone()
     for t, s in enumerate(slots.tolist()):
         if s >= 0:
@@ -117,12 +124,20 @@ def test_write_kv_scatters_and_skips_padding(block_size, slot_dtype):
     assert torch.equal(kc, exp_k) and torch.equal(vc, exp_v)
 
 
-def test_write_kv_only_padding_changes_nothing():
+@pytest.mark.parametrize("backend", write_backends())
+def test_write_kv_only_padding_changes_nothing(backend):
     kc, vc = torch.randn(3, 1, 4, D, dtype=DT), torch.randn(3, 1, 4, D, dtype=DT)
     k0, v0 = kc.clone(), vc.clone()
-    TorchBackend().write_kv(torch.ones(2, 1, D, dtype=DT), torch.ones(2, 1, D, dtype=DT), kc, vc,
+    backend().write_kv(torch.ones(2, 1, D, dtype=DT), torch.ones(2, 1, D, dtype=DT), kc, vc,
                             torch.tensor([-1, -1], dtype=torch.int32))
     assert torch.equal(kc, k0) and torch.equal(vc, v0)
+
+
+def test_native_write_kv_refuses_a_slot_past_the_cache():
+    be = native_backend()
+    kc, vc = torch.zeros(2, 1, 4, D, dtype=DT), torch.zeros(2, 1, 4, D, dtype=DT)
+    with pytest.raises(IndexError, match="token 1 has slot 8"):
+        be.write_kv(torch.ones(2, 1, D, dtype=DT), torch.ones(2, 1, D, dtype=DT), kc, vc, torch.tensor([0, 8]))
 
 
 def test_float32_cache_matches_reference():

@@ -23,7 +23,8 @@ def _i32(t: torch.Tensor) -> torch.Tensor:
 
 class CpuTorchBackend(TorchBackend):
     """TorchBackend whose decode and prefill attention run the compiled loops when they can
-    (float32/float64 CPU tensors); write_kv and everything else is the torch code."""
+    (float32/float64 CPU tensors), and the K/V write as one compiled copy; everything else is the
+    torch code."""
     name = "torch"
 
     def __init__(self):
@@ -43,6 +44,24 @@ class CpuTorchBackend(TorchBackend):
         if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
             raise ValueError(f"paged_{kind}: the K/V caches must be contiguous")
         return getattr(self._lib, f"minipaged_paged_{kind}_{_SUFFIX[query.dtype]}")
+
+    def write_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+        """The compiled slot copy (cpu_kernels.cpp minipaged_write_kv) for CPU caches whose dtype
+        the new K/V already has, heads contiguous; otherwise the torch code."""
+        num_blocks, Hkv, bs, D = key_cache.shape
+        ok = (self._lib is not None and key.device.type == "cpu" and key.dtype == value.dtype == key_cache.dtype
+              == value_cache.dtype and key_cache.is_contiguous() and value_cache.is_contiguous()
+              and key.dim() == value.dim() == 3 and key.shape[1:] == value.shape[1:] == (Hkv, D)
+              and key.stride()[1:] == value.stride()[1:] == (D, 1))
+        if not ok:
+            return super().write_kv(key, value, key_cache, value_cache, slot_mapping)
+        slots = slot_mapping.to(torch.int64).contiguous()
+        bad = self._lib.minipaged_write_kv(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+                                           slots.data_ptr(), slots.numel(), key_cache.data_ptr(),
+                                           value_cache.data_ptr(), num_blocks, Hkv, bs, D, key.element_size())
+        if bad:
+            raise IndexError(f"write_kv: token {bad - 1} has slot {int(slots[bad - 1])}, past the cache's "
+                             f"{num_blocks * bs} slots")
 
     def paged_decode(self, query, key_cache, value_cache, block_tables, seq_lens, scale):
         fn = self._kernel("decode", query, key_cache, value_cache)

@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -383,6 +384,27 @@ struct Prefill {
 
 // Returns 0, or 1 + the index of a sequence whose seq_len or block ids are out of range.
 extern "C" {
+
+// K/V write (reshape_and_cache): token t's Hkv heads (D elements each, contiguous, rows `stride`
+// elements apart) go to slot s = slots[t] of the [num_blocks, Hkv, bs, D] caches: block s / bs,
+// offset s % bs; s < 0 is padding. One call per layer instead of ~10 torch ops computing row
+// indices for index_copy_. Returns 0, or 1 + the first token whose slot is past the cache.
+int minipaged_write_kv(const char* key, int64_t key_stride, const char* value, int64_t value_stride,
+                       const int64_t* slots, int T, char* key_cache, char* value_cache,
+                       int64_t num_blocks, int Hkv, int bs, int D, int elem) {
+  const int64_t row = int64_t(D) * elem;
+  for (int t = 0; t < T; ++t) {
+    const int64_t s = slots[t];
+    if (s < 0) continue;
+    if (s >= num_blocks * bs) return t + 1;
+    const int64_t base = ((s / bs) * Hkv * bs + s % bs) * row;  // head 0 of this slot
+    for (int h = 0; h < Hkv; ++h) {
+      std::memcpy(key_cache + base + int64_t(h) * bs * row, key + (t * key_stride + int64_t(h) * D) * elem, row);
+      std::memcpy(value_cache + base + int64_t(h) * bs * row, value + (t * value_stride + int64_t(h) * D) * elem, row);
+    }
+  }
+  return 0;
+}
 
 int minipaged_paged_decode_f32(const float* query, const float* key_cache, const float* value_cache,
                                int num_blocks, const int32_t* block_tables, int max_blocks,

@@ -101,6 +101,9 @@ def load_library() -> ctypes.CDLL | None:
         for fn in (lib.minipaged_qk_norm_rope_f32, lib.minipaged_silu_mul_f32, lib.minipaged_linear_bf16w_f32):
             fn.restype = None
         lib.minipaged_bf16w_available.restype = I
+        L = ctypes.c_int64
+        lib.minipaged_write_kv.argtypes = [P, L, P, L, P, I, P, P, L, I, I, I, I]
+        lib.minipaged_write_kv.restype = I
         _lib = lib
         return _lib
 

@@ -30,6 +30,14 @@
 
 namespace {
 
+// The widest vector register: the prefill tiles below keep kRowBlock (kPvRows x 2) vectors of
+// accumulators, which must fit in the 16 registers that AVX2 has, next to the operands.
+#if defined(__AVX512F__)
+constexpr int kVectorBytes = 64;
+#else
+constexpr int kVectorBytes = 32;
+#endif
+
 // Blocks sit anywhere in the cache, so the hardware prefetcher cannot see the next one coming;
 // asking for it a couple of blocks ahead hides most of the memory latency (~25% faster here).
 constexpr int kPrefetchBlocks = 2;
@@ -188,7 +196,7 @@ int paged_prefill(const T* query, const T* key_cache, const T* value_cache, int 
     if (q_lens[s] < 1 || q_lens[s] > seq_lens[s] || q_starts[s] < 0 ||
         int64_t(q_starts[s]) + q_lens[s] > num_tokens)
       return s + 1;
-  constexpr int kLanes = 64 / sizeof(T);   // positions per GEMM column block: one vector
+  constexpr int kLanes = kVectorBytes / sizeof(T);  // positions per GEMM column block: one vector
   constexpr int kRowBlock = 8;             // score rows whose accumulators live in registers
   constexpr int kTileRows = 16;            // query rows (tokens x heads) scored together
   constexpr int kPvRows = 4;               // output rows whose accumulators live in registers

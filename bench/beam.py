@@ -13,9 +13,11 @@ vLLM runs in its own venv as a subprocess (bench/vllm_beam.py), bound to cores 0
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -80,11 +82,14 @@ class VllmBeams(VllmAnchor):
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen([python, os.path.join(ROOT, "bench", "vllm_beam.py"), ckpt, pf,
                                       str(new_tokens), str(block_size)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self.log, text=True, cwd=workdir, env=env)
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True, cwd=workdir, env=env,
+                                     start_new_session=True)  # one group: paused and killed as one
+        atexit.register(self.kill)
         ready = self._read()
         self.version, self.startup_s = ready["version"], ready["startup_s"]
 
     def run(self, k: int) -> dict:
+        self._signal(signal.SIGCONT)
         self.proc.stdin.write(f"run {k}\n")
         self.proc.stdin.flush()
         return self._read()
@@ -115,6 +120,8 @@ def main():
                                            for p in workload(2, seed=1)]))
             for _ in range(args.repeat):
                 for k in args.widths:
+                    if vllm is not None:
+                        vllm.pause()     # its idle worker polls on a whole core (bench/e2e.py)
                     ours = run_ours(c, prompts, k, args.new_tokens, args.block_size)
                     theirs = vllm.run(k) if vllm is not None else None
                     rows.append((k, ours, theirs))

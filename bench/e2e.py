@@ -36,10 +36,12 @@ Installing the vLLM anchor (a separate venv, outside the repo; see README "Bench
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -147,7 +149,9 @@ class VllmAnchor:
         self.proc = subprocess.Popen(
             [python, os.path.join(ROOT, "bench", "vllm_offline.py"), model_path, prompts_file,
              str(new_tokens), str(block_size)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, cwd=workdir, env=env)
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, cwd=workdir, env=env,
+            start_new_session=True)   # its own process group: paused, resumed and killed as one
+        atexit.register(self.kill)
         ready = self._read()
         self.startup_s, self.version = time.perf_counter() - t0, ready["version"]  # incl. its warm-up
 
@@ -167,7 +171,24 @@ class VllmAnchor:
         raise RuntimeError(f"vLLM runner exited (code {self.proc.wait()}); its log: {self.log_path}\n"
                            + open(self.log_path).read()[-3000:])
 
+    def _signal(self, sig) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def pause(self) -> None:
+        """Stop vLLM's processes while other rows run: its idle CPU worker polls its message queue
+        on a whole core (measured: 100% CPU between runs), which would take a core from them."""
+        self._signal(signal.SIGSTOP)
+
+    def kill(self) -> None:
+        """Every process of the runner's group (vLLM's engine and worker outlive a killed parent)."""
+        self._signal(signal.SIGCONT)
+        self._signal(signal.SIGKILL)
+
     def run(self, prompts=None, new_tokens: int = 0) -> dict:
+        self._signal(signal.SIGCONT)
         cmd = f"run {self.prompts_file(prompts)} {new_tokens}\n" if prompts is not None else "run\n"
         self.proc.stdin.write(cmd)
         self.proc.stdin.flush()
@@ -184,6 +205,7 @@ class VllmAnchor:
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait()
+        self.kill()
         self.log.close()
 
 
@@ -354,6 +376,8 @@ def main():
             for w, (prompts, new) in loads.items():
                 for _ in range(repeat):
                     if i == 0:  # ours alternate with the first (equal-cores) anchor's runs
+                        if anchor is not None:
+                            anchor.pause()
                         for name, cluster in ours.items():
                             note(w, name, run_system(ckpt, prompts, new, kv_bytes=kv_bytes, **cluster))
                     if anchor is not None:

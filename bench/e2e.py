@@ -6,7 +6,9 @@ Workload (issues 4 and 12): a random Qwen3 of the embedded `tiny` shape (vocab 5
 temporary directory that every system loads; 64 prompts of 16-512 random ids (fixed seed), 64 new
 tokens each, greedy, EOS ignored; each system warmed up on other prompts first.
 
-Rows, alternated `--repeat` times so that the machine's noise falls on all of them alike:
+Rows, alternated `--repeat` times so that the machine's noise falls on all of them alike (vLLM's
+processes paused while ours run: its idle CPU worker polls on a whole core; `--ours-first` runs
+ours before starting vLLM at all, for a checkpoint whose two copies do not fit in RAM together):
   - this system through LocalCluster (metadata service + worker processes, gRPC on loopback): 1
     worker with LocalCluster's default thread count and with worker.model_runner's recommended one
     (cores - 1, vLLM's choice), 2 pipeline stages, 2 replicas; each repetition on a fresh cluster
@@ -311,10 +313,13 @@ def main():
     ap.add_argument("--kv-gib", type=float, default=0.0, help="K/V space for us and vLLM (GiB; default: 1 "
                     "for tiny, 2 for real shapes, where a block holds ~100x the bytes)")
     ap.add_argument("--threads", type=int, default=0, help="our worker's torch threads (default: LocalCluster's)")
+    ap.add_argument("--ours-first", action="store_true", help="run every row of ours before starting vLLM, "
+                    "instead of alternating with it (when RAM holds only one system at a time: the 1.7B shape)")
     ap.add_argument("--skip-two-workers", action="store_true", help="no 2-stage / 2-replica rows")
     ap.add_argument("--skip-hf", action="store_true", help="no transformers rows at all")
     ap.add_argument("--skip-hf-per-prompt", action="store_true")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that atexit stops vLLM's processes too
     torch.manual_seed(0)
     workdir = tempfile.mkdtemp(prefix="minipaged-e2e-")
     tiny = args.model == "tiny"
@@ -365,6 +370,11 @@ def main():
         print(f"[{time.strftime('%H:%M:%S')}] {w}: {name}: {tps(r):.2f} tok/s, start-up "
               f"{r.get('startup') or 0:.0f} s, load average {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
 
+    if args.ours_first:  # no vLLM process alive while ours run: the memory of only one system at a time
+        for w, (prompts, new) in loads.items():
+            for _ in range(repeat):
+                for name, cluster in ours.items():
+                    note(w, name, run_system(ckpt, prompts, new, kv_bytes=kv_bytes, **cluster))
     for i, (aname, env) in enumerate(anchors or [(None, None)]):
         anchor = None
         try:
@@ -375,7 +385,7 @@ def main():
                 version = anchor.version
             for w, (prompts, new) in loads.items():
                 for _ in range(repeat):
-                    if i == 0:  # ours alternate with the first (equal-cores) anchor's runs
+                    if i == 0 and not args.ours_first:  # ours alternate with the first (equal-cores) anchor's runs
                         if anchor is not None:
                             anchor.pause()
                         for name, cluster in ours.items():

@@ -22,12 +22,14 @@ import time
 
 import numpy as np
 
+from minipaged.constants import STEP_MAX_TOP_LOGPROBS
+
 from .block_manager import OutOfBlocksError
 from .beam_scorer import BeamScorer, Hypothesis, candidates_per_beam
 from .sequence import SeqEvent, Sequence, SeqStatus
 
 MAX_BEAM_WIDTH = 16             # K; the worker returns at most 64 alternatives per row
-MAX_BEAM_CANDIDATES = 64        # = worker/validation.py MAX_TOP_LOGPROBS
+MAX_BEAM_CANDIDATES = STEP_MAX_TOP_LOGPROBS   # a beam step's candidates are one Step's alternatives per row
 
 
 def beam_eos(params, engine) -> set[int]:

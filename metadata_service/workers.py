@@ -18,14 +18,14 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from minipaged.constants import grpc_options, kv_bytes_per_block
 from minipaged.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("metadata_service.workers")
 
-GRPC_OPTIONS = [("grpc.max_send_message_length", 256 << 20),
-                ("grpc.max_receive_message_length", 256 << 20)]
+GRPC_OPTIONS = grpc_options()
 # Our servers: the same caps, and a port already taken is a start error, never a shared port.
-SERVER_OPTIONS = GRPC_OPTIONS + [("grpc.so_reuseport", 0)]
+SERVER_OPTIONS = grpc_options(so_reuseport=0)
 
 
 def clip(text: str, limit: int = 64) -> str:
@@ -52,7 +52,7 @@ class WorkerHandle:
     def block_bytes(self, block_size: int) -> int:
         """K and V of one block over this worker's layers."""
         i = self.info
-        return 2 * (i.layer_end - i.layer_start) * i.num_kv_heads * block_size * i.head_dim * i.dtype_bytes
+        return kv_bytes_per_block(i.layer_end - i.layer_start, i.num_kv_heads, i.head_dim, block_size, i.dtype_bytes)
 
     def capacity_blocks(self, block_size: int) -> int:
         i = self.info

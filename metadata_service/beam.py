@@ -58,7 +58,6 @@ class BeamGroup:
         self.hypotheses: list[Hypothesis] = []
         self.lock = threading.Lock()
         self.aborted = self.closing = self.requeue = False
-        self.forks = self.drops = 0
         self._choice_seqs: list[Sequence] = []
 
     # ------------------------------------------------------------------ the chain's thread
@@ -90,7 +89,6 @@ class BeamGroup:
         for i, b in enumerate(beams):   # dropped beams first: their blocks may serve the forks' copies
             if i not in used:
                 self._retire(chain, b)
-                self.drops += 1
         seen: set[int] = set()
         new_live = []
         for pk in picks:                 # forks before appends: a fork copies its parent as it is now
@@ -120,7 +118,6 @@ class BeamGroup:
         c.num_cached_tokens = p.num_cached_tokens
         sched, mgr = chain.scheduler, chain.manager
         self.members.append(c)
-        self.forks += 1
         if p.status is SeqStatus.RUNNING and p.seq_id in mgr.sequences:
             try:
                 sched.copies += mgr.fork(p.seq_id, c.seq_id)

@@ -87,7 +87,6 @@ class WorkerRegistry:
         # worker_id -> why: stages of a chain that missed its step deadline; none joins a chain until
         # its Health says it is idle (the engine polls), so a hung device is not handed new work
         self.quarantined: dict[str, str] = {}
-        self.version = 0                              # bumped on every change: the engine re-forms
 
     def register(self, info: worker_pb2.WorkerInfo) -> WorkerHandle:
         if not info.address or info.layer_end <= info.layer_start or info.layer_start < 0 \
@@ -117,7 +116,6 @@ class WorkerRegistry:
             handle = WorkerHandle(worker_id=uuid.uuid4().hex[:12], info=info)
             self.workers[handle.worker_id] = handle
             self.last_refusal = ""  # a worker joined: an old refusal explains nothing any more
-            self.version += 1
         log.info("worker %s registered: layers [%d, %d) of %s", info.address, info.layer_start,
                  info.layer_end, info.model_name)
         return handle
@@ -145,7 +143,6 @@ class WorkerRegistry:
                 if w is not None:
                     log.warning("worker %s dropped", w.address)
                     w.close()
-                    self.version += 1
 
     def deregister(self, worker_id: str) -> bool:
         """A worker stopping cleanly: gone now, not after its lease runs out."""
@@ -155,7 +152,6 @@ class WorkerRegistry:
             if w is None:
                 return False
             w.close()
-            self.version += 1
         log.info("worker %s deregistered (stopped cleanly)", w.address)
         return True
 

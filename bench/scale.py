@@ -206,7 +206,8 @@ def bench_wire(args):
                 sch.step_done(b)
                 for s, d in zip(b.seqs, b.do_sample.tolist()):
                     if d:
-                        s.append_output(9)
+                        s.output_token_ids.append(9)
+                        s.num_tokens += 1
             times, sizes = [], []
             for _ in range(args.wire_steps):
                 t0 = time.perf_counter()

@@ -1,6 +1,6 @@
 """What travels between the SDK and the service, on the client's side: result types, request
 building from keyword arguments, and decoding of replies and job progress. Shared by `Client`,
-`AsyncClient` and the CLI. Only grpc, the generated code and minipaged.wire are imported here."""
+`AsyncClient` and the CLI. Only grpc, the generated code and minipaged helpers (wire, constants) are imported here."""
 from __future__ import annotations
 
 import json
@@ -11,13 +11,12 @@ from typing import Sequence
 import numpy as np
 
 from minipaged import wire
+from minipaged.constants import MAX_MESSAGE_BYTES, grpc_options  # noqa: F401 (MAX_MESSAGE_BYTES: client's API)
 from minipaged.v1 import metadata_pb2 as pb
 
 from .errors import InvalidArgument
 
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+CHANNEL_OPTIONS = grpc_options()
 TERMINAL_STATES = ("done", "cancelled", "failed")
 # Keys a generate() call / a submit() item may carry (timeout is per call, not per request).
 REQUEST_KEYS = ("prompt", "prompt_token_ids", "max_new_tokens", "temperature", "top_p", "top_k",

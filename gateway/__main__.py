@@ -11,6 +11,9 @@ import uvicorn
 
 from minipaged.cli import prog_name
 
+from .reasoning import DEFAULT_PARSER, PARSERS
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog_name("gateway"), description=__doc__,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -29,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="the name in /v1/models instead of --model")
     p.add_argument("--default-max-tokens", type=int, default=256,
                    help="max_tokens of chat requests that give none (capped by the model's context)")
-    p.add_argument("--reasoning-parser", default="qwen3", choices=["qwen3", "none"],
+    p.add_argument("--reasoning-parser", default=DEFAULT_PARSER, choices=PARSERS,
                    help="qwen3: a Qwen3 template's <think>...</think> goes to message.reasoning (and "
                         "reasoning_content), the rest to content; none: all text in content")
     p.add_argument("--tls-ca", default="", help="CA of the metadata service's certificate: talk TLS to it")

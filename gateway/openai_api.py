@@ -14,11 +14,11 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from client.messages import StreamChunk, Usage
+from minipaged.constants import OPENAI_MAX_TOP_LOGPROBS
 
 from .errors import bad_request
 from .structured import structured_kwargs
 
-MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default --max-logprobs
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's; others are a 400
 
@@ -158,8 +158,8 @@ def completion_prompts(req: CompletionRequest) -> list[dict]:
 def completion_kwargs(req: CompletionRequest) -> dict:
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix")
-    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
-        raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}", "logprobs")
+    if req.logprobs is not None and not 0 <= req.logprobs <= OPENAI_MAX_TOP_LOGPROBS:
+        raise bad_request(f"logprobs must be in [0, {OPENAI_MAX_TOP_LOGPROBS}], got {req.logprobs}", "logprobs")
     kw = sampling_kwargs(req, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
     if req.logprobs is not None:
         kw["logprobs"] = req.logprobs
@@ -195,8 +195,8 @@ def chat_kwargs(req: ChatCompletionRequest, default_max_tokens: int) -> dict:
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
-            raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
+        if not 0 <= req.top_logprobs <= OPENAI_MAX_TOP_LOGPROBS:
+            raise bad_request(f"top_logprobs must be in [0, {OPENAI_MAX_TOP_LOGPROBS}], got {req.top_logprobs}",
                               "top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     kw = sampling_kwargs(req, max_tokens, default_max_tokens)

@@ -22,7 +22,6 @@ from .errors import bad_request
 from .reasoning import _partial_tail
 
 START, END = "<tool_call>", "</tool_call>"
-MODES = ("none", "auto", "required", "named")
 
 
 def call_id() -> str:

@@ -22,12 +22,14 @@ import time
 
 import numpy as np
 
+from minipaged.constants import STEP_MAX_TOP_LOGPROBS
+
 from .block_manager import OutOfBlocksError
 from .beam_scorer import BeamScorer, Hypothesis, candidates_per_beam
 from .sequence import SeqEvent, Sequence, SeqStatus
 
 MAX_BEAM_WIDTH = 16             # K; the worker returns at most 64 alternatives per row
-MAX_BEAM_CANDIDATES = 64        # = worker/validation.py MAX_TOP_LOGPROBS
+MAX_BEAM_CANDIDATES = STEP_MAX_TOP_LOGPROBS   # a beam step's candidates are one Step's alternatives per row
 
 
 def beam_eos(params, engine) -> set[int]:
@@ -56,7 +58,6 @@ class BeamGroup:
         self.hypotheses: list[Hypothesis] = []
         self.lock = threading.Lock()
         self.aborted = self.closing = self.requeue = False
-        self.forks = self.drops = 0
         self._choice_seqs: list[Sequence] = []
 
     # ------------------------------------------------------------------ the chain's thread
@@ -88,7 +89,6 @@ class BeamGroup:
         for i, b in enumerate(beams):   # dropped beams first: their blocks may serve the forks' copies
             if i not in used:
                 self._retire(chain, b)
-                self.drops += 1
         seen: set[int] = set()
         new_live = []
         for pk in picks:                 # forks before appends: a fork copies its parent as it is now
@@ -118,7 +118,6 @@ class BeamGroup:
         c.num_cached_tokens = p.num_cached_tokens
         sched, mgr = chain.scheduler, chain.manager
         self.members.append(c)
-        self.forks += 1
         if p.status is SeqStatus.RUNNING and p.seq_id in mgr.sequences:
             try:
                 sched.copies += mgr.fork(p.seq_id, c.seq_id)

@@ -91,7 +91,6 @@ class Engine:
         self._grammars = None                      # (model key, Grammars): structured outputs
         self._grammars_lock = threading.Lock()
         self.prompt_tokens = 0
-        self.lost_chains = 0
         self.max_pool_blocks = 0                   # the largest chain pool seen (admission bound)
         self._quarantine_polled = 0.0
         # the pool the block API serves (and Stats reports) before any chain exists
@@ -218,7 +217,6 @@ class Engine:
         with self.route_lock:
             self.chains.pop(chain.chain_id, None)
             self.router.remove_chain(chain.chain_id)
-            self.lost_chains += 1
             for s in seqs:
                 s.chain = None
         self._events.put(("lost", chain))

@@ -28,7 +28,6 @@ import numpy as np
 
 from minipaged.tokenizer import ByteTokenizer
 
-KINDS = ("json_schema", "json_object", "regex", "choice")
 MAX_SPEC_CHARS = 1 << 20          # a schema / regex / choice list larger than this is refused
 MAX_CHOICES = 1024
 
@@ -50,7 +49,7 @@ def _xgr():
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    kind: str       # one of KINDS
+    kind: str       # "json_schema", "json_object", "regex" or "choice"
     text: str       # the schema as JSON, the regex, or the choices as a JSON list
 
 

@@ -14,13 +14,13 @@ from __future__ import annotations
 import threading
 from dataclasses import replace
 
-from .sequence import SeqEvent, Sequence, SeqStatus
+from minipaged.rng import GOLDEN_GAMMA
 
-_GOLDEN = 0x9E3779B97F4A7C15
+from .sequence import SeqEvent, Sequence, SeqStatus
 
 
 def choice_seed(seed: int, i: int) -> int:
-    return seed if i == 0 else (seed ^ (_GOLDEN * i)) & (2**63 - 1)
+    return seed if i == 0 else (seed ^ (GOLDEN_GAMMA * i)) & (2**63 - 1)
 
 
 class SequenceGroup:

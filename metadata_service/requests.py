@@ -12,6 +12,7 @@ import grpc
 from minipaged.v1 import metadata_pb2
 import numpy as np
 
+from minipaged.constants import OPENAI_MAX_TOP_LOGPROBS
 from minipaged.wire import FLOAT32, INT32, WireError, pack, unpack
 
 from .grammar import GrammarError, new_matcher, spec_of
@@ -23,7 +24,6 @@ from .stop import StopChecker
 
 
 MAX_CHOICES = 16          # n and best_of
-MAX_TOP_LOGPROBS = 20     # OpenAI's limit for alternatives per token
 
 
 class RequestError(Exception):
@@ -64,8 +64,8 @@ def normalize(req: metadata_pb2.GenerateRequest, engine) -> metadata_pb2.Generat
     plp = req.HasField("prompt_logprobs")
     if req.max_new_tokens < (0 if plp else 1):
         raise RequestError(bad, f"max_new_tokens must be >= 1 (0 only with prompt_logprobs), got {req.max_new_tokens}")
-    if plp and not 0 <= req.prompt_logprobs <= MAX_TOP_LOGPROBS:
-        raise RequestError(bad, f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.prompt_logprobs}")
+    if plp and not 0 <= req.prompt_logprobs <= OPENAI_MAX_TOP_LOGPROBS:
+        raise RequestError(bad, f"prompt_logprobs must be in [0, {OPENAI_MAX_TOP_LOGPROBS}], got {req.prompt_logprobs}")
     if plp and req.max_new_tokens == 0 and (max(1, req.n) > 1 or req.best_of > 1):
         raise RequestError(bad, "max_new_tokens = 0 returns the prompt only: n and best_of must be 1")
     if not math.isfinite(req.temperature) or req.temperature < 0:
@@ -88,8 +88,8 @@ def normalize(req: metadata_pb2.GenerateRequest, engine) -> metadata_pb2.Generat
         v = getattr(req, name)
         if not math.isfinite(v) or not -2.0 <= v <= 2.0:
             raise RequestError(bad, f"{name} must be in [-2, 2], got {v}")
-    if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
-        raise RequestError(bad, f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}")
+    if not 0 <= req.top_logprobs <= OPENAI_MAX_TOP_LOGPROBS:
+        raise RequestError(bad, f"top_logprobs must be in [0, {OPENAI_MAX_TOP_LOGPROBS}], got {req.top_logprobs}")
     if len(req.stop) > 16 or any(len(s) > 256 for s in req.stop):
         raise RequestError(bad, "at most 16 stop strings of at most 256 characters each")
     _check_beams(req, engine)

@@ -111,6 +111,3 @@ class Router:
         if c is not None:
             c.blocks = max(0.0, c.blocks - load)
             c.sequences = max(0, c.sequences - 1)
-
-    def loads(self) -> dict[int, tuple[float, int]]:
-        return {cid: (c.blocks, c.sequences) for cid, c in self._chains.items()}

@@ -124,10 +124,6 @@ class Sequence:
     def last_token(self) -> int:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
-    def append_output(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
-        self.num_tokens += 1
-
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)

@@ -18,14 +18,14 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from minipaged.constants import grpc_options, kv_bytes_per_block
 from minipaged.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("metadata_service.workers")
 
-GRPC_OPTIONS = [("grpc.max_send_message_length", 256 << 20),
-                ("grpc.max_receive_message_length", 256 << 20)]
+GRPC_OPTIONS = grpc_options()
 # Our servers: the same caps, and a port already taken is a start error, never a shared port.
-SERVER_OPTIONS = GRPC_OPTIONS + [("grpc.so_reuseport", 0)]
+SERVER_OPTIONS = grpc_options(so_reuseport=0)
 
 
 def clip(text: str, limit: int = 64) -> str:
@@ -52,7 +52,7 @@ class WorkerHandle:
     def block_bytes(self, block_size: int) -> int:
         """K and V of one block over this worker's layers."""
         i = self.info
-        return 2 * (i.layer_end - i.layer_start) * i.num_kv_heads * block_size * i.head_dim * i.dtype_bytes
+        return kv_bytes_per_block(i.layer_end - i.layer_start, i.num_kv_heads, i.head_dim, block_size, i.dtype_bytes)
 
     def capacity_blocks(self, block_size: int) -> int:
         i = self.info
@@ -87,7 +87,6 @@ class WorkerRegistry:
         # worker_id -> why: stages of a chain that missed its step deadline; none joins a chain until
         # its Health says it is idle (the engine polls), so a hung device is not handed new work
         self.quarantined: dict[str, str] = {}
-        self.version = 0                              # bumped on every change: the engine re-forms
 
     def register(self, info: worker_pb2.WorkerInfo) -> WorkerHandle:
         if not info.address or info.layer_end <= info.layer_start or info.layer_start < 0 \
@@ -117,7 +116,6 @@ class WorkerRegistry:
             handle = WorkerHandle(worker_id=uuid.uuid4().hex[:12], info=info)
             self.workers[handle.worker_id] = handle
             self.last_refusal = ""  # a worker joined: an old refusal explains nothing any more
-            self.version += 1
         log.info("worker %s registered: layers [%d, %d) of %s", info.address, info.layer_start,
                  info.layer_end, info.model_name)
         return handle
@@ -145,7 +143,6 @@ class WorkerRegistry:
                 if w is not None:
                     log.warning("worker %s dropped", w.address)
                     w.close()
-                    self.version += 1
 
     def deregister(self, worker_id: str) -> bool:
         """A worker stopping cleanly: gone now, not after its lease runs out."""
@@ -155,7 +152,6 @@ class WorkerRegistry:
             if w is None:
                 return False
             w.close()
-            self.version += 1
         log.info("worker %s deregistered (stopped cleanly)", w.address)
         return True
 

@@ -82,7 +82,8 @@ def apply(sch, b, token=7):
     sch.step_done(b)
     for s, g, d in zip(b.seqs, b.gens, b.do_sample):
         if d and s.gen == g and s.status is not SeqStatus.FINISHED:
-            s.append_output(token)
+            s.output_token_ids.append(token)   # as the chain applies a sampled token
+            s.num_tokens += 1
             if s.deferred:
                 sch.manager.fill_tokens([s.seq_id], [token])
                 s.deferred = False

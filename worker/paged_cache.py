@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from minipaged.constants import kv_bytes_per_block
+
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
            "float16": torch.float16}
 
@@ -25,9 +27,10 @@ def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 def bytes_per_block(num_layers: int, num_kv_heads: int, block_size: int, head_dim: int,
                     dtype: torch.dtype | str) -> int:
-    """K and V, every layer of the stage."""
+    """K and V, every layer of the stage (minipaged.constants.kv_bytes_per_block, which the
+    metadata service uses too, for a torch dtype or its name)."""
     itemsize = torch.empty((), dtype=as_dtype(dtype)).element_size()
-    return 2 * num_layers * num_kv_heads * block_size * head_dim * itemsize
+    return kv_bytes_per_block(num_layers, num_kv_heads, head_dim, block_size, itemsize)
 
 
 def blocks_for_budget(budget_bytes: int, num_layers: int, num_kv_heads: int, block_size: int,

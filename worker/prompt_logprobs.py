@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from minipaged import wire
+from minipaged.constants import OPENAI_MAX_TOP_LOGPROBS
 
-MAX_PROMPT_TOP_LOGPROBS = 20          # as for sampled tokens (worker/validation.py MAX_TOP_LOGPROBS)
 CHUNK_BYTES = 64 * 1024 * 1024        # logits held at once per chunk (about 110 rows at vocab 151,936)
 
 
@@ -44,9 +44,9 @@ def parse(req, qsl: np.ndarray, vocab: int) -> PromptRows | None:
                           count=int(counts.sum())).astype(np.int64)
     if targets.size and (targets.min() < 0 or targets.max() >= vocab):
         raise ValueError(f"prompt_logprob_targets must be in [0, {vocab})")
-    if not 0 <= req.prompt_top_logprobs <= MAX_PROMPT_TOP_LOGPROBS:
+    if not 0 <= req.prompt_top_logprobs <= OPENAI_MAX_TOP_LOGPROBS:
         raise ValueError(f"prompt_top_logprobs = {req.prompt_top_logprobs} must be in "
-                         f"[0, {MAX_PROMPT_TOP_LOGPROBS}]")
+                         f"[0, {OPENAI_MAX_TOP_LOGPROBS}]")
     # row r of sequence b is qsl[b] + r: the leading rows of each sequence's query
     first = np.repeat(qsl[:-1].astype(np.int64), counts)
     within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)

@@ -10,22 +10,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-_MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
-
-
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):
-        x = (x + np.uint64(0x9E3779B97F4A7C15)) & _MASK64
-        x = ((x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & _MASK64
-        x = ((x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & _MASK64
-        return x ^ (x >> np.uint64(31))
+from minipaged.rng import splitmix64
 
 
 def uniform_for(seeds, offsets) -> np.ndarray:
     """float64 in [0, 1), a pure function of (seed, offset)."""
     seeds = np.asarray(seeds, dtype=np.int64).astype(np.uint64)
     offsets = np.asarray(offsets, dtype=np.int64).astype(np.uint64)
-    z = _splitmix64(_splitmix64(seeds) ^ offsets)
+    z = splitmix64(splitmix64(seeds) ^ offsets)
     return (z >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 

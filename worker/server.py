@@ -35,6 +35,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from minipaged import wire
+from minipaged.constants import DTYPE_BYTES, grpc_options
 from minipaged.rpc import DecodeGuardInterceptor
 from minipaged.tls import add_port
 from minipaged.v1 import worker_pb2 as pb
@@ -48,12 +49,8 @@ from worker.step_state import SequenceStore
 from worker.validation import StepLimits, StepPrecondition, StepValidationError, validate_step
 
 log = logging.getLogger("worker.server")
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # a long prefill's hidden states fit with room to spare
-GRPC_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.so_reuseport", 0)]  # a second process on a taken port must fail, not share it
+GRPC_OPTIONS = grpc_options(so_reuseport=0)  # a second process on a taken port must fail, not share it
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WorkerService"].full_name
-DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 PLACEHOLDER_WAIT_S = 30.0
 
 

@@ -37,8 +37,8 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 
 from minipaged.config import ModelConfig, load_model_config
-
-DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
+from minipaged.constants import DTYPE_BYTES, kv_bytes_per_block
+from minipaged.rng import splitmix64
 
 
 @dataclass
@@ -83,7 +83,8 @@ class TimingModel:
         self.head_params = c.vocab_size * c.hidden_size if self.is_last else 0
         self.embed_params = c.vocab_size * c.hidden_size if self.is_first else 0
         self.weight_bytes = (self.layers * self.params_layer + self.head_params + self.embed_params) * b
-        self.kv_tok = 2 * c.num_key_value_heads * c.head_dim * b
+        self.kv_heads, self.head_dim = c.num_key_value_heads, c.head_dim
+        self.kv_tok = kv_bytes_per_block(1, c.num_key_value_heads, c.head_dim, 1, b)   # one layer, one token
         self.attn_flops = 4 * c.num_attention_heads * c.head_dim
         self.hidden, self.vocab, self.bytes = c.hidden_size, c.vocab_size, b
 
@@ -126,17 +127,6 @@ class SimHidden:
     payload: bytes | None = None   # the bytes received from the previous stage (passed on as they are)
 
 
-_MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
-
-
-def _mix(x: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):
-        x = (x + np.uint64(0x9E3779B97F4A7C15)) & _MASK
-        x = ((x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & _MASK
-        x = ((x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & _MASK
-        return x ^ (x >> np.uint64(31))
-
-
 class SimRunner:
     supports_extras = True  # penalties and the like only change which token: the hash ignores them
 
@@ -161,7 +151,8 @@ class SimRunner:
         self._zeros = b""
 
     def kv_bytes_per_block(self, block_size: int) -> int:
-        return self.timing.layers * self.timing.kv_tok * block_size
+        t = self.timing
+        return kv_bytes_per_block(t.layers, t.kv_heads, t.head_dim, block_size, t.bytes)
 
     def init_cache(self, num_blocks: int, block_size: int):
         self.kv_cache = _NoCache()   # nothing is allocated: the capacity is only bookkeeping
@@ -205,7 +196,8 @@ class SimRunner:
         toks = np.asarray(hidden.input_ids, dtype=np.int64)[rows]
         pos = np.asarray(hidden.positions, dtype=np.int64)[rows] if hidden.positions is not None else rows
         seed = np.where(np.asarray(temperature)[mask] > 0, np.asarray(seeds, dtype=np.int64)[mask], 0)
-        h = _mix(_mix(seed.astype(np.uint64)) ^ _mix(pos.astype(np.uint64) * np.uint64(1 << 20) + toks.astype(np.uint64)))
+        h = splitmix64(splitmix64(seed.astype(np.uint64))
+                       ^ splitmix64(pos.astype(np.uint64) * np.uint64(1 << 20) + toks.astype(np.uint64)))
         ids = (h % np.uint64(self.config.vocab_size)).astype(np.int64)
         for _ in range(len(self.eos)):  # step over EOS ids so simulated outputs run to their length
             ids = np.where(np.isin(ids, self.eos), (ids + 1) % self.config.vocab_size, ids)

@@ -13,12 +13,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from minipaged import wire
+from minipaged.constants import DTYPE_BYTES, STEP_MAX_TOP_LOGPROBS
 from minipaged.wire import WireError
 from worker.prompt_logprobs import PromptRows, parse as parse_prompt_rows
 from worker.step_state import SequenceStore, StepPrecondition  # noqa: F401 (re-exported)
 
-# Element sizes of the hidden-state dtypes a previous stage may send (bfloat16 has no numpy dtype).
-HIDDEN_DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 
 
 class StepValidationError(ValueError):
@@ -94,9 +93,6 @@ def _range(name: str, arr: np.ndarray, lo, hi_excl) -> None:
         _fail(f"{name}[{', '.join(map(str, idx))}] = {arr[idx]} is out of range [{lo}, {hi_excl})")
 
 
-MAX_TOP_LOGPROBS = 64   # alternatives per row: OpenAI allows 20; beam search needs (1 + #EOS) x K
-
-
 def validate_step(req, lim: StepLimits, store: SequenceStore | None = None,
                   placeholder_timeout_s: float = 30.0, hidden: bytes | None = None) -> StepArrays:
     """Decode and check a StepRequest against this worker's limits (and, for delta tables and
@@ -140,9 +136,9 @@ def _validate(req, lim: StepLimits, store, placeholder_timeout_s, hidden_bytes=N
             input_ids, placeholders = _resolve_placeholders(input_ids, qsl, seq_ids, store, placeholder_timeout_s)
         _range("input_ids", input_ids, 0, lim.vocab_size)
     else:
-        itemsize = HIDDEN_DTYPE_BYTES.get(req.hidden_dtype)
+        itemsize = DTYPE_BYTES.get(req.hidden_dtype)
         if itemsize is None:
-            _fail(f"hidden_dtype {req.hidden_dtype!r} is not one of {sorted(HIDDEN_DTYPE_BYTES)}")
+            _fail(f"hidden_dtype {req.hidden_dtype!r} is not one of {sorted(DTYPE_BYTES)}")
         want = T * lim.hidden_size * itemsize
         # once: each access of a bytes field copies it (or given apart: the TCP data link)
         hidden = req.hidden_states if hidden_bytes is None else hidden_bytes
@@ -272,8 +268,8 @@ def _extras(req, B: int, vocab: int, do_sample=None) -> SamplingExtras | None:
             x.grammar_bitmask = grammar_mask.check(x.grammar_rows, words, B, np.asarray(do_sample, dtype=bool), vocab)
         except ValueError as e:
             _fail(str(e))
-    if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
-        _fail(f"top_logprobs = {req.top_logprobs} must be in [0, {MAX_TOP_LOGPROBS}]")
+    if not 0 <= req.top_logprobs <= STEP_MAX_TOP_LOGPROBS:
+        _fail(f"top_logprobs = {req.top_logprobs} must be in [0, {STEP_MAX_TOP_LOGPROBS}]")
     x.top_logprobs = min(req.top_logprobs, vocab)
     if req.min_tokens_suppress:
         x.suppress = wire.unpack(req.min_tokens_suppress, wire.UINT8, name="min_tokens_suppress", count=B) > 0

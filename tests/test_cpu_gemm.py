@@ -39,6 +39,40 @@ def test_strided_and_batched_input():
     assert cpu_gemm.linear(torch.empty(0, 32), packed, 48).shape == (0, 48)
 
 
+def test_rows_of_reads_the_packed_table():
+    w = torch.randn(37, 24).bfloat16()
+    ids = torch.tensor([0, 36, 5, 16, 5])
+    assert torch.equal(cpu_gemm.rows_of(cpu_gemm.pack(w.float()), ids), w[ids])
+
+
+def test_stage_forward_same_with_and_without(monkeypatch):
+    """A bfloat16-valued model gives the same logits through the packed path as through oneDNN's
+    float32 GEMMs (to float32 rounding), on one stage and split in two (embedding and lm_head on
+    different stages)."""
+    from minipaged.config import load_model_config
+    from worker.model import Qwen3Stage
+    from worker.weights import tiny_state_dict
+    cfg = load_model_config("tiny")
+    sd = {k: v.bfloat16().float() for k, v in tiny_state_dict(cfg).items()}
+    ids = torch.tensor([3, 200, 17, 511])
+    ref = Qwen3Stage(cfg, 0, cfg.num_hidden_layers, torch.float32, "cpu")
+    ref.load_weights(sd)
+    want = ref.compute_logits(ref.embed_tokens(ids))
+    for split in (None, 2):
+        first = Qwen3Stage(cfg, 0, split or cfg.num_hidden_layers, torch.float32, "cpu")
+        first.load_weights(sd)
+        assert first.use_bf16_weights()
+        last = first
+        if split:
+            last = Qwen3Stage(cfg, split, cfg.num_hidden_layers, torch.float32, "cpu")
+            last.load_weights(sd)
+            assert last.use_bf16_weights() and first.embed_tokens.weight.dtype == torch.bfloat16
+        emb = (cpu_gemm.rows_of(first.embed_packed, ids) if first.embed_packed is not None
+               else first.embed_tokens(ids)).float()
+        torch.testing.assert_close(emb, ref.embed_tokens(ids), rtol=0, atol=0)
+        torch.testing.assert_close(last.compute_logits(emb), want, rtol=1e-5, atol=1e-5)
+
+
 def test_exactly_bf16():
     w = torch.randn(64, 64)
     assert not cpu_gemm.exactly_bf16(w)
@@ -56,7 +90,9 @@ def test_stage_uses_it_only_for_bf16_values_in_float32():
     assert not stage.use_bf16_weights()               # the tiny weights are not bfloat16 values
     stage.load_weights({k: v.bfloat16().float() for k, v in sd.items()})
     assert stage.use_bf16_weights()
-    assert stage.layers[0].mlp.down_proj.packed is not None and stage.lm_head.weight.dtype == torch.bfloat16
+    assert stage.layers[0].mlp.down_proj.packed is not None
+    assert stage.embed_packed is stage.lm_head.packed          # tied: one bfloat16 copy of the table
+    assert stage.lm_head.weight.numel() == stage.embed_tokens.weight.numel() == 0
     f64 = Qwen3Stage(cfg, 0, cfg.num_hidden_layers, torch.float64, "cpu")
     f64.load_weights({k: v.bfloat16().float() for k, v in sd.items()})
     assert not f64.use_bf16_weights()                 # the parity mode keeps its own GEMMs

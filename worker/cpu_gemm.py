@@ -12,9 +12,10 @@ Policy (Qwen3Stage.use_bf16_weights):
     oneDNN's blocked GEMM is ~15% faster than this kernel) and gains a packed bfloat16 copy for
     batches of at most SMALL_BATCH_ROWS rows (decode steps), where this kernel is 1.3-2.6x faster
     on this project's CPU (bench/results/profile-*.md has the table);
-  - the lm_head (and the embedding it is tied to) keeps only the bfloat16 copies: its input is
-    one row per sampling sequence, a small batch, and dropping its float32 copy pays for the layers'
-    second copy in memory;
+  - the lm_head keeps only its packed bfloat16 copy: its input is one row per sampling sequence, a
+    small batch, and dropping its float32 copy pays for half the layers' second copy in memory; a
+    tied embedding on the same stage reads its rows from those panels (rows_of), another stage's
+    embedding is kept as a bfloat16 table;
   - only when the checkpoint's values are exactly bfloat16 (a bfloat16 checkpoint computed in
     float32) and the CPU has AVX2 + FMA; MINIPAGED_BF16_WEIGHTS=0 switches it off. float64 (the
     parity mode) never uses it.
@@ -59,6 +60,12 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
             rows = torch.cat([rows, rows.new_zeros((p1 - p0) * PANEL - rows.shape[0], k)])
         out[p0:p1] = rows.view(p1 - p0, PANEL, k).transpose(1, 2)
     return out.view(torch.int16)
+
+
+def rows_of(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the [N, K] matrix that pack() packed, as bfloat16 [len(ids), K]: the embedding
+    lookup of a tied lm_head, read from its panels (so no second copy of the table is kept)."""
+    return packed.view(torch.bfloat16)[ids // PANEL, :, ids % PANEL]
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:

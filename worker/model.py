@@ -212,6 +212,8 @@ class Qwen3Stage(nn.Module):
     """Layers [layer_start, layer_end); embeddings on the first stage, final norm + lm_head on the
     last (which also holds the embedding matrix when the lm_head is tied to it)."""
 
+    embed_packed: torch.Tensor | None = None   # a tied embedding read from the lm_head's panels
+
     def __init__(self, config: ModelConfig, layer_start: int, layer_end: int,
                  dtype: torch.dtype | str, device: torch.device | str,
                  backend: AttentionBackend | str = "torch"):
@@ -310,8 +312,9 @@ class Qwen3Stage(nn.Module):
 
     def forward(self, batch: StepBatch, kv_cache: PagedKVCache,
                 hidden_states: torch.Tensor | None = None) -> torch.Tensor:
-        if self.is_first:
-            h = self.embed_tokens(batch.input_ids).to(self.dtype)  # a bfloat16 table: exact widening
+        if self.is_first:  # (bfloat16 rows widen exactly)
+            h = (self.embed_tokens(batch.input_ids) if self.embed_packed is None else
+                 cpu_gemm.rows_of(self.embed_packed, batch.input_ids)).to(self.dtype)
         else:
             if hidden_states is None:
                 raise ValueError(f"stage [{self.layer_start}, {self.layer_end}) needs hidden states")
@@ -342,14 +345,15 @@ class Qwen3Stage(nn.Module):
             m.packed, m.packed_rows = cpu_gemm.pack(m.weight), cpu_gemm.SMALL_BATCH_ROWS
             if m.bias is not None:
                 m.bias = nn.Parameter(m.bias.contiguous(), requires_grad=False)
-        if self.lm_head is not None:
+        empty = nn.Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)
+        tied = self.embed_tokens is not None and self.lm_head is not None and self.config.tie_word_embeddings
+        if self.lm_head is not None:     # the panels only: its float32 copy is never read again
             self.lm_head.packed, self.lm_head.packed_rows = cpu_gemm.pack(self.lm_head.weight), 1 << 62
-        if self.embed_tokens is not None:
+            self.lm_head.weight = empty
+        if tied:                         # the embedding's rows come from the same panels
+            self.embed_packed, self.embed_tokens.weight = self.lm_head.packed, empty
+        elif self.embed_tokens is not None:
             self.embed_tokens.weight = nn.Parameter(self.embed_tokens.weight.to(torch.bfloat16), requires_grad=False)
-        if self.lm_head is not None:     # its float32 copy is never read again (tied or not)
-            self.lm_head.weight = (self.embed_tokens.weight if self.embed_tokens is not None and
-                                   self.config.tie_word_embeddings else
-                                   nn.Parameter(self.lm_head.weight.to(torch.bfloat16), requires_grad=False))
         return True
 
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:

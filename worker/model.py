@@ -343,8 +343,6 @@ class Qwen3Stage(nn.Module):
             return False
         for m in layers:
             m.packed, m.packed_rows = cpu_gemm.pack(m.weight), cpu_gemm.SMALL_BATCH_ROWS
-            if m.bias is not None:
-                m.bias = nn.Parameter(m.bias.contiguous(), requires_grad=False)
         empty = nn.Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)
         tied = self.embed_tokens is not None and self.lm_head is not None and self.config.tie_word_embeddings
         if self.lm_head is not None:     # the panels only: its float32 copy is never read again

@@ -64,37 +64,73 @@ def cpu_percent(before, after, wall):
     return 100.0 * (after.metadata_cpu_seconds - before.metadata_cpu_seconds) / wall
 
 
+def proc_cpu_s(pid):
+    """User + system CPU seconds of a process, all its threads (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def timed_job(cluster, reqs):
+    """run_job plus host CPU per generated token: (tps, wall, before, after, service us/token,
+    worker us/token). The worker figure is each worker's CPU over the tokens that went through it
+    (a replica's worker sees its share, a stage sees every token of its chain), averaged."""
+    procs = cluster.processes
+    cpu0 = [proc_cpu_s(p.pid) for p in procs]
+    tps, wall, b, a = run_job(cluster, reqs)
+    cpu1 = [proc_cpu_s(p.pid) for p in procs]
+    tokens = tps * wall
+    per_worker_tokens = tokens / cluster.replicas
+    service_us = 1e6 * (cpu1[0] - cpu0[0]) / tokens
+    worker_us = [1e6 * (y - x) / per_worker_tokens for x, y in zip(cpu0[1:], cpu1[1:])]
+    return tps, wall, b, a, service_us, sum(worker_us) / len(worker_us)
+
+
+WORKLOADS = {"short": (64, 256, 128), "long": (512, 1536, 128)}   # prompt ids lo, hi; new tokens
+
+
 # ---------------------------------------------------------------- simulated
 def sim_cluster(stages=1, replicas=1, profile="h200", extra=()):
     return LocalCluster(model=CONFIG_8B, workers=stages, replicas=replicas, simulate=profile, dtype=None,
                         startup_timeout=300, extra_service_args=list(extra))
 
 
+def workload_title(name, args):
+    lo, hi, new = args.workloads[name]
+    return f"{name} prompts ({lo}-{hi} ids, {new} new)"
+
+
 def bench_replicas(args):
-    rows, base = [], None
-    for R in args.replicas:
-        with sim_cluster(replicas=R) as c:
-            run_job(c, requests(8 * R, 64, 128, 4, seed=99))          # warm-up
-            tps, wall, b, a = run_job(c, requests(args.per_worker * R, args.lo, args.hi, args.new, seed=R))
-        base = base or tps
-        rows.append((f"{R} replica{'s' if R > 1 else ''}", f"{tps:,.0f}", f"{tps / base:.2f}x",
-                     f"{cpu_percent(b, a, wall):.0f}%", f"{wall:.1f}"))
-    table("simulated H200 replicas (Qwen3-8B shape), R x the requests",
-          ("setup", "tok/s", "vs R=1", "metadata CPU", "wall s"), rows)
+    for name in args.prompts:
+        lo, hi, new = args.workloads[name]
+        rows, base = [], None
+        for R in args.replicas:
+            with sim_cluster(replicas=R) as c:
+                run_job(c, requests(8 * R, 64, 128, 4, seed=99))          # warm-up
+                tps, wall, b, a, svc_us, wrk_us = timed_job(c, requests(args.per_worker * R, lo, hi, new, seed=R))
+            base = base or tps
+            rows.append((f"{R} replica{'s' if R > 1 else ''}", f"{tps:,.0f}", f"{tps / base:.2f}x",
+                         f"{cpu_percent(b, a, wall):.0f}%", f"{svc_us:.1f}", f"{wrk_us:.1f}", f"{wall:.1f}"))
+        table(f"simulated H200 replicas (Qwen3-8B shape), {workload_title(name, args)}, R x the requests",
+              ("setup", "tok/s", "vs R=1", "metadata CPU", "service us/token", "worker us/token", "wall s"), rows)
 
 
 def bench_stages(args):
-    rows, base = [], None
-    for N in args.stages:
-        with sim_cluster(stages=N) as c:
-            run_job(c, requests(8 * N, 64, 128, 4, seed=98))
-            tps, wall, b, a = run_job(c, requests(args.per_worker * N, args.lo, args.hi, args.new, seed=N))
-        base = base or tps
-        busy = busy_fractions(b, a, wall)
-        rows.append((f"{N} stage{'s' if N > 1 else ''}", f"{tps:,.0f}", f"{tps / base:.2f}x",
-                     " ".join(f"{x:.0%}" for x in busy), f"{cpu_percent(b, a, wall):.0f}%", f"{wall:.1f}"))
-    table("simulated H200 pipeline stages (Qwen3-8B shape), N x the requests",
-          ("setup", "tok/s", "vs N=1", "stage busy", "metadata CPU", "wall s"), rows)
+    for name in args.prompts:
+        lo, hi, new = args.workloads[name]
+        rows, base = [], None
+        for N in args.stages:
+            with sim_cluster(stages=N) as c:
+                run_job(c, requests(8 * N, 64, 128, 4, seed=98))
+                tps, wall, b, a, svc_us, wrk_us = timed_job(c, requests(args.per_worker * N, lo, hi, new, seed=N))
+            base = base or tps
+            busy = busy_fractions(b, a, wall)
+            rows.append((f"{N} stage{'s' if N > 1 else ''}", f"{tps:,.0f}", f"{tps / base:.2f}x",
+                         " ".join(f"{x:.0%}" for x in busy), f"{cpu_percent(b, a, wall):.0f}%",
+                         f"{svc_us:.1f}", f"{wrk_us:.1f}", f"{wall:.1f}"))
+        table(f"simulated H200 pipeline stages (Qwen3-8B shape), {workload_title(name, args)}, N x the requests",
+              ("setup", "tok/s", "vs N=1", "stage busy", "metadata CPU", "service us/token",
+               "worker us/token", "wall s"), rows)
 
 
 def bench_overlap(args):
@@ -270,12 +306,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller loads, fewer points (a smoke run)")
     ap.add_argument("--only", default="replicas,stages,overlap,prefix,wire,cpu")
+    ap.add_argument("--prompts", default="short,long",
+                    help="workloads of the replica and stage tables: short (64-256 ids), long (512-1536); 128 new")
     args = ap.parse_args()
     q = args.quick
     args.replicas = [1, 2] if q else [1, 2, 4, 8]
     args.stages = [1, 2] if q else [1, 2, 4, 8]
     args.per_worker = 32 if q else 256
-    args.lo, args.hi, args.new = (256, 512, 16) if q else (512, 1536, 128)
+    args.prompts = args.prompts.split(",")
+    args.workloads = {k: (lo // 2, hi // 2, 16) for k, (lo, hi, _) in WORKLOADS.items()} if q else WORKLOADS
+    args.new = 16 if q else 128
     args.prefix_per = 4 if q else 32
     args.repeat_prefix = 1 if q else 9
     args.wire_steps = 5 if q else 50

@@ -27,6 +27,7 @@ from metadata_service.block_pool import (BlockManagerError, BlockPool, DoubleRel
                                          DuplicateSequenceError, InvalidArgumentError, OutOfBlocksError,
                                          UnknownSequenceError)
 from metadata_service.prefix_cache import HashFn
+from minipaged.id_index import IdIndex, has_duplicates
 
 _EMPTY = np.zeros(0, dtype=np.int32)
 _RELEASED_MEMORY = 1 << 16     # remember this many released ids to tell double release apart
@@ -96,6 +97,7 @@ class KVBlockManager:
         self._prompts: dict[int, np.ndarray] = {}         # row -> prompt ids (known future tokens)
         self._last_hash: list = [None] * rows              # hash of the last full block
         self._row_of: dict[int, int] = {}
+        self._index = IdIndex(self._row_of)               # batch lookups of _row_of (the step path)
         self._free_rows = list(range(rows - 1, -1, -1))
         self._released: OrderedDict[int, None] = OrderedDict()
         self.prefix_cache_queries = 0
@@ -115,6 +117,13 @@ class KVBlockManager:
             raise self._unknown(sid) from None
 
     def _rows(self, sids, unique: bool = True) -> np.ndarray:
+        if isinstance(sids, np.ndarray) and sids.dtype == np.int64 and sids.ndim == 1 and sids.size:
+            rows = self._index.lookup(sids)          # the step path: no per-id Python
+            if (rows < 0).any():
+                raise self._unknown(int(sids[np.argmax(rows < 0)]))
+            if unique and has_duplicates(sids):
+                raise InvalidArgumentError("a sequence id appears twice in one batch")
+            return rows.astype(np.intp, copy=False)
         if isinstance(sids, np.ndarray):
             sids = sids.tolist()
         row_of = self._row_of
@@ -140,6 +149,7 @@ class KVBlockManager:
             self._free_rows = list(range(2 * n - 1, n - 1, -1))
         row = self._free_rows.pop()
         self._row_of[sid] = row
+        self._index.changed()
         self._released.pop(sid, None)
         return row
 
@@ -432,6 +442,7 @@ class KVBlockManager:
         self._last_hash[row] = None
         self._prompts.pop(row, None)
         del self._row_of[sequence_id]
+        self._index.changed()
         self._free_rows.append(row)
         self._released[sequence_id] = None
         if len(self._released) > _RELEASED_MEMORY:

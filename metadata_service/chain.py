@@ -249,20 +249,18 @@ class ChainRunner:
 
     def _step_request(self, b: ScheduledBatch, release: list[int]) -> worker_pb2.StepRequest:
         seqs = b.seqs
-        pending = set(b.deferred)
-        rows = np.frombuffer(b"".join([s.sampling_row for s in seqs]), dtype=SAMPLING_ROW)
+        rows = np.frombuffer(b.sampling_rows, dtype=SAMPLING_ROW)
         step_id, self.next_step_id = self.next_step_id, self.next_step_id + 1
         req = worker_pb2.StepRequest(
             step_id=step_id, cache_epoch=self.epoch,
-            sequence_ids=pack([s.seq_id for s in seqs], INT64),
+            sequence_ids=pack(b.seq_ids, INT64),
             input_ids=pack(b.input_ids), positions=pack(b.positions), slot_mapping=pack(b.slot_mapping),
             query_start_loc=pack(b.query_start_loc), seq_lens=pack(b.seq_lens),
             do_sample=b.do_sample.tobytes(),
             temperature=rows["temperature"].tobytes(), top_p=rows["top_p"].tobytes(),
             top_k=rows["top_k"].tobytes(), seeds=rows["seed"].tobytes(),
-            # the index of the token each row samples: one more when its input is still in flight
-            sample_offsets=pack([len(s.output_token_ids) + (s in pending) for s in seqs], INT32),
-            return_logprobs=any(s.params.return_logprobs for s in seqs), reply_direct=self.direct)
+            sample_offsets=pack(b.sample_offsets, INT32),
+            return_logprobs=b.special and any(s.params.return_logprobs for s in seqs), reply_direct=self.direct)
         if b.block_tables is not None:
             req.block_tables, req.max_blocks_per_seq = pack(b.block_tables), b.block_tables.shape[1]
         else:
@@ -273,9 +271,9 @@ class ChainRunner:
             req.release_sequence_ids = pack(release, INT64)
         if b.copies:
             req.copy_src, req.copy_dst = pack([c[0] for c in b.copies]), pack([c[1] for c in b.copies])
-        if any(s.params.extras for s in seqs):
-            _add_extras(req, seqs, unpack(req.sample_offsets, INT32))
-        if any(s.matcher is not None for s in seqs):
+        if b.special and any(s.params.extras for s in seqs):
+            _add_extras(req, seqs, b.sample_offsets)
+        if b.special and any(s.matcher is not None for s in seqs):
             _add_grammar(req, b, self.stages[-1].info.vocab_size)
         if b.prompt_rows is not None:
             prompt_logprobs.add_to_request(req, b.prompt_rows)
@@ -322,57 +320,63 @@ class ChainRunner:
 
     def _apply(self, b: ScheduledBatch, reply: worker_pb2.StepReply) -> None:
         """Append each sampled token and apply the stop rules (hot: one pass, locals only)."""
-        tokens = unpack(reply.sampled_token_ids, INT32).tolist()
+        sampled = unpack(reply.sampled_token_ids, INT32)
+        tokens = sampled.tolist()
+        is_eos = _eos_mask(sampled, self.engine.eos_ids)
         logprobs = unpack(reply.logprobs, FLOAT32).tolist() if reply.logprobs else None
         top = None
         if reply.top_logprob_ids:
             top_ids = unpack(reply.top_logprob_ids, INT32).reshape(len(tokens), -1)
             top = (top_ids, unpack(reply.top_logprobs, FLOAT32).reshape(top_ids.shape))
-        mask = b.do_sample.tolist()
-        eos, finished_status, engine = self.engine.eos_ids, SeqStatus.FINISHED, self.engine
-        finished, fill_ids, fill_toks, rejected, beams = [], [], [], [], []
-        j, kept = -1, 0
+        rows = b.do_sample.nonzero()[0].tolist() if len(tokens) < len(b.seqs) else range(len(tokens))
+        seqs, gens = b.seqs, b.gens
+        finished_status, engine = SeqStatus.FINISHED, self.engine
+        special = b.special or logprobs is not None or top is not None
+        finished, fill, rejected, beams = [], [], [], []
+        kept = 0
         now = 0.0
-        for seq, gen, d in zip(b.seqs, b.gens, mask):
-            if not d:
-                continue
-            j += 1
-            if seq.gen != gen or seq.status is finished_status:  # preempted or ended while in flight
+        for j, i in enumerate(rows):
+            seq = seqs[i]
+            if seq.gen != gens[i] or seq.status is finished_status:  # preempted or ended while in flight
                 continue
             if seq.group is not None and seq.group.beam:  # beam search: its group picks the tokens
                 beams.append((seq, j))
                 continue
             tok = tokens[j]
             if seq.deferred:                # the step after this one already reads this token
-                fill_ids.append(seq.seq_id)
-                fill_toks.append(tok)
+                fill.append(j)
                 seq.deferred = False
-            if not seq.output_token_ids:
+            out = seq.output_token_ids
+            if not out:
                 seq.first_token_at = now = now or time.monotonic()
-            seq.output_token_ids.append(tok)
+            out.append(tok)
             seq.num_tokens += 1
             kept += 1
-            if logprobs is not None:
-                seq.output_logprobs.append(logprobs[j])
             p = seq.params
-            if top is not None and p.top_logprobs:
-                seq.output_top.append((top[0][j, :p.top_logprobs], top[1][j, :p.top_logprobs]))
-            verdict = advance(seq.matcher, tok) if seq.matcher is not None else ""  # structured outputs
+            verdict = ""
+            if special:
+                if logprobs is not None:
+                    seq.output_logprobs.append(logprobs[j])
+                if top is not None and p.top_logprobs:
+                    seq.output_top.append((top[0][j, :p.top_logprobs], top[1][j, :p.top_logprobs]))
+                if seq.matcher is not None:
+                    verdict = advance(seq.matcher, tok)  # structured outputs
             if verdict == "rejected":
                 rejected.append(seq)
-            elif verdict == "stop" or (tok in eos and not p.ignore_eos) or tok in p.stop_token_ids:
+            elif verdict == "stop" or (is_eos[j] and not p.ignore_eos) or tok in p.stop_token_ids:
                 finished.append((seq, "stop"))
             elif seq.stop_checker is not None and seq.stop_checker.push(tok):
                 finished.append((seq, "stop"))
-            elif len(seq.output_token_ids) >= p.max_new_tokens:
+            elif len(out) >= p.max_new_tokens:
                 finished.append((seq, "length"))
             elif seq.sink is not None and seq.tag is None:  # streams hear every token
                 engine.stream_tokens(seq, [tok], [logprobs[j]] if logprobs else [],
                                      seq.output_top[-1:] if p.top_logprobs else [])
         if beams:
             kept += on_beam_rows(self, beams, top)
-        if fill_ids:
-            self.manager.fill_tokens(fill_ids, fill_toks)
+        if fill:
+            where = np.asarray(fill)
+            self.manager.fill_tokens(b.seq_ids[b.do_sample.astype(bool)][where], sampled[where])
         self.generated_tokens += kept        # tokens requests kept (not one computed and dropped)
         for seq, reason in finished:
             self.scheduler.remove(seq)
@@ -468,6 +472,14 @@ class ChainRunner:
 
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def _eos_mask(tokens: np.ndarray, eos_ids) -> list[bool]:
+    """Which sampled tokens are an EOS id: one vector compare per EOS id (a model has one to three)."""
+    hit = np.zeros(tokens.size, dtype=bool)
+    for e in eos_ids:
+        hit |= tokens == e
+    return hit.tolist()
 
 
 def _add_grammar(req: worker_pb2.StepRequest, b: ScheduledBatch, vocab_size: int) -> None:

@@ -45,6 +45,10 @@ class ScheduledBatch:
     table_base: np.ndarray       # int32 [B] blocks the workers already hold (delta tables)
     new_block_counts: np.ndarray  # int32 [B]
     new_blocks: np.ndarray       # int32 [sum]
+    seq_ids: np.ndarray          # int64 [B]
+    sample_offsets: np.ndarray   # int32 [B] index of the token each row samples (+1 when its input is -1)
+    sampling_rows: bytes         # the sequences' SAMPLING_ROWs, joined
+    special: bool                # some sequence needs logprobs, extras or a grammar (else all skip them)
     slot: int = 0
     deferred: list[Sequence] = field(default_factory=list)  # sequences whose input is -1
     block_tables: np.ndarray | None = None   # int32 [B, max_blocks], only when sending full tables
@@ -72,6 +76,7 @@ class Scheduler:
         self.released: list[int] = []             # ids whose worker-side state can be dropped
         self.copies: list[tuple[int, int]] = []   # forks' copy-on-write, for the next step to carry
         self.num_preemptions = 0
+        self.num_special = 0                      # running sequences with logprobs / extras / a grammar
 
     # ------------------------------------------------------------------ queue
     def add(self, seq: Sequence) -> None:
@@ -105,6 +110,7 @@ class Scheduler:
         self.running = []
         self.by_slot = [[] for _ in range(self.micro_batches)]
         self.unforked = []
+        self.num_special = 0
 
     def drain(self) -> list[Sequence]:
         """Every unfinished sequence, running ones reset for recompute (a lost chain hands them on)."""
@@ -116,9 +122,14 @@ class Scheduler:
         self.released.clear()
         return out
 
+    @staticmethod
+    def _special(s: Sequence) -> bool:
+        return s.params.return_logprobs or s.params.extras or s.matcher is not None
+
     def _drop_running(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.by_slot[seq.slot].remove(seq)
+        self.num_special -= self._special(seq)
         if seq in self.unforked:
             self.unforked.remove(seq)
 
@@ -126,6 +137,7 @@ class Scheduler:
         seq.status, seq.slot = SeqStatus.RUNNING, slot
         self.running.append(seq)
         self.by_slot[slot].append(seq)
+        self.num_special += self._special(seq)
         if seq.group is not None and not seq.group.forked and seq.group.parent is seq:
             self.unforked.append(seq)
 
@@ -211,27 +223,35 @@ class Scheduler:
     def schedule(self, slot: int = 0) -> ScheduledBatch | None:
         budget = self.max_num_batched_tokens
         forked = self._fork_ready(slot)
-        decodes, chunks = [], []
+        decodes, chunks, toks = [], [], []   # toks: each decode's input id (-1: still being sampled)
+        overlap = self.overlap
         for s in self.by_slot[slot]:
             g = s.group
             known = s.num_tokens - s.num_computed_tokens if g is None else self._todo(s)
             grouped = g is not None and not g.forked
-            if not grouped and (known == 1 or (known == 0 and self.overlap and s.inflight == 1 and not s.deferred
-                                               and s.pending_sample and not s.params.waits_for_token
-                                               and not s.params.beam_width)):
+            if not grouped and known == 1:
                 decodes.append(s)
+                toks.append(s.output_token_ids[-1] if s.output_token_ids else s.prompt_token_ids[-1])
+            elif not grouped and (known == 0 and overlap and s.inflight == 1 and not s.deferred
+                                  and s.pending_sample and not s.params.waits_for_token and not s.params.beam_width):
+                decodes.append(s)
+                toks.append(-1)
             elif known > 1 or (grouped and known > 0):
                 chunks.append(s)
-        del decodes[budget:]
-        if self.overlap:
-            decodes = self._stagger(decodes, slot)
+        del decodes[budget:], toks[budget:]
+        if overlap:
+            staggered = self._stagger(decodes, slot)
+            if len(staggered) != len(decodes):
+                decodes, toks = staggered, [s.last_token if s.num_tokens > s.num_computed_tokens else -1
+                                            for s in staggered]
 
         # 1. Decodes: one token each, one all-or-nothing block-manager call; preempt on shortage.
         slots = []
+        dec_ids = None
         while decodes:
-            toks = [s.last_token if s.num_tokens > s.num_computed_tokens else -1 for s in decodes]
+            dec_ids = np.fromiter((s.seq_id for s in decodes), dtype=np.int64, count=len(decodes))
             try:
-                slots.append(self.manager.slot_mapping_for_append([s.seq_id for s in decodes], toks))
+                slots.append(self.manager.slot_mapping_for_append(dec_ids, np.asarray(toks, dtype=np.int32)))
                 break
             except OutOfBlocksError:
                 victim = self._preempt_newest(slot)
@@ -240,6 +260,7 @@ class Scheduler:
                 # the victim, or a whole beam group (preempt_beams), leaves both lists
                 decodes[:] = [s for s in decodes if s.status is SeqStatus.RUNNING]
                 chunks[:] = [s for s in chunks if s.status is SeqStatus.RUNNING]
+                toks = [s.last_token if s.num_tokens > s.num_computed_tokens else -1 for s in decodes]
         chosen: list[tuple[Sequence, int]] = [(s, 1) for s in decodes]
         num_decodes = len(decodes)
         budget -= num_decodes
@@ -288,7 +309,7 @@ class Scheduler:
             if not any(s.inflight for s in self.by_slot[slot]):
                 self._preempt_newest(slot)  # everything stuck on blocks (only prefills): free the newest
             return None
-        return self._build(chosen, slots, num_decodes, slot)
+        return self._build(chosen, slots, num_decodes, slot, dec_ids, toks)
 
     def _stagger(self, decodes: list[Sequence], slot: int) -> list[Sequence]:
         """Async scheduling with sequences that wait for their sampled token (penalties, grammars):
@@ -306,63 +327,83 @@ class Scheduler:
         return self.manager.append_tokens(s.seq_id, n, s.token_slice(start, start + n))
 
     def _build(self, chosen: list[tuple[Sequence, int]], slots: list[np.ndarray], num_decodes: int,
-               slot: int) -> ScheduledBatch:
-        """Pack the step's arrays. `chosen` lists the decodes first; they need no per-token work."""
+               slot: int, dec_ids: np.ndarray | None, dec_toks: list[int]) -> ScheduledBatch:
+        """Pack the step's arrays. `chosen` lists the decodes first (`dec_ids`, `dec_toks`: their
+        ids and input ids); they need no per-token work, and the steady state (decodes only) makes
+        one pass over its sequences."""
         seqs = [s for s, _ in chosen]
-        ids = [s.seq_id for s in seqs]
-        seq_lens = np.asarray(self.manager.get_seq_lens_tensor(ids), dtype=np.int32)  # after the appends
-        prompt_rows = None
         B = len(seqs)
-        do_sample = np.ones(B, dtype=np.uint8)
-        deferred = [s for s in seqs[:num_decodes] if s.num_tokens == s.num_computed_tokens]
-        if num_decodes == B:  # the steady state: one token per sequence, no per-token work
+        prompt_rows = None
+        if num_decodes == B:  # the steady state: one token per sequence
+            ids = dec_ids
+            input_ids = np.asarray(dec_toks, dtype=np.int32)
+            seq_lens = self.manager.get_seq_lens_tensor(ids).astype(np.int32, copy=False)  # after the appends
             num_new = np.ones(B, dtype=np.int32)
-            input_ids = np.fromiter((s.last_token if s.num_tokens > s.num_computed_tokens else -1 for s in seqs),
-                                    dtype=np.int32, count=B)
             positions = seq_lens - 1
+            do_sample = np.ones(B, dtype=np.uint8)
+            gens, base, out_lens, rows = [], [], [], []
             for s in seqs:
                 s.num_computed_tokens += 1
+                s.inflight += 1
+                s.pending_sample = True
+                gens.append(s.gen)
+                base.append(s.blocks_sent)
+                out_lens.append(len(s.output_token_ids))
+                rows.append(s.sampling_row)
+            base = np.asarray(base, dtype=np.int32)
+            is_deferred = input_ids == -1
+            deferred = [seqs[i] for i in np.flatnonzero(is_deferred).tolist()]
+            offsets = np.asarray(out_lens, dtype=np.int32) + is_deferred
         else:
+            ids = np.fromiter((s.seq_id for s in seqs), dtype=np.int64, count=B)
+            seq_lens = self.manager.get_seq_lens_tensor(ids).astype(np.int32, copy=False)
+            deferred = [s for s in seqs[:num_decodes] if s.num_tokens == s.num_computed_tokens]
             num_new = np.fromiter((n for _, n in chosen), dtype=np.int32, count=B)
             starts = seq_lens - num_new
             input_ids = np.concatenate(
-                [np.asarray([s.last_token if s.num_tokens > s.num_computed_tokens else -1], dtype=np.int32)
-                 for s in seqs[:num_decodes]]
+                [np.asarray(dec_toks[:num_decodes], dtype=np.int32)]
                 + [np.asarray(s.token_slice(int(a), int(a) + int(n)), dtype=np.int32)
                    for s, a, n in zip(seqs[num_decodes:], starts[num_decodes:], num_new[num_decodes:])])
             # positions: each chunk's start repeated, plus the offset inside the chunk
             ends = np.cumsum(num_new)
-            offsets = np.arange(int(ends[-1]), dtype=np.int32) - np.repeat(ends - num_new, num_new)
-            positions = np.repeat(starts, num_new) + offsets
+            inner = np.arange(int(ends[-1]), dtype=np.int32) - np.repeat(ends - num_new, num_new)
+            positions = np.repeat(starts, num_new) + inner
             prompt_rows = plan_prompt_rows(seqs, starts, num_new, num_decodes)
             for s, n in chosen:
                 s.num_computed_tokens += n
             # a prefill chunk samples only once it reaches the last known token (a request with
             # several choices never samples before its fork)
+            do_sample = np.ones(B, dtype=np.uint8)
             do_sample[num_decodes:] = [s.num_computed_tokens == s.num_tokens and not (s.group and not s.group.forked)
                                        for s in seqs[num_decodes:]]
-        for s, d in zip(seqs, do_sample.tolist()):
-            s.inflight += 1
-            s.pending_sample = bool(d)
+            for s, d in zip(seqs, do_sample.tolist()):
+                s.inflight += 1
+                s.pending_sample = bool(d)
+            gens = [s.gen for s in seqs]
+            base = np.fromiter((s.blocks_sent for s in seqs), dtype=np.int32, count=B)
+            pending = set(deferred)
+            offsets = np.fromiter((len(s.output_token_ids) + (s in pending) for s in seqs), dtype=np.int32, count=B)
+            rows = [s.sampling_row for s in seqs]
         for s in deferred:
             s.deferred = True
         qsl = np.zeros(B + 1, dtype=np.int32)
         np.cumsum(num_new, out=qsl[1:])
-        base = np.fromiter((s.blocks_sent for s in seqs), dtype=np.int32, count=B)
         tables = None
         if self.full_tables:
             tables = np.asarray(self.manager.get_block_table_tensor(ids), dtype=np.int32)
             counts, new_blocks = np.zeros(B, dtype=np.int32), np.zeros(0, dtype=np.int32)
         else:
             counts, new_blocks = self.manager.block_table_delta(ids, base)
-            for s, c in zip(seqs, counts.tolist()):
-                s.blocks_sent += c
+            for i in np.flatnonzero(counts).tolist():          # the few rows with new blocks
+                seqs[i].blocks_sent += int(counts[i])
         return ScheduledBatch(
-            seqs=seqs, gens=[s.gen for s in seqs], input_ids=input_ids,
+            seqs=seqs, gens=gens, input_ids=input_ids,
             positions=positions.astype(np.int32, copy=False),
             slot_mapping=(slots[0] if len(slots) == 1 else np.concatenate(slots)).astype(np.int32, copy=False),
             query_start_loc=qsl, seq_lens=seq_lens, do_sample=do_sample,
             table_base=base, new_block_counts=counts, new_blocks=new_blocks.astype(np.int32, copy=False),
+            seq_ids=ids, sample_offsets=offsets, sampling_rows=b"".join(rows),
+            special=self.num_special > 0,
             slot=slot, deferred=deferred, block_tables=tables, copies=self._take_copies(),
             prompt_rows=prompt_rows)
 

@@ -69,7 +69,7 @@ class StepOutcome:
     reply: pb.StepReply | None           # the last stage's answer
     forward: pb.StepRequest | None       # or what goes to the next stage
     timing: pb.StageTiming
-    sampled_ids: list[int]               # sequence ids this step samples (stage 0 tracks their tokens)
+    sampled_ids: np.ndarray              # int64: sequence ids this step samples (stage 0 tracks their tokens)
     ready_at: float = 0.0                # time.monotonic() when the device has the results (see below)
     hidden: bytes | None = None          # the forward's hidden states when they travel outside it
 
@@ -268,13 +268,13 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                                     compute_ms=1e3 * (device_s if device_s is not None else time.perf_counter() - t0))
             ready_at = getattr(self.runner, "ready_at", 0.0)
             self.compute_s += timing.compute_ms / 1e3
-            sampled = [s for s, d in zip(a.seq_ids, a.do_sample.tolist()) if d] if a.seq_ids else []
+            sampled = a.seq_ids[a.do_sample] if a.seq_ids.size else a.seq_ids
             self.steps_served += 1
             if self.runner.is_last:
                 out.timings.extend(request.upstream_timings)   # empty unless the reply goes direct
                 out.timings.append(timing)
                 out.cache_epoch = self.epoch
-                if self.runner.is_first and sampled and out.sampled_token_ids:
+                if self.runner.is_first and sampled.size and out.sampled_token_ids:
                     self.store.record_sampled(sampled, wire.unpack(out.sampled_token_ids), forwarded=False)
                 return StepOutcome(out, None, timing, sampled, ready_at)
             out.cache_epoch = self._pin_next_epoch()
@@ -335,7 +335,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         wait_until(o.ready_at)
         if o.reply is not None:
             return o.reply
-        first = self.runner.is_first and o.sampled_ids
+        first = self.runner.is_first and o.sampled_ids.size > 0
         if first:
             self.store.note_forwarded(o.sampled_ids)
         if o.hidden is not None:  # unary steps always carry the bytes inside the message

@@ -8,13 +8,15 @@ leading blocks it assumes the stage holds (`table_base`); a stage that holds few
 evicted the row, or never saw the sequence) raises StepPrecondition, which the server answers with
 FAILED_PRECONDITION, and the metadata service recovers with full tables. Nothing is ever guessed.
 
-Rows live in numpy arrays indexed through a dict (as in the block manager), so a step's lookups and
-updates are a few vectorized ops, whatever the batch or context length."""
+Rows live in numpy arrays indexed through a dict (as in the block manager) and its IdIndex, so a
+step's lookups and updates are a few vectorized ops, whatever the batch or context length."""
 from __future__ import annotations
 
 import threading
 
 import numpy as np
+
+from minipaged.id_index import IdIndex
 
 DEFAULT_MAX_SEQUENCES = 1 << 16
 
@@ -40,6 +42,7 @@ class SequenceStore:
         self.row_of: dict[int, int] = {}
         self.free_rows = list(range(rows - 1, -1, -1))
         self.clock = 0
+        self.index = IdIndex(self.row_of)
 
     def __len__(self) -> int:
         return len(self.row_of)
@@ -63,25 +66,31 @@ class SequenceStore:
 
     def rows(self, seq_ids, create: bool) -> np.ndarray:
         """Row of each sequence id; -1 for unknown ones unless `create`."""
-        row_of = self.row_of
-        if not create:
-            return np.fromiter((row_of.get(s, -1) for s in seq_ids), dtype=np.int64, count=len(seq_ids))
-        out = np.empty(len(seq_ids), dtype=np.int64)
-        for i, s in enumerate(seq_ids):
-            r = row_of.get(s)
-            if r is None:
-                if len(row_of) >= self.max_sequences:
-                    self._evict_lru()
-                if not self.free_rows:
-                    self._grow_rows()
-                r = row_of[s] = self.free_rows.pop()
-            out[i] = r
+        ids = np.asarray(seq_ids, dtype=np.int64).reshape(-1)
+        out = self.index.lookup(ids)
+        if create and (out < 0).any():
+            self.index.changed()
+            row_of, evicted = self.row_of, False
+            for i in np.flatnonzero(out < 0).tolist():   # only the new sequences
+                s = int(ids[i])
+                r = row_of.get(s)                        # (a batch may name a new id twice)
+                if r is None:
+                    if len(row_of) >= self.max_sequences:
+                        self._evict_lru()
+                        evicted = True
+                    if not self.free_rows:
+                        self._grow_rows()
+                    r = row_of[s] = self.free_rows.pop()
+                out[i] = r
+            if evicted:    # rows looked up before the eviction may be gone: look the batch up again
+                return self.rows(ids, create=True)
         return out
 
     def release(self, seq_ids) -> None:
         for s in seq_ids:
             r = self.row_of.pop(int(s), None)
             if r is not None:
+                self.index.changed()
                 self.tables[r] = -1
                 self.held[r] = self.pending[r] = 0
                 self.last_token[r] = -1
@@ -102,11 +111,16 @@ class SequenceStore:
                 f"it holds {int(held[b])} (cache restarted or evicted): resend the full table")
         total = base.astype(np.int64) + counts
         width = max(int(total.max()) if total.size else 0, 1)
-        out = np.full((len(seq_ids), width), -1, dtype=np.int32)
         keep = min(width, self.tables.shape[1])
-        known = rows >= 0
-        out[known, :keep] = self.tables[rows[known], :keep]
-        out[np.arange(width)[None, :] >= base[:, None]] = -1        # truncate each row to its base
+        if keep == width and (rows >= 0).all():          # the steady state: one gather
+            out = self.tables[rows, :width]
+        else:
+            out = np.full((len(seq_ids), width), -1, dtype=np.int32)
+            known = rows >= 0
+            out[known, :keep] = self.tables[rows[known], :keep]
+        cut = base < held                                # rows the step shortens (a re-formed table)
+        if cut.any():
+            out[cut[:, None] & (np.arange(width)[None, :] >= base[:, None])] = -1
         if new_blocks.size:
             seq = np.repeat(np.arange(len(seq_ids)), counts)
             first = np.repeat(np.cumsum(counts) - counts, counts)

@@ -105,15 +105,15 @@ class StepPipe:
             except StepError as e:
                 self.out.put((error_reply(request.step_id, e.code, e.message, s.epoch), 0.0))
                 return
-        first = s.runner.is_first and o.sampled_ids
-        self.sent[request.step_id] = (o.timing, o.sampled_ids if first else [])
+        first = s.runner.is_first and o.sampled_ids.size > 0
+        self.sent[request.step_id] = (o.timing, o.sampled_ids if first else None)
         if first:
             s.store.note_forwarded(o.sampled_ids)
         self.link.send(o.forward, o.ready_at, track=not request.reply_direct, hidden=o.hidden)
 
     def _relay(self, down: pb.StepReply) -> None:
-        timing, sampled = self.sent.pop(down.step_id, (pb.StageTiming(), []))
-        if sampled:
+        timing, sampled = self.sent.pop(down.step_id, (pb.StageTiming(), None))
+        if sampled is not None:
             toks = wire.unpack(down.sampled_token_ids) if not down.error_code else None
             self.s.store.record_sampled(sampled, toks, forwarded=True)
         self.out.put((relayed(down, timing, down.step_id, self.s.epoch), 0.0))

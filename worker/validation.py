@@ -14,6 +14,7 @@ import numpy as np
 
 from minipaged import wire
 from minipaged.constants import DTYPE_BYTES, STEP_MAX_TOP_LOGPROBS
+from minipaged.id_index import has_duplicates
 from minipaged.wire import WireError
 from worker.prompt_logprobs import PromptRows, parse as parse_prompt_rows
 from worker.step_state import SequenceStore, StepPrecondition  # noqa: F401 (re-exported)
@@ -54,7 +55,7 @@ class StepArrays:
     top_k: np.ndarray              # int32 [B]
     seeds: np.ndarray              # int64 [B]
     sample_offsets: np.ndarray     # int32 [B]
-    seq_ids: list[int] = field(default_factory=list)   # [B] (empty when the step sent none)
+    seq_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # int64 [B] (or [0]: none sent)
     table_delta: tuple | None = None     # (base, counts) to commit into the SequenceStore
     placeholders: np.ndarray | None = None  # token indexes whose input id was -1 (resolved)
     release_ids: list[int] = field(default_factory=list)
@@ -119,14 +120,14 @@ def _validate(req, lim: StepLimits, store, placeholder_timeout_s, hidden_bytes=N
         b = int(np.argmax(qlen < 1))
         _fail(f"query_start_loc: sequence {b} has query length {qlen[b]} (must be >= 1, non-decreasing offsets)")
 
-    seq_ids: list[int] = []
+    seq_ids = np.zeros(0, dtype=np.int64)
     if req.sequence_ids:
-        seq_ids = wire.unpack(req.sequence_ids, wire.INT64, name="sequence_ids", count=B).tolist()
+        seq_ids = wire.unpack(req.sequence_ids, wire.INT64, name="sequence_ids", count=B)
     stateful = req.delta_tables or req.release_sequence_ids
     if stateful and store is None:
         _fail("delta_tables / release_sequence_ids need a stage that keeps a SequenceStore")
-    if req.delta_tables and len(set(seq_ids)) != B:
-        _fail(f"sequence_ids: delta tables need {B} distinct sequence ids, got {len(set(seq_ids))}")
+    if req.delta_tables and has_duplicates(seq_ids):
+        _fail(f"sequence_ids: delta tables need {B} distinct sequence ids, got {np.unique(seq_ids).size}")
 
     # Token inputs: ids on stage 0, the previous stage's hidden states after that.
     input_ids = hidden = placeholders = None
@@ -173,20 +174,28 @@ def _validate(req, lim: StepLimits, store, placeholder_timeout_s, hidden_bytes=N
         tables = store.preview_tables(seq_ids, base, counts, new_blocks)
         M = tables.shape[1]
         table_delta = (base, counts)
+        # a row's first base + count blocks are ids checked when they came (here or by an earlier
+        # step), and -1 after: the per-row count is the whole hole check, no pass over the table
+        valid_blocks = base.astype(np.int64) + counts
     else:
         M = req.max_blocks_per_seq
         if M < 1:
             _fail(f"max_blocks_per_seq = {M} must be >= 1")
         tables = wire.unpack_2d(req.block_tables, B, M, wire.INT32, name="block_tables")
-    _range("block_tables", tables, -1, lim.num_blocks)
+        _range("block_tables", tables, -1, lim.num_blocks)
     used = (seq_lens.astype(np.int64) + lim.block_size - 1) // lim.block_size
     if (used > M).any():
         b = int(np.argmax(used > M))
         _fail(f"seq_lens[{b}] = {seq_lens[b]} needs {used[b]} blocks of {lim.block_size}, "
               f"more than max_blocks_per_seq = {M}")
-    holes = (np.arange(M)[None, :] < used[:, None]) & (tables < 0)
-    if holes.any():
-        b, j = (int(x) for x in np.argwhere(holes)[0])
+    if table_delta is not None:
+        short = used > valid_blocks
+        hole = (int(np.argmax(short)), int(valid_blocks[np.argmax(short)])) if short.any() else None
+    else:
+        holes = (np.arange(M)[None, :] < used[:, None]) & (tables < 0)
+        hole = tuple(int(x) for x in np.argwhere(holes)[0]) if holes.any() else None
+    if hole is not None:
+        b, j = hole
         _fail(f"block_tables[{b}, {j}] = -1 inside the used part ({used[b]} blocks for seq_len {seq_lens[b]})")
 
     # Slots: in range, and each written slot is where the tables say this position lives.
@@ -242,7 +251,7 @@ def _validate(req, lim: StepLimits, store, placeholder_timeout_s, hidden_bytes=N
 def _resolve_placeholders(input_ids, qsl, seq_ids, store, timeout_s):
     """-1 inputs (async scheduling) -> the token this stage saw sampled for that sequence last."""
     holes = np.flatnonzero(input_ids == -1)
-    if store is None or not seq_ids:
+    if store is None or not seq_ids.size:
         _fail("input_ids: -1 (the previously sampled token) needs sequence_ids and a stage that keeps them")
     last = qsl[1:] - 1                                          # each sequence's last query token
     b = np.searchsorted(qsl, holes, side="right") - 1
@@ -250,7 +259,7 @@ def _resolve_placeholders(input_ids, qsl, seq_ids, store, timeout_s):
         t = int(holes[np.argmax(last[b] != holes)])
         _fail(f"input_ids[{t}] = -1 is not the last query token of its sequence (only that one may be pending)")
     ids = input_ids.copy()
-    ids[holes] = store.resolve_placeholders([seq_ids[i] for i in b.tolist()], timeout_s)
+    ids[holes] = store.resolve_placeholders(seq_ids[b], timeout_s)
     return ids, holes
 
 

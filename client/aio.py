@@ -18,7 +18,7 @@ from minipaged.v1 import metadata_pb2_grpc as pb_grpc
 from .errors import MiniPagedError, Unavailable, explain_not_grpc, explain_unimplemented, from_rpc_error
 from .messages import (CHANNEL_OPTIONS, TERMINAL_STATES, Deadline, GenerateResult, JobCollector, JobStatus,
                        PoolSnapshot, ResultAssembler, Stats, StreamChunk, batch_items, build_generate_request,
-                       build_submit_request, chunk_from_proto, job_from_proto, normalize_address,
+                       build_submit_request, chunk_from_proto, final_only, job_from_proto, normalize_address,
                        pool_snapshot_from_proto, refuse_unstreamable)
 from .sdk import MAX_BATCH_CONCURRENCY
 
@@ -89,11 +89,13 @@ class AsyncClient:
             async for chunk in inner:
                 yield chunk
 
-    async def chunks(self, prompt: str | None = None, *, timeout: float | None = None,
+    async def chunks(self, prompt: str | None = None, *, timeout: float | None = None, whole: bool = False,
                      **params) -> AsyncIterator[StreamChunk]:
         """As stream(), but best_of > n is allowed: its n winners arrive whole at the end (what
-        generate() and the gateway's non-streaming path read)."""
-        async with aclosing(self._chunks(build_generate_request(prompt, **params), timeout)) as inner:
+        generate() and the gateway's non-streaming path read). `whole`: no chunk per token, one per
+        choice at its end (GenerateRequest.final_only: what a caller that waits for the end wants)."""
+        request = build_generate_request(prompt, **params)
+        async with aclosing(self._chunks(final_only(request) if whole else request, timeout)) as inner:
             async for chunk in inner:
                 yield chunk
 
@@ -135,7 +137,7 @@ class AsyncClient:
                     c.index = i
             return list(results)
         acc = ResultAssembler()
-        agen = self._chunks(build_generate_request(prompt, **params), timeout)
+        agen = self._chunks(final_only(build_generate_request(prompt, **params)), timeout)
         try:
             async for chunk in agen:
                 acc.add(chunk)

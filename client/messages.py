@@ -95,6 +95,7 @@ class StreamChunk:
     beam_score: float | None = None
     prompt_logprobs: list[float | None] | None = None          # on the first chunk (prompt_logprobs=k)
     prompt_top_logprobs: list[dict[int, float] | None] | None = None
+    decode_seconds: float = 0.0       # final_only chunks: the choice's first token to its last
 
 
 @dataclass
@@ -410,7 +411,13 @@ def chunk_from_proto(c: pb.GenerateChunk) -> StreamChunk:
                        top_logprobs=_top(c.top_logprob_ids, c.top_logprobs, len(ids)),
                        cumulative_logprob=c.cumulative_logprob if c.beam_score else None,
                        beam_score=c.beam_score if c.beam_score else None,
-                       prompt_logprobs=own, prompt_top_logprobs=top)
+                       prompt_logprobs=own, prompt_top_logprobs=top, decode_seconds=c.decode_seconds)
+
+
+def final_only(request: pb.GenerateRequest) -> pb.GenerateRequest:
+    """Ask for the result in one chunk per choice (callers that wait for the end: no per-token messages)."""
+    request.final_only = True
+    return request
 
 
 def job_from_proto(j) -> JobStatus:

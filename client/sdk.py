@@ -19,7 +19,7 @@ from .errors import Cancelled, MiniPagedError, Unavailable, explain_unimplemente
 from .messages import (CHANNEL_OPTIONS, MAX_MESSAGE_BYTES, REQUEST_KEYS, TERMINAL_STATES,  # noqa: F401
                        Deadline, GenerateResult, JobCollector, JobStatus, PoolSnapshot, ResultAssembler, Stats,
                        StreamChunk, Usage, batch_items, build_generate_request, build_submit_request,
-                       chunk_from_proto, job_from_proto, normalize_address, pool_snapshot_from_proto,
+                       chunk_from_proto, final_only, job_from_proto, normalize_address, pool_snapshot_from_proto,
                        refuse_unstreamable, result_from_proto)
 
 # generate([...]) runs this many requests at once by default: each open stream holds one of the
@@ -128,7 +128,7 @@ class Client:
         if items is not None:
             return self._generate_batch(items, timeout, max_concurrency)
         acc = ResultAssembler()
-        for chunk in self._chunks(build_generate_request(prompt, **params), timeout):
+        for chunk in self._chunks(final_only(build_generate_request(prompt, **params)), timeout):
             acc.add(chunk)
         return acc.result()
 
@@ -143,7 +143,7 @@ class Client:
             acc = ResultAssembler()
             if failed.is_set():
                 raise Cancelled("not started: another request of the batch failed")
-            for chunk in self._chunks(build_generate_request(**item), timeout):
+            for chunk in self._chunks(final_only(build_generate_request(**item)), timeout):
                 if failed.is_set():  # leaving the loop cancels this request's stream
                     raise Cancelled("cancelled: another request of the batch failed")
                 acc.add(chunk)

@@ -189,9 +189,11 @@ class Gateway:
             except MiniPagedError:
                 pass
 
-    async def generate_stream(self, items: list[dict], n: int, t0: float) -> AsyncIterator[tuple[int, StreamChunk]]:
+    async def generate_stream(self, items: list[dict], n: int, t0: float,
+                              whole: bool = False) -> AsyncIterator[tuple[int, StreamChunk]]:
         """Every prompt's Generate stream at once, merged: (OpenAI choice index, chunk). Leaving the
-        iterator early cancels every stream (each cancelled RPC frees its sequence's blocks)."""
+        iterator early cancels every stream (each cancelled RPC frees its sequence's blocks).
+        `whole` (a non-streaming HTTP request): one chunk per choice, at its end."""
         queue: asyncio.Queue = asyncio.Queue()
         end = object()
 
@@ -199,7 +201,7 @@ class Gateway:
             obs = _Observed(self, t0)
             agen = None
             try:  # (a failure to even start the stream must reach the consumer too, or it waits forever)
-                agen = self.client.chunks(**kw)  # best_of > n (refused when streaming): winners at the end
+                agen = self.client.chunks(whole=whole, **kw)  # best_of > n (refused when streaming): winners at the end
                 async for chunk in agen:
                     obs.chunk(chunk)
                     await queue.put((p * n + chunk.index, chunk))
@@ -247,7 +249,9 @@ class _Observed:
 
     def chunk(self, c: StreamChunk) -> None:
         now = time.monotonic()
-        if c.token_ids:
+        if c.decode_seconds and len(c.token_ids) > 1:   # a whole choice: the service timed its tokens
+            self._whole(c, now)
+        elif c.token_ids:
             if self.first is None:
                 self.first = now
                 self.m.ttft.labels(self.model).observe(now - self.t0)
@@ -261,6 +265,19 @@ class _Observed:
             self.prompt_tokens = c.usage.prompt_tokens
         if c.finish_reason:
             self.finished.append(c.finish_reason)
+
+    def _whole(self, c: StreamChunk, now: float) -> None:
+        first = now - c.decode_seconds
+        if self.first is None:
+            self.first = first
+            self.m.ttft.labels(self.model).observe(first - self.t0)
+            self.gw.ttft_sum += first - self.t0
+            self.gw.ttft_count += 1
+        itl = self.m.itl.labels(self.model)
+        for _ in range(len(c.token_ids) - 1):        # the mean gap, once per token (as a stream counts)
+            itl.observe(c.decode_seconds / (len(c.token_ids) - 1))
+        self.last[c.index] = now
+        self.generated += len(c.token_ids)
 
     def finish(self) -> None:
         self.m.e2e.labels(self.model).observe(time.monotonic() - self.t0)
@@ -421,7 +438,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
         items = [{**kw, **p} for p in prompts]
         rid = oa.new_id("cmpl")
-        stream = gw.generate_stream(items, req.n, t0)
+        stream = gw.generate_stream(items, req.n, t0, whole=not req.stream)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return await _start_sse(request, stream, _completion_events(gw, rid, req, stream, echo, include_usage,
@@ -450,7 +467,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         output = OutputOptions(reasoning=gw.config.reasoning_parser == "qwen3" and gw.template.thinks,
                                reasoning_open=rs.prompt_opens_reasoning(prompt), tools=tools)
         rid = oa.new_id("chatcmpl")
-        stream = gw.generate_stream([{**kw, "prompt": prompt}], req.n, t0)
+        stream = gw.generate_stream([{**kw, "prompt": prompt}], req.n, t0, whole=not req.stream)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return await _start_sse(request, stream, _chat_events(gw, rid, req, stream, include_usage, output))

@@ -117,7 +117,6 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
                     return
                 state = choices.setdefault(s.choice, [IncrementalDetokenizer(self.engine), 0])
                 detok, sent = state
-                detok.push(ev.new_token_ids)
                 chunk = metadata_pb2.GenerateChunk(token_ids=pack(ev.new_token_ids, INT32), index=s.choice,
                                                    logprobs=pack(ev.new_logprobs, FLOAT32)
                                                    if seq.params.show_logprobs else b"")
@@ -130,10 +129,13 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
                 if ev.finished:
                     chunk.text, chunk.finish_reason = final_text(s, self.engine)[sent:], ev.finish_reason
                     chunk.usage.CopyFrom(usage(s))
+                    if request.final_only and s.first_token_at:
+                        chunk.decode_seconds = max(0.0, time.monotonic() - s.first_token_at)
                     yield chunk
                     if not grouped:
                         return
                     continue
+                detok.push(ev.new_token_ids)
                 visible = detok.emitted[:max(0, len(detok.emitted) - hold)] if hold else detok.emitted
                 chunk.text = visible[sent:] if len(visible) > sent else ""
                 state[1] = sent + len(chunk.text)

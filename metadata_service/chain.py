@@ -369,7 +369,7 @@ class ChainRunner:
                 finished.append((seq, "stop"))
             elif len(out) >= p.max_new_tokens:
                 finished.append((seq, "length"))
-            elif seq.sink is not None and seq.tag is None:  # streams hear every token
+            elif seq.sink is not None and seq.tag is None and p.per_token_events:  # streams hear every token
                 engine.stream_tokens(seq, [tok], [logprobs[j]] if logprobs else [],
                                      seq.output_top[-1:] if p.top_logprobs else [])
         if beams:

@@ -182,9 +182,12 @@ class Engine:
         for cb in self.on_sequence_finished:
             cb(seq)
         if seq.sink is not None:
-            new = seq.output_token_ids[-1:] if reason in ("stop", "length") and seq.tag is None else []
-            lp = seq.output_logprobs[-1:] if new and seq.output_logprobs else []
-            top = seq.output_top[-1:] if new and seq.output_top else []
+            if seq.tag is None and not seq.params.per_token_events and not error:   # final_only: all at once
+                new, lp, top = list(seq.output_token_ids), list(seq.output_logprobs), list(seq.output_top)
+            else:
+                new = seq.output_token_ids[-1:] if reason in ("stop", "length") and seq.tag is None else []
+                lp = seq.output_logprobs[-1:] if new and seq.output_logprobs else []
+                top = seq.output_top[-1:] if new and seq.output_top else []
             seq.sink(seq, SeqEvent(new, lp, finished=True, finish_reason=reason, error=error,
                                    error_code=code if error else "", new_top=top))
 

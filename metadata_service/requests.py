@@ -165,7 +165,8 @@ def to_sequence(req: metadata_pb2.GenerateRequest, engine, sink=None, tag=None) 
         repetition_penalty=req.repetition_penalty or 1.0, presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty, top_logprobs=req.top_logprobs,
         show_logprobs=req.return_logprobs or req.top_logprobs > 0, grammar=compile_grammar(req, engine),
-        prompt_logprobs=req.prompt_logprobs if req.HasField("prompt_logprobs") else -1)
+        prompt_logprobs=req.prompt_logprobs if req.HasField("prompt_logprobs") else -1,
+        per_token_events=not req.final_only)
     if params.best_of > params.n:   # choosing the best needs every candidate's logprobs
         params.return_logprobs = True
     if req.beam_width:

@@ -50,6 +50,7 @@ class SamplingParams:
     length_penalty: float = 1.0
     early_stopping: object = False           # transformers': False, True or "never"
     prompt_logprobs: int = -1                # alternatives per prompt token (0 = own only, -1 = off)
+    per_token_events: bool = True            # a stream's sink hears each token; False: only the end, with all
     # derived once (read for every sequence of every step):
     penalized: bool = field(init=False)      # its next sample depends on every token so far
     waits_for_token: bool = field(init=False)  # never decodes ahead of its sampled token (async scheduling)

@@ -116,4 +116,21 @@ def test_features_end_to_end_against_transformers(ckpt):
         r = cl.generate(prompt_token_ids=p, max_new_tokens=5, logprobs=3)
         for tok, alts in zip(r.token_ids, r.top_logprobs):
             assert list(alts)[0] == tok and list(alts.values()) == sorted(alts.values(), reverse=True)
+
+        # generate() asks for final_only: one chunk per choice, the same result as the token stream
+        from client.messages import build_generate_request, chunk_from_proto
+        for kw in (dict(max_new_tokens=7), dict(max_new_tokens=6, n=2, temperature=1.0, seed=5, logprobs=2),
+                   dict(max_new_tokens=9, stop=[cl.generate(prompt_token_ids=p, max_new_tokens=4).text[-2:]])):
+            req = build_generate_request(prompt_token_ids=p, **kw)
+            req.final_only = True
+            whole = [chunk_from_proto(ch) for ch in cl._stub.Generate(req)]
+            assert len(whole) == kw.get("n", 1) and all(ch.finish_reason and ch.usage for ch in whole)
+            streamed = list(cl.stream(prompt_token_ids=p, **kw))
+            for i in range(kw.get("n", 1)):
+                mine = [ch for ch in streamed if ch.index == i]
+                one = next(ch for ch in whole if ch.index == i)
+                assert one.token_ids == [t for ch in mine for t in ch.token_ids]
+                assert one.text == "".join(ch.text for ch in mine)
+                assert one.logprobs == ([x for ch in mine for x in ch.logprobs] if "logprobs" in kw else None)
+                assert one.decode_seconds > 0 or len(one.token_ids) == 1
         settle(cl)

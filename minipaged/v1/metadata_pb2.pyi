@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "return_logprobs", "n", "best_of", "min_new_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty", "top_logprobs", "json_schema", "regex", "choice", "json_object", "beam_width", "length_penalty", "early_stopping", "prompt_logprobs")
+    __slots__ = ("prompt", "prompt_token_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "return_logprobs", "n", "best_of", "min_new_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty", "top_logprobs", "json_schema", "regex", "choice", "json_object", "beam_width", "length_penalty", "early_stopping", "prompt_logprobs", "final_only")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class GenerateRequest(_message.Message):
     LENGTH_PENALTY_FIELD_NUMBER: _ClassVar[int]
     EARLY_STOPPING_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINAL_ONLY_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: bytes
     max_new_tokens: int
@@ -61,7 +62,8 @@ class GenerateRequest(_message.Message):
     length_penalty: float
     early_stopping: str
     prompt_logprobs: int
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[bytes] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[bytes] = ..., ignore_eos: _Optional[bool] = ..., return_logprobs: _Optional[bool] = ..., n: _Optional[int] = ..., best_of: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., top_logprobs: _Optional[int] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., choice: _Optional[_Iterable[str]] = ..., json_object: _Optional[bool] = ..., beam_width: _Optional[int] = ..., length_penalty: _Optional[float] = ..., early_stopping: _Optional[str] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
+    final_only: bool
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[bytes] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[bytes] = ..., ignore_eos: _Optional[bool] = ..., return_logprobs: _Optional[bool] = ..., n: _Optional[int] = ..., best_of: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., top_logprobs: _Optional[int] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., choice: _Optional[_Iterable[str]] = ..., json_object: _Optional[bool] = ..., beam_width: _Optional[int] = ..., length_penalty: _Optional[float] = ..., early_stopping: _Optional[str] = ..., prompt_logprobs: _Optional[int] = ..., final_only: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "preemptions")
@@ -76,7 +78,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
-    __slots__ = ("token_ids", "text", "finish_reason", "usage", "logprobs", "index", "top_logprob_ids", "top_logprobs", "cumulative_logprob", "beam_score", "prompt_logprobs", "prompt_top_logprob_ids", "prompt_top_logprobs")
+    __slots__ = ("token_ids", "text", "finish_reason", "usage", "logprobs", "index", "top_logprob_ids", "top_logprobs", "cumulative_logprob", "beam_score", "prompt_logprobs", "prompt_top_logprob_ids", "prompt_top_logprobs", "decode_seconds")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +92,7 @@ class GenerateChunk(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOP_LOGPROB_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     token_ids: bytes
     text: str
     finish_reason: str
@@ -103,7 +106,8 @@ class GenerateChunk(_message.Message):
     prompt_logprobs: bytes
     prompt_top_logprob_ids: bytes
     prompt_top_logprobs: bytes
-    def __init__(self, token_ids: _Optional[bytes] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., logprobs: _Optional[bytes] = ..., index: _Optional[int] = ..., top_logprob_ids: _Optional[bytes] = ..., top_logprobs: _Optional[bytes] = ..., cumulative_logprob: _Optional[float] = ..., beam_score: _Optional[float] = ..., prompt_logprobs: _Optional[bytes] = ..., prompt_top_logprob_ids: _Optional[bytes] = ..., prompt_top_logprobs: _Optional[bytes] = ...) -> None: ...
+    decode_seconds: float
+    def __init__(self, token_ids: _Optional[bytes] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., logprobs: _Optional[bytes] = ..., index: _Optional[int] = ..., top_logprob_ids: _Optional[bytes] = ..., top_logprobs: _Optional[bytes] = ..., cumulative_logprob: _Optional[float] = ..., beam_score: _Optional[float] = ..., prompt_logprobs: _Optional[bytes] = ..., prompt_top_logprob_ids: _Optional[bytes] = ..., prompt_top_logprobs: _Optional[bytes] = ..., decode_seconds: _Optional[float] = ...) -> None: ...
 
 class GenerationResult(_message.Message):
     __slots__ = ("index", "token_ids", "text", "finish_reason", "usage", "error", "logprobs", "choices", "top_logprob_ids", "top_logprobs", "choice", "cumulative_logprob", "beam_score", "prompt_logprobs", "prompt_top_logprob_ids", "prompt_top_logprobs")

@@ -298,7 +298,15 @@ class KVBlockManager:
         """One decode step for a batch: one token each, vectorized; all or nothing. A token id of -1
         is not known yet (async scheduling): fill_tokens gives it once it is sampled."""
         rows = self._rows(sequence_ids)
-        toks = self._tokens(token_ids, len(rows))
+        return self.append_decode_rows(rows, self._tokens(token_ids, len(rows)))
+
+    def rows_of(self, sequence_ids: np.ndarray) -> np.ndarray:
+        """The rows of a batch of live sequence ids (int64, distinct), for the *_rows calls below:
+        the scheduler's steady decode state looks them up once, not every step."""
+        return self._rows(np.asarray(sequence_ids, dtype=np.int64))
+
+    def append_decode_rows(self, rows: np.ndarray, toks: np.ndarray | None) -> np.ndarray:
+        """slot_mapping_for_append by rows (of live sequences, distinct; toks checked by the caller)."""
         B = self.block_size
         lens = self._lens[rows]
         nb = self._nblocks[rows]
@@ -383,16 +391,24 @@ class KVBlockManager:
         scheduled the step that reads it before the step that samples it came back): record it,
         and hash the block if it is now full."""
         rows = self._rows(sequence_ids)
+        if self.enable_prefix_caching:
+            self.fill_rows(rows, self._tokens(token_ids, len(rows)))
+
+    def fill_rows(self, rows: np.ndarray, toks: np.ndarray) -> None:
+        """fill_tokens by rows."""
         if not self.enable_prefix_caching:
             return
         lens = self._lens[rows] - 1
-        self._record_decode(rows, lens, lens % self.block_size, self._tokens(token_ids, len(rows)))
+        self._record_decode(rows, lens, lens % self.block_size, toks)
 
     def block_table_delta(self, sequence_ids, known_blocks) -> tuple[np.ndarray, np.ndarray]:
         """For block tables sent as deltas: each sequence's blocks past the first known_blocks[i]
         (what the data plane already holds). Returns (counts int32 [B], blocks int32 [sum]); the work
         is proportional to the new blocks, not to the tables' length."""
-        rows = self._rows(sequence_ids, unique=False)
+        return self.table_delta_rows(self._rows(sequence_ids, unique=False), known_blocks)
+
+    def table_delta_rows(self, rows: np.ndarray, known_blocks) -> tuple[np.ndarray, np.ndarray]:
+        """block_table_delta by rows."""
         base = np.asarray(known_blocks, dtype=np.int64)
         counts = np.maximum(self._nblocks[rows] - base, 0)
         total = int(counts.sum())
@@ -458,6 +474,9 @@ class KVBlockManager:
 
     def get_seq_lens_tensor(self, sequence_ids) -> np.ndarray:
         return self._lens[self._rows(sequence_ids, unique=False)]
+
+    def lens_of_rows(self, rows: np.ndarray) -> np.ndarray:
+        return self._lens[rows]
 
     def slot_for_position(self, sequence_id: int, pos: int) -> int:
         row = self._row(sequence_id)

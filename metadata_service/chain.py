@@ -31,7 +31,8 @@ from . import prompt_logprobs
 from .block_manager import KVBlockManager
 from .grammar import advance, fill_bitmask
 from .scheduler import ScheduledBatch, Scheduler
-from .sequence import SAMPLING_ROW, SeqStatus, Sequence
+from .decode_step import STEP_ROW, apply_plain, eos_mask
+from .sequence import SeqStatus, Sequence
 from .step_channel import ResultsChannel, StepChannel
 
 log = logging.getLogger("metadata_service.chain")
@@ -249,7 +250,7 @@ class ChainRunner:
 
     def _step_request(self, b: ScheduledBatch, release: list[int]) -> worker_pb2.StepRequest:
         seqs = b.seqs
-        rows = np.frombuffer(b.sampling_rows, dtype=SAMPLING_ROW)
+        rows = np.frombuffer(b.sampling_rows, dtype=STEP_ROW)
         step_id, self.next_step_id = self.next_step_id, self.next_step_id + 1
         req = worker_pb2.StepRequest(
             step_id=step_id, cache_epoch=self.epoch,
@@ -306,12 +307,16 @@ class ChainRunner:
             step_ms += t.compute_ms
         if b.num_tokens:
             self.slowest_s_per_token = max(self.slowest_s_per_token, step_ms / 1e3 / b.num_tokens)
+        done = ()
         with self.lock:
-            self.scheduler.step_done(b)
-            done = prompt_logprobs.apply(b, reply) if b.prompt_rows is not None else ()
-            for seq in done:                  # max_new_tokens 0: ended before any token is applied
-                self.scheduler.remove(seq)
-            self._apply(b, reply)
+            if b.plain and not reply.logprobs and not reply.top_logprob_ids:
+                self._apply_plain(b, unpack(reply.sampled_token_ids, INT32, count=len(b.seqs)))
+            else:
+                self.scheduler.step_done(b)
+                done = prompt_logprobs.apply(b, reply) if b.prompt_rows is not None else ()
+                for seq in done:                  # max_new_tokens 0: ended before any token is applied
+                    self.scheduler.remove(seq)
+                self._apply(b, reply)
         self._invariants_dirty = True
         for seq in done:
             self.engine.finish(seq, "length")
@@ -322,7 +327,7 @@ class ChainRunner:
         """Append each sampled token and apply the stop rules (hot: one pass, locals only)."""
         sampled = unpack(reply.sampled_token_ids, INT32)
         tokens = sampled.tolist()
-        is_eos = _eos_mask(sampled, self.engine.eos_ids)
+        is_eos = eos_mask(sampled, self.engine.eos_ids).tolist()
         logprobs = unpack(reply.logprobs, FLOAT32).tolist() if reply.logprobs else None
         top = None
         if reply.top_logprob_ids:
@@ -388,6 +393,17 @@ class ChainRunner:
             engine.finish(seq, "error", error=f"the data plane returned token {seq.output_token_ids[-1]}, which "
                                               f"the request's grammar does not allow (a worker ignored the bitmask)",
                           code="INTERNAL")
+
+    def _apply_plain(self, b: ScheduledBatch, tokens: np.ndarray) -> None:
+        """A decode step of plain sequences (decode_step.py): the stop rules as vector compares."""
+        finished, fill, kept = apply_plain(b, tokens, self.engine.eos_ids)
+        if fill.size:
+            self.manager.fill_rows(self.manager.rows_of(b.seq_ids[fill]), tokens[fill])
+        self.generated_tokens += kept
+        for seq, _ in finished:
+            self.scheduler.remove(seq)
+        for seq, reason in finished:
+            self.engine.finish(seq, reason)
 
     def _fail_batch(self, b: ScheduledBatch, error: str, code: str) -> None:
         log.error("chain %d: %s; failing %d sequences", self.chain_id, error, len(b.seqs))
@@ -472,14 +488,6 @@ class ChainRunner:
 
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
-
-
-def _eos_mask(tokens: np.ndarray, eos_ids) -> list[bool]:
-    """Which sampled tokens are an EOS id: one vector compare per EOS id (a model has one to three)."""
-    hit = np.zeros(tokens.size, dtype=bool)
-    for e in eos_ids:
-        hit |= tokens == e
-    return hit.tolist()
 
 
 def _add_grammar(req: worker_pb2.StepRequest, b: ScheduledBatch, vocab_size: int) -> None:

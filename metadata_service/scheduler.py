@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .block_manager import KVBlockManager, OutOfBlocksError
+from .decode_step import STEP_ROW, pack_step_row
 from .prompt_logprobs import plan as plan_prompt_rows
 from .sequence import SeqStatus, Sequence
 
@@ -47,8 +48,9 @@ class ScheduledBatch:
     new_blocks: np.ndarray       # int32 [sum]
     seq_ids: np.ndarray          # int64 [B]
     sample_offsets: np.ndarray   # int32 [B] index of the token each row samples (+1 when its input is -1)
-    sampling_rows: bytes         # the sequences' SAMPLING_ROWs, joined
+    sampling_rows: bytes         # the sequences' STEP_ROWs (decode_step.py), joined
     special: bool                # some sequence needs logprobs, extras or a grammar (else all skip them)
+    plain: bool = False          # decodes only, of plain sequences: decode_step.apply_plain applies it
     slot: int = 0
     deferred: list[Sequence] = field(default_factory=list)  # sequences whose input is -1
     block_tables: np.ndarray | None = None   # int32 [B, max_blocks], only when sending full tables
@@ -135,6 +137,8 @@ class Scheduler:
 
     def _admit_running(self, seq: Sequence, slot: int) -> None:
         seq.status, seq.slot = SeqStatus.RUNNING, slot
+        if not seq.step_row:
+            seq.step_row = pack_step_row(seq)
         self.running.append(seq)
         self.by_slot[slot].append(seq)
         self.num_special += self._special(seq)
@@ -247,11 +251,14 @@ class Scheduler:
 
         # 1. Decodes: one token each, one all-or-nothing block-manager call; preempt on shortage.
         slots = []
-        dec_ids = None
+        dec = None
         while decodes:
-            dec_ids = np.fromiter((s.seq_id for s in decodes), dtype=np.int64, count=len(decodes))
+            step_rows = b"".join([s.step_row for s in decodes])
+            ids = np.frombuffer(step_rows, dtype=STEP_ROW)["seq_id"].copy()
+            rows = self.manager.rows_of(ids)
             try:
-                slots.append(self.manager.slot_mapping_for_append(dec_ids, np.asarray(toks, dtype=np.int32)))
+                slots.append(self.manager.append_decode_rows(rows, np.asarray(toks, dtype=np.int32)))
+                dec = (step_rows, ids, rows, toks)
                 break
             except OutOfBlocksError:
                 victim = self._preempt_newest(slot)
@@ -309,7 +316,7 @@ class Scheduler:
             if not any(s.inflight for s in self.by_slot[slot]):
                 self._preempt_newest(slot)  # everything stuck on blocks (only prefills): free the newest
             return None
-        return self._build(chosen, slots, num_decodes, slot, dec_ids, toks)
+        return self._build(chosen, slots, num_decodes, slot, dec)
 
     def _stagger(self, decodes: list[Sequence], slot: int) -> list[Sequence]:
         """Async scheduling with sequences that wait for their sampled token (penalties, grammars):
@@ -327,85 +334,97 @@ class Scheduler:
         return self.manager.append_tokens(s.seq_id, n, s.token_slice(start, start + n))
 
     def _build(self, chosen: list[tuple[Sequence, int]], slots: list[np.ndarray], num_decodes: int,
-               slot: int, dec_ids: np.ndarray | None, dec_toks: list[int]) -> ScheduledBatch:
-        """Pack the step's arrays. `chosen` lists the decodes first (`dec_ids`, `dec_toks`: their
-        ids and input ids); they need no per-token work, and the steady state (decodes only) makes
-        one pass over its sequences."""
+               slot: int, dec) -> ScheduledBatch:
+        """Pack the step's arrays. `chosen` lists the decodes first; `dec` = (their STEP_ROWs, ids,
+        block-manager rows, input ids) when there are any."""
         seqs = [s for s, _ in chosen]
         B = len(seqs)
-        prompt_rows = None
-        if num_decodes == B:  # the steady state: one token per sequence
-            ids = dec_ids
-            input_ids = np.asarray(dec_toks, dtype=np.int32)
-            seq_lens = self.manager.get_seq_lens_tensor(ids).astype(np.int32, copy=False)  # after the appends
-            num_new = np.ones(B, dtype=np.int32)
-            positions = seq_lens - 1
-            do_sample = np.ones(B, dtype=np.uint8)
-            gens, base, out_lens, rows = [], [], [], []
-            for s in seqs:
-                s.num_computed_tokens += 1
-                s.inflight += 1
-                s.pending_sample = True
-                gens.append(s.gen)
-                base.append(s.blocks_sent)
-                out_lens.append(len(s.output_token_ids))
-                rows.append(s.sampling_row)
-            base = np.asarray(base, dtype=np.int32)
-            is_deferred = input_ids == -1
-            deferred = [seqs[i] for i in np.flatnonzero(is_deferred).tolist()]
-            offsets = np.asarray(out_lens, dtype=np.int32) + is_deferred
+        if num_decodes == B:
+            a = self._decode_arrays(seqs, dec)
         else:
-            ids = np.fromiter((s.seq_id for s in seqs), dtype=np.int64, count=B)
-            seq_lens = self.manager.get_seq_lens_tensor(ids).astype(np.int32, copy=False)
-            deferred = [s for s in seqs[:num_decodes] if s.num_tokens == s.num_computed_tokens]
-            num_new = np.fromiter((n for _, n in chosen), dtype=np.int32, count=B)
-            starts = seq_lens - num_new
-            input_ids = np.concatenate(
-                [np.asarray(dec_toks[:num_decodes], dtype=np.int32)]
-                + [np.asarray(s.token_slice(int(a), int(a) + int(n)), dtype=np.int32)
-                   for s, a, n in zip(seqs[num_decodes:], starts[num_decodes:], num_new[num_decodes:])])
-            # positions: each chunk's start repeated, plus the offset inside the chunk
-            ends = np.cumsum(num_new)
-            inner = np.arange(int(ends[-1]), dtype=np.int32) - np.repeat(ends - num_new, num_new)
-            positions = np.repeat(starts, num_new) + inner
-            prompt_rows = plan_prompt_rows(seqs, starts, num_new, num_decodes)
-            for s, n in chosen:
-                s.num_computed_tokens += n
-            # a prefill chunk samples only once it reaches the last known token (a request with
-            # several choices never samples before its fork)
-            do_sample = np.ones(B, dtype=np.uint8)
-            do_sample[num_decodes:] = [s.num_computed_tokens == s.num_tokens and not (s.group and not s.group.forked)
-                                       for s in seqs[num_decodes:]]
-            for s, d in zip(seqs, do_sample.tolist()):
-                s.inflight += 1
-                s.pending_sample = bool(d)
-            gens = [s.gen for s in seqs]
-            base = np.fromiter((s.blocks_sent for s in seqs), dtype=np.int32, count=B)
-            pending = set(deferred)
-            offsets = np.fromiter((len(s.output_token_ids) + (s in pending) for s in seqs), dtype=np.int32, count=B)
-            rows = [s.sampling_row for s in seqs]
+            a = self._mixed_arrays(chosen, num_decodes, dec)
+        deferred = a["deferred"]
         for s in deferred:
             s.deferred = True
         qsl = np.zeros(B + 1, dtype=np.int32)
-        np.cumsum(num_new, out=qsl[1:])
+        np.cumsum(a["num_new"], out=qsl[1:])
         tables = None
         if self.full_tables:
-            tables = np.asarray(self.manager.get_block_table_tensor(ids), dtype=np.int32)
+            tables = np.asarray(self.manager.get_block_table_tensor(a["ids"]), dtype=np.int32)
             counts, new_blocks = np.zeros(B, dtype=np.int32), np.zeros(0, dtype=np.int32)
         else:
-            counts, new_blocks = self.manager.block_table_delta(ids, base)
+            counts, new_blocks = self.manager.table_delta_rows(a["rows"], a["base"])
             for i in np.flatnonzero(counts).tolist():          # the few rows with new blocks
                 seqs[i].blocks_sent += int(counts[i])
         return ScheduledBatch(
-            seqs=seqs, gens=gens, input_ids=input_ids,
-            positions=positions.astype(np.int32, copy=False),
+            seqs=seqs, gens=a["gens"], input_ids=a["input_ids"], positions=a["positions"].astype(np.int32, copy=False),
             slot_mapping=(slots[0] if len(slots) == 1 else np.concatenate(slots)).astype(np.int32, copy=False),
-            query_start_loc=qsl, seq_lens=seq_lens, do_sample=do_sample,
-            table_base=base, new_block_counts=counts, new_blocks=new_blocks.astype(np.int32, copy=False),
-            seq_ids=ids, sample_offsets=offsets, sampling_rows=b"".join(rows),
-            special=self.num_special > 0,
-            slot=slot, deferred=deferred, block_tables=tables, copies=self._take_copies(),
-            prompt_rows=prompt_rows)
+            query_start_loc=qsl, seq_lens=a["seq_lens"], do_sample=a["do_sample"],
+            table_base=a["base"], new_block_counts=counts, new_blocks=new_blocks.astype(np.int32, copy=False),
+            seq_ids=a["ids"], sample_offsets=a["offsets"], sampling_rows=a["step_rows"],
+            special=self.num_special > 0, plain=a["plain"], slot=slot, deferred=deferred, block_tables=tables,
+            copies=self._take_copies(), prompt_rows=a["prompt_rows"])
+
+    def _decode_arrays(self, seqs: list[Sequence], dec) -> dict:
+        """The steady state, one token per sequence: one pass over the sequences; the rest are
+        columns of their STEP_ROWs and the block manager's arrays."""
+        step_rows, ids, rows, toks = dec
+        B = len(seqs)
+        input_ids = np.asarray(toks, dtype=np.int32)
+        seq_lens = self.manager.lens_of_rows(rows).astype(np.int32)        # after the appends
+        gens, base = [], []
+        for s in seqs:
+            s.num_computed_tokens += 1
+            s.inflight += 1
+            s.pending_sample = True
+            gens.append(s.gen)
+            base.append(s.blocks_sent)
+        fixed = np.frombuffer(step_rows, dtype=STEP_ROW)
+        return dict(ids=ids, rows=rows, input_ids=input_ids, seq_lens=seq_lens, positions=seq_lens - 1,
+                    num_new=np.ones(B, dtype=np.int32), do_sample=np.ones(B, dtype=np.uint8), gens=gens,
+                    base=np.asarray(base, dtype=np.int32),
+                    # the token a decode samples is output number seq_len - prompt (one past its
+                    # input, which is the last known token or, when -1, the one still in flight)
+                    offsets=(seq_lens - fixed["prompt_len"]).astype(np.int32),
+                    deferred=[seqs[i] for i in np.flatnonzero(input_ids == -1).tolist()],
+                    step_rows=step_rows, plain=bool(fixed["plain"].all()), prompt_rows=None)
+
+    def _mixed_arrays(self, chosen: list[tuple[Sequence, int]], num_decodes: int, dec) -> dict:
+        """Decodes and prefill chunks: per-chunk token slices and positions."""
+        seqs = [s for s, _ in chosen]
+        B = len(seqs)
+        ids = np.fromiter((s.seq_id for s in seqs), dtype=np.int64, count=B)
+        rows = self.manager.rows_of(ids)
+        seq_lens = self.manager.lens_of_rows(rows).astype(np.int32)
+        deferred = [s for s in seqs[:num_decodes] if s.num_tokens == s.num_computed_tokens]
+        num_new = np.fromiter((n for _, n in chosen), dtype=np.int32, count=B)
+        starts = seq_lens - num_new
+        input_ids = np.concatenate(
+            [np.asarray(dec[3] if dec else [], dtype=np.int32)]
+            + [np.asarray(s.token_slice(int(a), int(a) + int(n)), dtype=np.int32)
+               for s, a, n in zip(seqs[num_decodes:], starts[num_decodes:], num_new[num_decodes:])])
+        # positions: each chunk's start repeated, plus the offset inside the chunk
+        ends = np.cumsum(num_new)
+        inner = np.arange(int(ends[-1]), dtype=np.int32) - np.repeat(ends - num_new, num_new)
+        prompt_rows = plan_prompt_rows(seqs, starts, num_new, num_decodes)
+        for s, n in chosen:
+            s.num_computed_tokens += n
+        # a prefill chunk samples only once it reaches the last known token (a request with
+        # several choices never samples before its fork)
+        do_sample = np.ones(B, dtype=np.uint8)
+        do_sample[num_decodes:] = [s.num_computed_tokens == s.num_tokens and not (s.group and not s.group.forked)
+                                   for s in seqs[num_decodes:]]
+        for s, d in zip(seqs, do_sample.tolist()):
+            s.inflight += 1
+            s.pending_sample = bool(d)
+        pending = set(deferred)
+        return dict(ids=ids, rows=rows, input_ids=input_ids, seq_lens=seq_lens,
+                    positions=np.repeat(starts, num_new) + inner, num_new=num_new, do_sample=do_sample,
+                    gens=[s.gen for s in seqs], base=np.fromiter((s.blocks_sent for s in seqs), dtype=np.int32, count=B),
+                    offsets=np.fromiter((len(s.output_token_ids) + (s in pending) for s in seqs), dtype=np.int32,
+                                        count=B),
+                    deferred=deferred, step_rows=b"".join([s.step_row for s in seqs]), plain=False,
+                    prompt_rows=prompt_rows)
 
     def _take_copies(self) -> list[tuple[int, int]]:
         copies, self.copies = self.copies, []

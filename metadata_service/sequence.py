@@ -108,7 +108,7 @@ class Sequence:
     suppress_ids: tuple = ()                 # EOS + stop ids, masked while output < min_new_tokens
     matcher: object = None                   # xgrammar GrammarMatcher when params.grammar is set
 
-    step_row: bytes = b""                    # its fixed facts packed once, at admission (decode_step.py)
+    step_row: bytes = b""                    # its fixed facts packed once, at admission (step_rows.py)
     prompt_lp: object = None                 # PromptState when the request asked for prompt logprobs
 
     def __post_init__(self):

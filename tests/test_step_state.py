@@ -82,7 +82,7 @@ def _runner(overlap: bool):
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_plain_decode_steps_match_the_general_path(overlap):
-    """Two identical chains, one applying plain decode steps through decode_step.apply_plain, the
+    """Two identical chains, one applying plain decode steps through apply.apply_plain, the
     other through the general per-sequence path: the same tokens, finishes and sample offsets (the
     steady path derives them from seq_len - prompt length)."""
     from metadata_service.sequence import SamplingParams, Sequence

@@ -1,0 +1,272 @@
+"""What the gateway's routes share (`Gateway`): the SDK client, the served model's identity, the
+chat template, token strings and the metrics; and how one prompt's chunks are observed for them
+(`_Observed`: TTFT, inter-token latency, tokens, finish reasons)."""
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from client.aio import AsyncClient
+from client.errors import MiniPagedError
+from client.messages import Stats, StreamChunk
+
+from . import model_identity as identity
+from . import reasoning as rs
+from .chat_template import ChatTemplate
+from .errors import GatewayError
+from .metrics import GatewayMetrics
+from .token_bytes import TokenStrings
+
+log = logging.getLogger("gateway")
+DEFAULT_CHAT_MAX_TOKENS = 256
+MODEL_REFRESH_S = 5.0  # Stats poll that keeps the served model's identity and context current
+
+
+@dataclass
+class GatewayConfig:
+    metadata: str                         # HOST:PORT of the metadata service
+    token: str | None = None              # HTTP clients must send "Authorization: Bearer <token>"
+    metadata_token: str | None = None     # presented to the metadata service (default: token)
+    model: str | None = None              # what the workers load (tiny or a checkpoint path)
+    served_model_name: str | None = None  # the name in /v1/models (default: model)
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS  # chat requests without max_tokens
+    reasoning_parser: str = rs.DEFAULT_PARSER  # "qwen3": <think> split out where the template thinks
+    snapshot_max_blocks: int = 4096       # dashboard: blocks per chain before sampling with a stride
+    rpc_timeout: float = 5.0              # Stats / PoolSnapshot calls
+
+
+def _reported_model(stats: Stats | None) -> str:
+    """The model the service reports, once the proto carries it (see docs/gateway.md)."""
+    return (getattr(stats, "model", "") or getattr(stats, "model_name", "")) if stats is not None else ""
+
+
+class Gateway:
+    """What the routes share: the SDK client, the template, the tokenizer for token strings and
+    the metrics. Created in the app's lifespan (grpc.aio binds to the running loop)."""
+
+    def __init__(self, config: GatewayConfig):
+        self.config = config
+        self.client: AsyncClient | None = None
+        self.template = ChatTemplate(config.model)
+        self.tokenizer = self._load_tokenizer(config.model)
+        self.metrics = GatewayMetrics(lambda: self.model_name)
+        self.started = int(time.time())
+        self.last_stats: Stats | None = None
+        self.token_text = functools.lru_cache(maxsize=65536)(self._token_text)
+        self.ttft_sum, self.ttft_count = 0.0, 0  # for the dashboard's TTFT plot
+        self.local_config = self._local_config(config.model)
+        self.max_model_len = self.local_config.max_position_embeddings if self.local_config else None
+        self.mismatch: str | None = None      # why --model is not the served model (requests get 503)
+        self._adopted = ""                    # without --model: the served model taken from the service
+        self._warned: set[str] = set()
+
+    # ------------------------------------------------------------ model identity
+
+    @staticmethod
+    def _load_tokenizer(model: str | None):
+        if not model or (model != "tiny" and not os.path.isdir(model)):
+            return None  # not readable here: token strings fall back to "token_id:N"
+        from minipaged.tokenizer import load_tokenizer
+        try:
+            return load_tokenizer(model)
+        except Exception as e:  # noqa: BLE001 - a broken tokenizer must not stop the gateway
+            log.warning("cannot load the tokenizer of %s (%s): logprob tokens shown as token ids", model, e)
+            return None
+
+    @staticmethod
+    def _local_config(model: str | None):
+        try:
+            return identity.check_model_arg(model)
+        except (ValueError, OSError):  # python -m gateway refuses these at start (gateway/__main__.py)
+            return None
+
+    @property
+    def model_name(self) -> str:
+        c = self.config
+        return c.served_model_name or c.model or _reported_model(self.last_stats) or "minipaged"
+
+    def accepts_model(self, name: str | None) -> bool:
+        if not name:
+            return True
+        known = {self.model_name, self.config.model or "", _reported_model(self.last_stats)}
+        known |= {os.path.basename(os.path.normpath(k)) for k in known if k}
+        return name in known - {""}
+
+    def check_model(self, name: str | None) -> None:
+        if not self.accepts_model(name):
+            raise GatewayError(404, f"The model `{name}` does not exist. This gateway serves "
+                                    f"`{self.model_name}` (GET /v1/models).", "invalid_request_error",
+                               "model", "model_not_found")
+
+    def token_text_for(self, req) -> TokenStrings:
+        return TokenStrings(_token_id_text if req.return_tokens_as_token_ids else self.token_text, self.tokenizer)
+
+    def _token_text(self, token_id: int) -> str:
+        """A token as text for logprobs (vLLM writes "token_id:N" where it has no tokenizer)."""
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id])
+
+    # ------------------------------------------------------------ service calls
+
+    async def stats(self) -> Stats:
+        st = await self.client.stats(timeout=self.config.rpc_timeout)
+        self.last_stats = st
+        await self._observe_model(st)
+        return st
+
+    async def _observe_model(self, st: Stats) -> None:
+        """The served model, as Stats reports it: checked against --model, or adopted without one
+        (gateway/model_identity.py). max_model_len is the service's, the limit it enforces."""
+        if st.max_model_len:
+            self.max_model_len = st.max_model_len
+        model = self.config.model
+        if model:
+            why = identity.mismatch(model, self.local_config, st)
+            if why and why != self.mismatch:
+                log.error("%s", why)
+            elif self.mismatch and not why:
+                log.info("gateway --model %s matches the served model again", model)
+            self.mismatch = why
+            warn = None if why else identity.path_warning(model, st)
+            if warn and warn not in self._warned:
+                self._warned.add(warn)
+                log.warning("%s", warn)
+        elif st.model and st.model != self._adopted:
+            self._adopted = st.model
+            if not identity.readable_checkpoint(st.model):
+                log.warning("the workers' model %s is not readable here: chat uses the %s template and logprob "
+                            "tokens are shown as ids (mount it, or pass --model)", st.model, self.template.source)
+                return
+            loaded = await asyncio.to_thread(lambda: (ChatTemplate(st.model), self._load_tokenizer(st.model)))
+            self.template, self.tokenizer = loaded
+            self.token_text.cache_clear()
+            log.info("model taken from the service: %s (max_model_len %d, chat template: %s)", st.model,
+                     st.max_model_len, self.template.source)
+
+    async def require_model(self) -> None:
+        """Before a generation request: refuse one for a model the workers do not serve."""
+        if self.last_stats is None or not self.last_stats.model:   # not known yet: ask once
+            try:
+                await self.stats()
+            except MiniPagedError:
+                return  # the request itself reports the service's state
+        if self.mismatch:
+            raise GatewayError(503, self.mismatch, "service_unavailable_error", "model", "model_mismatch")
+
+    async def refresh_forever(self, interval_s: float) -> None:
+        """Keep the served model's identity current (workers can be restarted with another model)."""
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.stats()
+            except MiniPagedError:
+                pass
+
+    async def generate_stream(self, items: list[dict], n: int, t0: float,
+                              whole: bool = False) -> AsyncIterator[tuple[int, StreamChunk]]:
+        """Every prompt's Generate stream at once, merged: (OpenAI choice index, chunk). Leaving the
+        iterator early cancels every stream (each cancelled RPC frees its sequence's blocks).
+        `whole` (a non-streaming HTTP request): one chunk per choice, at its end."""
+        queue: asyncio.Queue = asyncio.Queue()
+        end = object()
+
+        async def pump(p: int, kw: dict) -> None:
+            obs = _Observed(self, t0)
+            agen = None
+            try:  # (a failure to even start the stream must reach the consumer too, or it waits forever)
+                agen = self.client.chunks(whole=whole, **kw)  # best_of > n (refused when streaming): winners at the end
+                async for chunk in agen:
+                    obs.chunk(chunk)
+                    await queue.put((p * n + chunk.index, chunk))
+                obs.finish()
+                await queue.put((p, end))
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer
+                await queue.put((p, e))
+            finally:
+                if agen is not None:
+                    await agen.aclose()  # a stream left at a yield: cancel its RPC now, not at GC
+
+        tasks = [asyncio.ensure_future(pump(p, kw)) for p, kw in enumerate(items)]
+        try:
+            left = len(tasks)
+            while left:
+                idx, item = await queue.get()
+                if item is end:
+                    left -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield idx, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _token_id_text(token_id: int) -> str:
+    return f"token_id:{token_id}"
+
+
+class _Observed:
+    """Per prompt: TTFT, inter-token latency, e2e latency, tokens and finish reasons."""
+
+    def __init__(self, gw: Gateway, t0: float):
+        self.gw, self.m, self.model, self.t0 = gw, gw.metrics, gw.model_name, t0
+        self.first: float | None = None
+        self.last: dict[int, float] = {}
+        self.prompt_tokens = 0
+        self.generated = 0
+        self.finished: list[str] = []
+
+    def chunk(self, c: StreamChunk) -> None:
+        now = time.monotonic()
+        if c.decode_seconds and len(c.token_ids) > 1:   # a whole choice: the service timed its tokens
+            self._whole(c, now)
+        elif c.token_ids:
+            if self.first is None:
+                self.first = now
+                self.m.ttft.labels(self.model).observe(now - self.t0)
+                self.gw.ttft_sum += now - self.t0
+                self.gw.ttft_count += 1
+            elif c.index in self.last:
+                self.m.itl.labels(self.model).observe((now - self.last[c.index]) / len(c.token_ids))
+            self.last[c.index] = now
+            self.generated += len(c.token_ids)
+        if c.usage is not None:
+            self.prompt_tokens = c.usage.prompt_tokens
+        if c.finish_reason:
+            self.finished.append(c.finish_reason)
+
+    def _whole(self, c: StreamChunk, now: float) -> None:
+        first = now - c.decode_seconds
+        if self.first is None:
+            self.first = first
+            self.m.ttft.labels(self.model).observe(first - self.t0)
+            self.gw.ttft_sum += first - self.t0
+            self.gw.ttft_count += 1
+        itl = self.m.itl.labels(self.model)
+        for _ in range(len(c.token_ids) - 1):        # the mean gap, once per token (as a stream counts)
+            itl.observe(c.decode_seconds / (len(c.token_ids) - 1))
+        self.last[c.index] = now
+        self.generated += len(c.token_ids)
+
+    def finish(self) -> None:
+        self.m.e2e.labels(self.model).observe(time.monotonic() - self.t0)
+        self.m.prompt_tokens.labels(self.model).inc(self.prompt_tokens)
+        self.m.generation_tokens.labels(self.model).inc(self.generated)
+        for reason in self.finished:
+            self.m.request_success.labels(self.model, reason).inc()
+
+
+# ---------------------------------------------------------------- helpers

@@ -1,0 +1,135 @@
+"""Applying a step's reply to its sequences: each sampled token appended, the stop rules checked,
+finished sequences removed and their owners told. `apply_reply` handles every rule (stop strings,
+grammars, logprobs, beams, streams); `apply_plain` the steady decode step of plain sequences
+(step_rows.py), with the stop rules as vector compares. Called by the chain's thread, under its lock."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from minipaged.v1 import worker_pb2
+from minipaged.wire import FLOAT32, INT32, unpack
+
+from .beam import on_beam_rows
+from .grammar import advance
+from .scheduler import ScheduledBatch
+from .sequence import SeqStatus
+from .step_rows import STEP_ROW, eos_mask
+
+
+def apply_reply(chain, b: ScheduledBatch, reply: worker_pb2.StepReply) -> None:
+    """Append each sampled token and apply the stop rules, any rule (one pass, locals only)."""
+    sampled = unpack(reply.sampled_token_ids, INT32)
+    tokens = sampled.tolist()
+    is_eos = eos_mask(sampled, chain.engine.eos_ids).tolist()
+    logprobs = unpack(reply.logprobs, FLOAT32).tolist() if reply.logprobs else None
+    top = None
+    if reply.top_logprob_ids:
+        top_ids = unpack(reply.top_logprob_ids, INT32).reshape(len(tokens), -1)
+        top = (top_ids, unpack(reply.top_logprobs, FLOAT32).reshape(top_ids.shape))
+    rows = b.do_sample.nonzero()[0].tolist() if len(tokens) < len(b.seqs) else range(len(tokens))
+    seqs, gens = b.seqs, b.gens
+    finished_status, engine = SeqStatus.FINISHED, chain.engine
+    special = b.special or logprobs is not None or top is not None
+    finished, fill, rejected, beams = [], [], [], []
+    kept = 0
+    now = 0.0
+    for j, i in enumerate(rows):
+        seq = seqs[i]
+        if seq.gen != gens[i] or seq.status is finished_status:  # preempted or ended while in flight
+            continue
+        if seq.group is not None and seq.group.beam:  # beam search: its group picks the tokens
+            beams.append((seq, j))
+            continue
+        tok = tokens[j]
+        if seq.deferred:                # the step after this one already reads this token
+            fill.append(j)
+            seq.deferred = False
+        out = seq.output_token_ids
+        if not out:
+            seq.first_token_at = now = now or time.monotonic()
+        out.append(tok)
+        seq.num_tokens += 1
+        kept += 1
+        p = seq.params
+        verdict = ""
+        if special:
+            if logprobs is not None:
+                seq.output_logprobs.append(logprobs[j])
+            if top is not None and p.top_logprobs:
+                seq.output_top.append((top[0][j, :p.top_logprobs], top[1][j, :p.top_logprobs]))
+            if seq.matcher is not None:
+                verdict = advance(seq.matcher, tok)  # structured outputs
+        if verdict == "rejected":
+            rejected.append(seq)
+        elif verdict == "stop" or (is_eos[j] and not p.ignore_eos) or tok in p.stop_token_ids:
+            finished.append((seq, "stop"))
+        elif seq.stop_checker is not None and seq.stop_checker.push(tok):
+            finished.append((seq, "stop"))
+        elif len(out) >= p.max_new_tokens:
+            finished.append((seq, "length"))
+        elif seq.sink is not None and seq.tag is None and p.per_token_events:  # streams hear every token
+            engine.stream_tokens(seq, [tok], [logprobs[j]] if logprobs else [],
+                                 seq.output_top[-1:] if p.top_logprobs else [])
+    if beams:
+        kept += on_beam_rows(chain, beams, top)
+    if fill:
+        where = np.asarray(fill)
+        chain.manager.fill_tokens(b.seq_ids[b.do_sample.astype(bool)][where], sampled[where])
+    chain.generated_tokens += kept        # tokens requests kept (not one computed and dropped)
+    for seq, reason in finished:
+        chain.scheduler.remove(seq)
+    for seq in rejected:
+        chain.scheduler.remove(seq)
+    for seq, reason in finished:
+        engine.finish(seq, reason)
+    for seq in rejected:
+        engine.finish(seq, "error", error=f"the data plane returned token {seq.output_token_ids[-1]}, which "
+                                          f"the request's grammar does not allow (a worker ignored the bitmask)",
+                      code="INTERNAL")
+
+
+def apply_plain(chain, b: ScheduledBatch, tokens: np.ndarray) -> None:
+    """A decode step of plain sequences: one pass appends the tokens, vector compares find the ends."""
+    finished, fill, kept = _plain_rows(b, tokens, chain.engine.eos_ids)
+    if fill.size:
+        chain.manager.fill_rows(chain.manager.rows_of(b.seq_ids[fill]), tokens[fill])
+    chain.generated_tokens += kept
+    for seq, _ in finished:
+        chain.scheduler.remove(seq)
+    for seq, reason in finished:
+        chain.engine.finish(seq, reason)
+
+
+def _plain_rows(b, tokens: np.ndarray, eos_ids) -> tuple[list, np.ndarray, int]:
+    """The reply of a plain decode step `b` (a ScheduledBatch): each sequence still in it appends its
+    token and is one step less in flight (the step_done of the general path). Returns (finished
+    [(seq, reason)], indexes of tokens an in-flight step read as -1, tokens kept)."""
+    rows = np.frombuffer(b.sampling_rows, dtype=STEP_ROW)
+    new_len = b.sample_offsets + 1                     # output length once this token is appended
+    stop = eos_mask(tokens, eos_ids) & (rows["ignore_eos"] == 0)
+    done = stop | (new_len >= rows["max_new"])
+    fill, gone = [], []
+    finished_status = SeqStatus.FINISHED
+    for j, (s, g, tok) in enumerate(zip(b.seqs, b.gens, tokens.tolist())):
+        if s.gen != g or s.status is finished_status:  # preempted or ended while in flight
+            if s.gen == g and s.inflight:
+                s.inflight -= 1
+            gone.append(j)
+            continue
+        s.inflight -= 1
+        if s.deferred:                                 # the step after this one already reads it
+            fill.append(j)
+            s.deferred = False
+        s.output_token_ids.append(tok)
+        s.num_tokens += 1
+    first = np.flatnonzero(b.sample_offsets == 0)
+    if first.size:
+        now = time.monotonic()
+        for j in first.tolist():
+            b.seqs[j].first_token_at = now
+    if gone:
+        done[gone] = False
+    finished = [(b.seqs[j], "stop" if stop[j] else "length") for j in np.flatnonzero(done).tolist()]
+    return finished, np.asarray(fill, dtype=np.intp), len(tokens) - len(gone)

@@ -82,6 +82,7 @@ class _Proc:
     cmd: list[str]
     log_path: str
     popen: subprocess.Popen | None = None
+    rebinds: int = 0      # restarts on a fresh port after "could not bind" (see _rebind)
 
 
 class LocalCluster:
@@ -193,7 +194,7 @@ class LocalCluster:
         or a process exits."""
         end = time.monotonic() + (self.startup_timeout if timeout is None else timeout)
         while True:
-            dead = [p.name for p in self._procs if p.popen.poll() is not None]
+            dead = [p.name for p in self._procs if p.popen.poll() is not None and not self._rebind(p)]
             if dead:
                 raise ClusterError(f"{', '.join(dead)} exited before the cluster was ready; "
                                    f"logs in {self.log_dir}\n" + self.logs())
@@ -208,6 +209,24 @@ class LocalCluster:
                 raise ClusterError(f"cluster at {self.address} not ready after {self.startup_timeout:.0f}s; "
                                    f"logs in {self.log_dir}\n" + self.logs())
             time.sleep(0.2)
+
+    def _rebind(self, p: _Proc) -> bool:
+        """A worker that lost its --port to another process (free_port's port is free only until
+        some process binds an ephemeral port, e.g. another worker's data link) starts again on a
+        fresh one, at most 3 times. True when it was restarted."""
+        if not p.name.startswith("worker") or p.rebinds >= 3 or "--port" not in p.cmd:
+            return False
+        try:
+            with open(p.log_path, "rb") as f:
+                f.seek(max(0, os.path.getsize(p.log_path) - 4096))
+                if b"could not bind" not in f.read():
+                    return False
+        except OSError:
+            return False
+        p.rebinds += 1
+        p.cmd[p.cmd.index("--port") + 1] = str(free_port())
+        self._spawn(p)
+        return True
 
     def _start_gateway(self, py: str, log_path: str, token: str | None) -> None:
         import urllib.error

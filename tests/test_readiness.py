@@ -128,3 +128,29 @@ def test_a_worker_with_a_wrong_token_exits_with_a_clear_error(tmp_path):
         assert w.returncode == 3 and "refused this worker" in out and "UNAUTHENTICATED" not in out.split("refused")[0]
     finally:
         stop(meta)
+
+
+def test_local_cluster_restarts_a_worker_whose_port_was_taken(monkeypatch):
+    """free_port's port is free only until some process binds an ephemeral port (another worker's
+    data link can take it): the worker says "could not bind" and LocalCluster starts it again on
+    a fresh port, instead of failing the whole cluster."""
+    import socket
+
+    import client.cluster as cluster
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    calls = []
+    real = cluster.free_port
+
+    def free_port():
+        calls.append(1)
+        return taken.getsockname()[1] if len(calls) == 2 else real()   # 1: the service, 2: worker0
+
+    monkeypatch.setattr(cluster, "free_port", free_port)
+    try:
+        with cluster.LocalCluster(model="tiny", workers=1, startup_timeout=120) as c:
+            assert c._procs[1].rebinds == 1
+            assert len(c.client.generate(prompt_token_ids=[1, 2, 3], max_new_tokens=3).token_ids) == 3
+    finally:
+        taken.close()

@@ -13,6 +13,13 @@ by worker/simulator.py's H200 roofline model of a Qwen3-8B-shaped config, bench/
 Real rows (the tiny model computing on this CPU): 1 worker vs 2 stages vs 2 replicas on the same cores.
 
     .venv/bin/python bench/scale.py [--quick] [--only replicas,stages,overlap,prefix,wire,cpu]
+        [--prompts short,long] [--against OTHER_CHECKOUT]
+
+Replica and stage tables, per workload (short: 64-256 prompt ids, long: 512-1536; 128 new tokens):
+tokens/s, the ratio to one worker, and host CPU microseconds per generated token for the metadata
+service and for the workers (from /proc, per token that went through each worker). --against runs
+each of those rows with another checkout's code too, right after this tree's: today's machine
+drifts by ~30% in minutes, so only rows run side by side compare.
 """
 from __future__ import annotations
 
@@ -90,9 +97,9 @@ WORKLOADS = {"short": (64, 256, 128), "long": (512, 1536, 128)}   # prompt ids l
 
 
 # ---------------------------------------------------------------- simulated
-def sim_cluster(stages=1, replicas=1, profile="h200", extra=()):
+def sim_cluster(stages=1, replicas=1, profile="h200", extra=(), root=None):
     return LocalCluster(model=CONFIG_8B, workers=stages, replicas=replicas, simulate=profile, dtype=None,
-                        startup_timeout=300, extra_service_args=list(extra))
+                        startup_timeout=300, extra_service_args=list(extra), root=root)
 
 
 def workload_title(name, args):
@@ -101,36 +108,35 @@ def workload_title(name, args):
 
 
 def bench_replicas(args):
-    for name in args.prompts:
-        lo, hi, new = args.workloads[name]
-        rows, base = [], None
-        for R in args.replicas:
-            with sim_cluster(replicas=R) as c:
-                run_job(c, requests(8 * R, 64, 128, 4, seed=99))          # warm-up
-                tps, wall, b, a, svc_us, wrk_us = timed_job(c, requests(args.per_worker * R, lo, hi, new, seed=R))
-            base = base or tps
-            rows.append((f"{R} replica{'s' if R > 1 else ''}", f"{tps:,.0f}", f"{tps / base:.2f}x",
-                         f"{cpu_percent(b, a, wall):.0f}%", f"{svc_us:.1f}", f"{wrk_us:.1f}", f"{wall:.1f}"))
-        table(f"simulated H200 replicas (Qwen3-8B shape), {workload_title(name, args)}, R x the requests",
-              ("setup", "tok/s", "vs R=1", "metadata CPU", "service us/token", "worker us/token", "wall s"), rows)
+    bench_workers(args, "replicas")
 
 
 def bench_stages(args):
+    bench_workers(args, "stages")
+
+
+def bench_workers(args, kind: str):
+    """R replicas or N stages with R (N) x the requests, each workload; with --against, every row
+    also runs the other checkout's code right after this one's (the machine's drift hits both)."""
+    trees = [("", None)] + ([(os.path.basename(os.path.abspath(args.against)), args.against)] if args.against else [])
     for name in args.prompts:
         lo, hi, new = args.workloads[name]
-        rows, base = [], None
-        for N in args.stages:
-            with sim_cluster(stages=N) as c:
-                run_job(c, requests(8 * N, 64, 128, 4, seed=98))
-                tps, wall, b, a, svc_us, wrk_us = timed_job(c, requests(args.per_worker * N, lo, hi, new, seed=N))
-            base = base or tps
-            busy = busy_fractions(b, a, wall)
-            rows.append((f"{N} stage{'s' if N > 1 else ''}", f"{tps:,.0f}", f"{tps / base:.2f}x",
-                         " ".join(f"{x:.0%}" for x in busy), f"{cpu_percent(b, a, wall):.0f}%",
-                         f"{svc_us:.1f}", f"{wrk_us:.1f}", f"{wall:.1f}"))
-        table(f"simulated H200 pipeline stages (Qwen3-8B shape), {workload_title(name, args)}, N x the requests",
-              ("setup", "tok/s", "vs N=1", "stage busy", "metadata CPU", "service us/token",
-               "worker us/token", "wall s"), rows)
+        rows, base = [], {}
+        for n in getattr(args, kind):
+            for label, root in trees:
+                kw = dict(replicas=n) if kind == "replicas" else dict(stages=n)
+                with sim_cluster(root=root, **kw) as c:
+                    run_job(c, requests(8 * n, 64, 128, 4, seed=99))          # warm-up
+                    tps, wall, b, a, svc_us, wrk_us = timed_job(c, requests(args.per_worker * n, lo, hi, new, seed=n))
+                base.setdefault(label, tps)
+                setup = f"{n} {kind if n > 1 else kind[:-1]}" + (f" ({label or 'this tree'})" if args.against else "")
+                busy = [" ".join(f"{x:.0%}" for x in busy_fractions(b, a, wall))] if kind == "stages" else []
+                rows.append((setup, f"{tps:,.0f}", f"{tps / base[label]:.2f}x", *busy, f"{cpu_percent(b, a, wall):.0f}%",
+                             f"{svc_us:.1f}", f"{wrk_us:.1f}", f"{wall:.1f}"))
+        what, letter = ("replicas", "R") if kind == "replicas" else ("pipeline stages", "N")
+        table(f"simulated H200 {what} (Qwen3-8B shape), {workload_title(name, args)}, {letter} x the requests",
+              ("setup", "tok/s", f"vs {letter}=1", *(["stage busy"] if kind == "stages" else []),
+               "metadata CPU", "service us/token", "worker us/token", "wall s"), rows)
 
 
 def bench_overlap(args):
@@ -306,6 +312,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller loads, fewer points (a smoke run)")
     ap.add_argument("--only", default="replicas,stages,overlap,prefix,wire,cpu")
+    ap.add_argument("--against", default="", metavar="CHECKOUT",
+                    help="replica and stage rows also run this other checkout's code, alternating row by row")
     ap.add_argument("--prompts", default="short,long",
                     help="workloads of the replica and stage tables: short (64-256 ids), long (512-1536); 128 new")
     args = ap.parse_args()

@@ -152,11 +152,17 @@ async def _model_card(gw: Gateway) -> dict:
     return card
 
 
-async def _completions(gw: Gateway, request: Request):
+async def _accept(gw: Gateway, request: Request, model):
+    """(arrival time, the parsed request) once its model is the served one."""
     t0 = time.monotonic()
-    req = _parse(oa.CompletionRequest, await _json_body(request))
+    req = _parse(model, await _json_body(request))
     await gw.require_model()  # first: without --model, the name to accept comes from the service
     gw.check_model(req.model)
+    return t0, req
+
+
+async def _completions(gw: Gateway, request: Request):
+    t0, req = await _accept(gw, request, oa.CompletionRequest)
     kw = oa.completion_kwargs(req)
     prompts = oa.completion_prompts(req)
     echo = prompt_ids = None
@@ -180,10 +186,7 @@ async def _completions(gw: Gateway, request: Request):
 
 
 async def _chat_completions(gw: Gateway, request: Request):
-    t0 = time.monotonic()
-    req = _parse(oa.ChatCompletionRequest, await _json_body(request))
-    await gw.require_model()  # first: without --model, the name to accept comes from the service
-    gw.check_model(req.model)
+    t0, req = await _accept(gw, request, oa.ChatCompletionRequest)
     messages = oa.chat_messages(req)
     tools = tc.plan(req.tools, req.tool_choice, req.parallel_tool_calls)
     template_kwargs = {**(req.chat_template_kwargs or {}), **({"tools": req.tools} if req.tools else {})}

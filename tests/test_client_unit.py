@@ -527,7 +527,12 @@ def test_cli_help_jobs_and_new_options(fake, capsys, monkeypatch):
 def _cli(address, *args, **kw):
     import subprocess
     import sys
-    return subprocess.Popen([sys.executable, "-m", "client", *args, "--address", address], cwd=REPO,
+    # Ctrl-C as a terminal delivers it: a suite started in the background (`make test &`) ignores
+    # SIGINT, children inherit that, and Python then never raises KeyboardInterrupt (no preexec_fn:
+    # forking a process with gRPC threads is unsafe)
+    boot = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            "sys.argv[0] = 'client'; runpy.run_module('client', run_name='__main__', alter_sys=True)")
+    return subprocess.Popen([sys.executable, "-c", boot, *args, "--address", address], cwd=REPO,
                             env={**os.environ, "PYTHONPATH": REPO}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             **kw)
 

@@ -94,7 +94,7 @@ def apply_plain(chain, b: ScheduledBatch, tokens: np.ndarray) -> None:
     """A decode step of plain sequences: one pass appends the tokens, vector compares find the ends."""
     finished, fill, kept = _plain_rows(b, tokens, chain.engine.eos_ids)
     if fill.size:
-        chain.manager.fill_rows(chain.manager.rows_of(b.seq_ids[fill]), tokens[fill])
+        chain.manager.fill_rows(b.manager_rows[fill], tokens[fill])   # rows of live sequences (not gone)
     chain.generated_tokens += kept
     for seq, _ in finished:
         chain.scheduler.remove(seq)
@@ -106,7 +106,7 @@ def _plain_rows(b, tokens: np.ndarray, eos_ids) -> tuple[list, np.ndarray, int]:
     """The reply of a plain decode step `b` (a ScheduledBatch): each sequence still in it appends its
     token and is one step less in flight (the step_done of the general path). Returns (finished
     [(seq, reason)], indexes of tokens an in-flight step read as -1, tokens kept)."""
-    rows = np.frombuffer(b.sampling_rows, dtype=STEP_ROW)
+    rows = np.frombuffer(b.step_rows, dtype=STEP_ROW)
     new_len = b.sample_offsets + 1                     # output length once this token is appended
     stop = eos_mask(tokens, eos_ids) & (rows["ignore_eos"] == 0)
     done = stop | (new_len >= rows["max_new"])

@@ -48,7 +48,8 @@ class ScheduledBatch:
     new_blocks: np.ndarray       # int32 [sum]
     seq_ids: np.ndarray          # int64 [B]
     sample_offsets: np.ndarray   # int32 [B] index of the token each row samples (+1 when its input is -1)
-    sampling_rows: bytes         # the sequences' STEP_ROWs (step_rows.py), joined
+    step_rows: bytes             # the sequences' STEP_ROWs (step_rows.py), joined
+    manager_rows: np.ndarray     # their KVBlockManager rows (stable while they live)
     special: bool                # some sequence needs logprobs, extras or a grammar (else all skip them)
     plain: bool = False          # decodes only, of plain sequences: apply.apply_plain applies it
     slot: int = 0
@@ -361,7 +362,7 @@ class Scheduler:
             slot_mapping=(slots[0] if len(slots) == 1 else np.concatenate(slots)).astype(np.int32, copy=False),
             query_start_loc=qsl, seq_lens=a["seq_lens"], do_sample=a["do_sample"],
             table_base=a["base"], new_block_counts=counts, new_blocks=new_blocks.astype(np.int32, copy=False),
-            seq_ids=a["ids"], sample_offsets=a["offsets"], sampling_rows=a["step_rows"],
+            seq_ids=a["ids"], sample_offsets=a["offsets"], step_rows=a["step_rows"], manager_rows=a["rows"],
             special=self.num_special > 0, plain=a["plain"], slot=slot, deferred=deferred, block_tables=tables,
             copies=self._take_copies(), prompt_rows=a["prompt_rows"])
 
@@ -420,7 +421,8 @@ class Scheduler:
         pending = set(deferred)
         return dict(ids=ids, rows=rows, input_ids=input_ids, seq_lens=seq_lens,
                     positions=np.repeat(starts, num_new) + inner, num_new=num_new, do_sample=do_sample,
-                    gens=[s.gen for s in seqs], base=np.fromiter((s.blocks_sent for s in seqs), dtype=np.int32, count=B),
+                    gens=[s.gen for s in seqs],
+                    base=np.fromiter((s.blocks_sent for s in seqs), dtype=np.int32, count=B),
                     offsets=np.fromiter((len(s.output_token_ids) + (s in pending) for s in seqs), dtype=np.int32,
                                         count=B),
                     deferred=deferred, step_rows=b"".join([s.step_row for s in seqs]), plain=False,

@@ -19,7 +19,7 @@ def build_step_request(b: ScheduledBatch, release: list[int], step_id: int, epoc
                        vocab_size: int) -> worker_pb2.StepRequest:
     """The Step of a ScheduledBatch (vocab_size: for grammar bitmasks)."""
     seqs = b.seqs
-    rows = np.frombuffer(b.sampling_rows, dtype=STEP_ROW)
+    rows = np.frombuffer(b.step_rows, dtype=STEP_ROW)
     req = worker_pb2.StepRequest(
         step_id=step_id, cache_epoch=epoch,
         sequence_ids=pack(b.seq_ids, INT64),

@@ -29,7 +29,7 @@ def apply_reply(chain, b: ScheduledBatch, reply: worker_pb2.StepReply) -> None:
         top_ids = unpack(reply.top_logprob_ids, INT32).reshape(len(tokens), -1)
         top = (top_ids, unpack(reply.top_logprobs, FLOAT32).reshape(top_ids.shape))
     rows = b.do_sample.nonzero()[0].tolist() if len(tokens) < len(b.seqs) else range(len(tokens))
-    seqs, gens = b.seqs, b.gens
+    seqs, gens = b.seqs, b.gens.tolist()
     finished_status, engine = SeqStatus.FINISHED, chain.engine
     special = b.special or logprobs is not None or top is not None
     finished, fill, rejected, beams = [], [], [], []
@@ -91,8 +91,9 @@ def apply_reply(chain, b: ScheduledBatch, reply: worker_pb2.StepReply) -> None:
 
 
 def apply_plain(chain, b: ScheduledBatch, tokens: np.ndarray) -> None:
-    """A decode step of plain sequences: one pass appends the tokens, vector compares find the ends."""
-    finished, fill, kept = _plain_rows(b, tokens, chain.engine.eos_ids)
+    """A decode step of plain sequences: vector updates of their Progress rows, one pass that
+    appends the tokens, vector compares that find the ends."""
+    finished, fill, kept = _plain_rows(chain.scheduler.progress, b, tokens, chain.engine.eos_ids)
     if fill.size:
         chain.manager.fill_rows(b.manager_rows[fill], tokens[fill])   # rows of live sequences (not gone)
     chain.generated_tokens += kept
@@ -102,34 +103,49 @@ def apply_plain(chain, b: ScheduledBatch, tokens: np.ndarray) -> None:
         chain.engine.finish(seq, reason)
 
 
-def _plain_rows(b, tokens: np.ndarray, eos_ids) -> tuple[list, np.ndarray, int]:
-    """The reply of a plain decode step `b` (a ScheduledBatch): each sequence still in it appends its
-    token and is one step less in flight (the step_done of the general path). Returns (finished
-    [(seq, reason)], indexes of tokens an in-flight step read as -1, tokens kept)."""
-    rows = np.frombuffer(b.step_rows, dtype=STEP_ROW)
-    new_len = b.sample_offsets + 1                     # output length once this token is appended
-    stop = eos_mask(tokens, eos_ids) & (rows["ignore_eos"] == 0)
-    done = stop | (new_len >= rows["max_new"])
-    fill, gone = [], []
+def _plain_rows(P, b, tokens: np.ndarray, eos_ids) -> tuple[list, np.ndarray, int]:
+    """The reply of a plain decode step `b` (a ScheduledBatch) over Progress `P`: each sequence still
+    in it appends its token and is one step less in flight (the step_done of the general path).
+    Returns (finished [(seq, reason)], indexes of tokens an in-flight step read as -1, tokens kept)."""
+    pr = b.progress_rows
+    # still the same run of the same sequence: its row not rebound, its gen not bumped (preempted)
+    same = (P.owner[pr] == b.seq_ids) & (P.gen[pr] == b.gens)
+    live = pr[same]
+    P.inflight[live] -= P.inflight[live] > 0
+    seqs, toks = b.seqs, tokens.tolist()
     finished_status = SeqStatus.FINISHED
-    for j, (s, g, tok) in enumerate(zip(b.seqs, b.gens, tokens.tolist())):
-        if s.gen != g or s.status is finished_status:  # preempted or ended while in flight
-            if s.gen == g and s.inflight:
-                s.inflight -= 1
-            gone.append(j)
-            continue
-        s.inflight -= 1
-        if s.deferred:                                 # the step after this one already reads it
-            fill.append(j)
-            s.deferred = False
-        s.output_token_ids.append(tok)
-        s.num_tokens += 1
-    first = np.flatnonzero(b.sample_offsets == 0)
+    if same.all():
+        gone = [j for j, s in enumerate(seqs) if s.status is finished_status]   # ended meanwhile
+        if not gone:
+            for s, tok in zip(seqs, toks):
+                s.output_token_ids.append(tok)
+        else:
+            skip = set(gone)
+            for j, (s, tok) in enumerate(zip(seqs, toks)):
+                if j not in skip:
+                    s.output_token_ids.append(tok)
+    else:
+        gone = np.flatnonzero(~same).tolist()
+        for j in np.flatnonzero(same).tolist():
+            s = seqs[j]
+            if s.status is finished_status:
+                gone.append(j)
+            else:
+                s.output_token_ids.append(toks[j])
+    keep = np.ones(len(seqs), dtype=bool)
+    keep[gone] = False
+    kept_rows = pr[keep]
+    P.num_tokens[kept_rows] += 1
+    fill = np.flatnonzero(keep & P.deferred[pr])                # the step after this one already read it
+    P.deferred[pr[fill]] = False
+    first = np.flatnonzero((b.sample_offsets == 0) & keep)
     if first.size:
         now = time.monotonic()
         for j in first.tolist():
-            b.seqs[j].first_token_at = now
-    if gone:
-        done[gone] = False
-    finished = [(b.seqs[j], "stop" if stop[j] else "length") for j in np.flatnonzero(done).tolist()]
-    return finished, np.asarray(fill, dtype=np.intp), len(tokens) - len(gone)
+            seqs[j].first_token_at = now
+    rows = np.frombuffer(b.step_rows, dtype=STEP_ROW)
+    new_len = b.sample_offsets + 1                     # output length once this token is appended
+    stop = eos_mask(tokens, eos_ids) & (rows["ignore_eos"] == 0)
+    done = (stop | (new_len >= rows["max_new"])) & keep
+    finished = [(seqs[j], "stop" if stop[j] else "length") for j in np.flatnonzero(done).tolist()]
+    return finished, fill, len(seqs) - len(gone)

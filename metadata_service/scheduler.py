@@ -29,14 +29,25 @@ import numpy as np
 
 from .block_manager import KVBlockManager, OutOfBlocksError
 from .step_rows import STEP_ROW, pack_step_row
+from .progress import Progress
 from .prompt_logprobs import plan as plan_prompt_rows
 from .sequence import SeqStatus, Sequence
 
 
 @dataclass
+class SlotRows:
+    """A micro-batch's running sequences as arrays, rebuilt when it gains or loses one."""
+    prog: np.ndarray             # Progress rows
+    ids: np.ndarray              # int64 sequence ids
+    mrows: np.ndarray            # KVBlockManager rows
+    step_rows: bytes             # their STEP_ROWs, joined
+    simple: bool                 # no choices, beams or sequences that wait for their token
+
+
+@dataclass
 class ScheduledBatch:
     seqs: list[Sequence]
-    gens: list[int]              # each sequence's gen when scheduled (a later change voids its result)
+    gens: np.ndarray             # int64 [B] each sequence's gen when scheduled (a later change voids its result)
     input_ids: np.ndarray        # int32 [T], -1 = the token sampled for it by the step before
     positions: np.ndarray        # int32 [T]
     slot_mapping: np.ndarray     # int32 [T]
@@ -50,10 +61,10 @@ class ScheduledBatch:
     sample_offsets: np.ndarray   # int32 [B] index of the token each row samples (+1 when its input is -1)
     step_rows: bytes             # the sequences' STEP_ROWs (step_rows.py), joined
     manager_rows: np.ndarray     # their KVBlockManager rows (stable while they live)
+    progress_rows: np.ndarray    # their Progress rows when scheduled (progress.py; owner = seq_ids)
     special: bool                # some sequence needs logprobs, extras or a grammar (else all skip them)
     plain: bool = False          # decodes only, of plain sequences: apply.apply_plain applies it
     slot: int = 0
-    deferred: list[Sequence] = field(default_factory=list)  # sequences whose input is -1
     block_tables: np.ndarray | None = None   # int32 [B, max_blocks], only when sending full tables
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) before the step
     prompt_rows: object = None   # prompt_logprobs.StepRows when a request of the step asked for them
@@ -61,6 +72,12 @@ class ScheduledBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.size)
+
+    @property
+    def deferred(self) -> list[Sequence]:
+        """The sequences whose input is the token still being sampled (-1)."""
+        last = self.input_ids[self.query_start_loc[1:] - 1]
+        return [self.seqs[i] for i in np.flatnonzero(last == -1).tolist()]
 
 
 class Scheduler:
@@ -80,6 +97,8 @@ class Scheduler:
         self.copies: list[tuple[int, int]] = []   # forks' copy-on-write, for the next step to carry
         self.num_preemptions = 0
         self.num_special = 0                      # running sequences with logprobs / extras / a grammar
+        self.progress = Progress(max(256, max_num_seqs * micro_batches))   # running sequences' counters
+        self._slots: list[SlotRows | None] = [None] * micro_batches        # by_slot as arrays (cached)
 
     # ------------------------------------------------------------------ queue
     def add(self, seq: Sequence) -> None:
@@ -109,9 +128,11 @@ class Scheduler:
     def requeue_all(self) -> None:
         """The data plane lost its cache: every running sequence recomputes from its tokens."""
         for seq in reversed(self.running):
+            self.progress.unbind(seq)
             self._preempt(seq, count=False)
         self.running = []
         self.by_slot = [[] for _ in range(self.micro_batches)]
+        self._slots = [None] * self.micro_batches
         self.unforked = []
         self.num_special = 0
 
@@ -132,6 +153,8 @@ class Scheduler:
     def _drop_running(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.by_slot[seq.slot].remove(seq)
+        self._slots[seq.slot] = None
+        self.progress.unbind(seq)
         self.num_special -= self._special(seq)
         if seq in self.unforked:
             self.unforked.remove(seq)
@@ -140,8 +163,10 @@ class Scheduler:
         seq.status, seq.slot = SeqStatus.RUNNING, slot
         if not seq.step_row:
             seq.step_row = pack_step_row(seq)
+        self.progress.bind(seq)
         self.running.append(seq)
         self.by_slot[slot].append(seq)
+        self._slots[slot] = None
         self.num_special += self._special(seq)
         if seq.group is not None and not seq.group.forked and seq.group.parent is seq:
             self.unforked.append(seq)
@@ -228,59 +253,21 @@ class Scheduler:
     def schedule(self, slot: int = 0) -> ScheduledBatch | None:
         budget = self.max_num_batched_tokens
         forked = self._fork_ready(slot)
-        decodes, chunks, toks = [], [], []   # toks: each decode's input id (-1: still being sampled)
-        overlap = self.overlap
-        for s in self.by_slot[slot]:
-            g = s.group
-            known = s.num_tokens - s.num_computed_tokens if g is None else self._todo(s)
-            grouped = g is not None and not g.forked
-            if not grouped and known == 1:
-                decodes.append(s)
-                toks.append(s.output_token_ids[-1] if s.output_token_ids else s.prompt_token_ids[-1])
-            elif not grouped and (known == 0 and overlap and s.inflight == 1 and not s.deferred
-                                  and s.pending_sample and not s.params.waits_for_token and not s.params.beam_width):
-                decodes.append(s)
-                toks.append(-1)
-            elif known > 1 or (grouped and known > 0):
-                chunks.append(s)
-        del decodes[budget:], toks[budget:]
-        if overlap:
-            staggered = self._stagger(decodes, slot)
-            if len(staggered) != len(decodes):
-                decodes, toks = staggered, [s.last_token if s.num_tokens > s.num_computed_tokens else -1
-                                            for s in staggered]
-
-        # 1. Decodes: one token each, one all-or-nothing block-manager call; preempt on shortage.
-        slots = []
-        dec = None
-        while decodes:
-            step_rows = b"".join([s.step_row for s in decodes])
-            ids = np.frombuffer(step_rows, dtype=STEP_ROW)["seq_id"].copy()
-            rows = self.manager.rows_of(ids)
-            try:
-                slots.append(self.manager.append_decode_rows(rows, np.asarray(toks, dtype=np.int32)))
-                dec = (step_rows, ids, rows, toks)
-                break
-            except OutOfBlocksError:
-                victim = self._preempt_newest(slot)
-                if victim is None:
-                    return None
-                # the victim, or a whole beam group (preempt_beams), leaves both lists
-                decodes[:] = [s for s in decodes if s.status is SeqStatus.RUNNING]
-                chunks[:] = [s for s in chunks if s.status is SeqStatus.RUNNING]
-                toks = [s.last_token if s.num_tokens > s.num_computed_tokens else -1 for s in decodes]
-        chosen: list[tuple[Sequence, int]] = [(s, 1) for s in decodes]
-        num_decodes = len(decodes)
-        budget -= num_decodes
+        picked = self._vector_decodes(slot, budget) or self._decodes(slot, budget)
+        if picked is None:
+            return None
+        decodes, chunks, dec, slots = picked
+        budget -= len(decodes)
 
         # 2. Running prefills still in flight (chunked prefill), then 3. admissions into this slot.
+        extra: list[tuple[Sequence, int]] = []       # (sequence, tokens) beyond the one-token decodes
         for s in chunks:
             if budget <= 0:
                 break
             n = min(self._todo(s), budget, self._room(s))
             if n > 0:
                 slots.append(self._append(s, n))
-                chosen.append((s, n))
+                extra.append((s, n))
                 budget -= n
         # a fair share per micro-batch, so a few requests still spread over every pipeline slot
         share = min(self.max_num_seqs, -(-(len(self.running) + len(self.waiting)) // self.micro_batches))
@@ -307,17 +294,105 @@ class Scheduler:
             self._admit_running(s, slot)
             if n > 0:
                 slots.append(self._append(s, n))
-                chosen.append((s, n))
+                extra.append((s, n))
                 budget -= n
         forked = self._fork_ready(slot) or forked
 
-        if not chosen:
+        if not decodes and not extra:
             if forked:
                 return self.schedule(slot)            # the new choices decode right away
             if not any(s.inflight for s in self.by_slot[slot]):
                 self._preempt_newest(slot)  # everything stuck on blocks (only prefills): free the newest
             return None
-        return self._build(chosen, slots, num_decodes, slot, dec)
+        return self._build(decodes, extra, slots, slot, dec)
+
+    # 1. Decodes: one token each, one all-or-nothing block-manager call; preempt on shortage.
+    def _slot_rows(self, slot: int) -> SlotRows:
+        c = self._slots[slot]
+        if c is None:
+            mine = self.by_slot[slot]
+            step_rows = b"".join([s.step_row for s in mine])
+            ids = np.frombuffer(step_rows, dtype=STEP_ROW)["seq_id"].copy()
+            c = self._slots[slot] = SlotRows(
+                self.progress.rows_of(mine), ids, self.manager.rows_of(ids), step_rows,
+                all(s.group is None and not s.params.waits_for_token for s in mine))
+        return c
+
+    def _vector_decodes(self, slot: int, budget: int):
+        """The decodes of a micro-batch of sequences without choices, beams or a wait for their
+        token, found by vector compares over its Progress rows (the steady state: no Python pass).
+        None when that does not apply or blocks run short (then `_decodes` preempts)."""
+        if not self.by_slot[slot]:
+            return None
+        c = self._slot_rows(slot)
+        if not c.simple:
+            return None
+        P, pr = self.progress, c.prog
+        known = P.num_tokens[pr] - P.num_computed_tokens[pr]
+        ready = known == 1
+        pick = ready | ((known == 0) & (P.inflight[pr] == 1) & ~P.deferred[pr] & P.pending_sample[pr]) \
+            if self.overlap else ready
+        pick = np.flatnonzero(pick)[:budget]
+        mine = self.by_slot[slot]
+        whole = pick.size == len(mine)
+        decodes = list(mine) if whole else [mine[i] for i in pick.tolist()]
+        toks = np.full(pick.size, -1, dtype=np.int32)
+        known_input = np.flatnonzero(ready[pick])
+        if known_input.size:
+            toks[known_input] = [decodes[i].last_token for i in known_input.tolist()]
+        rows = c.mrows[pick]
+        if pick.size:
+            try:
+                slots = [self.manager.append_decode_rows(rows, toks)]
+            except OutOfBlocksError:
+                return None
+        else:
+            slots = []
+        step_rows = c.step_rows if whole else np.frombuffer(c.step_rows, dtype=STEP_ROW)[pick].tobytes()
+        chunks = [mine[i] for i in np.flatnonzero(known > 1).tolist()]
+        dec = (step_rows, c.ids[pick], rows, toks, pr[pick]) if pick.size else None
+        return decodes, chunks, dec, slots
+
+    def _decodes(self, slot: int, budget: int):
+        """The same for any micro-batch, one sequence at a time (choices, beams, penalties, grammars)."""
+        decodes, chunks, toks = [], [], []   # toks: each decode's input id (-1: still being sampled)
+        overlap = self.overlap
+        for s in self.by_slot[slot]:
+            g = s.group
+            known = s.num_tokens - s.num_computed_tokens if g is None else self._todo(s)
+            grouped = g is not None and not g.forked
+            if not grouped and known == 1:
+                decodes.append(s)
+                toks.append(s.last_token)
+            elif not grouped and (known == 0 and overlap and s.inflight == 1 and not s.deferred
+                                  and s.pending_sample and not s.params.waits_for_token and not s.params.beam_width):
+                decodes.append(s)
+                toks.append(-1)
+            elif known > 1 or (grouped and known > 0):
+                chunks.append(s)
+        del decodes[budget:], toks[budget:]
+        if overlap:
+            staggered = self._stagger(decodes, slot)
+            if len(staggered) != len(decodes):
+                decodes, toks = staggered, [s.last_token if s.num_tokens > s.num_computed_tokens else -1
+                                            for s in staggered]
+        while decodes:
+            step_rows = b"".join([s.step_row for s in decodes])
+            ids = np.frombuffer(step_rows, dtype=STEP_ROW)["seq_id"].copy()
+            rows = self.manager.rows_of(ids)
+            try:
+                arr = np.asarray(toks, dtype=np.int32)
+                slots = [self.manager.append_decode_rows(rows, arr)]
+                return decodes, chunks, (step_rows, ids, rows, arr, self.progress.rows_of(decodes)), slots
+            except OutOfBlocksError:
+                victim = self._preempt_newest(slot)
+                if victim is None:
+                    return None
+                # the victim, or a whole beam group (preempt_beams), leaves both lists
+                decodes[:] = [s for s in decodes if s.status is SeqStatus.RUNNING]
+                chunks[:] = [s for s in chunks if s.status is SeqStatus.RUNNING]
+                toks = [s.last_token if s.num_tokens > s.num_computed_tokens else -1 for s in decodes]
+        return decodes, chunks, None, []
 
     def _stagger(self, decodes: list[Sequence], slot: int) -> list[Sequence]:
         """Async scheduling with sequences that wait for their sampled token (penalties, grammars):
@@ -334,19 +409,13 @@ class Scheduler:
         start = s.num_computed_tokens
         return self.manager.append_tokens(s.seq_id, n, s.token_slice(start, start + n))
 
-    def _build(self, chosen: list[tuple[Sequence, int]], slots: list[np.ndarray], num_decodes: int,
+    def _build(self, decodes: list[Sequence], extra: list[tuple[Sequence, int]], slots: list[np.ndarray],
                slot: int, dec) -> ScheduledBatch:
-        """Pack the step's arrays. `chosen` lists the decodes first; `dec` = (their STEP_ROWs, ids,
-        block-manager rows, input ids) when there are any."""
-        seqs = [s for s, _ in chosen]
+        """Pack the step's arrays: the decodes first, then `extra` (prefill chunks); `dec` = the
+        decodes' (STEP_ROWs, ids, block-manager rows, input ids, Progress rows) when there are any."""
+        a = self._mixed_arrays(decodes, extra, dec) if extra else self._decode_arrays(dec)
+        seqs = decodes + [s for s, _ in extra] if extra else decodes
         B = len(seqs)
-        if num_decodes == B:
-            a = self._decode_arrays(seqs, dec)
-        else:
-            a = self._mixed_arrays(chosen, num_decodes, dec)
-        deferred = a["deferred"]
-        for s in deferred:
-            s.deferred = True
         qsl = np.zeros(B + 1, dtype=np.int32)
         np.cumsum(a["num_new"], out=qsl[1:])
         tables = None
@@ -355,53 +424,50 @@ class Scheduler:
             counts, new_blocks = np.zeros(B, dtype=np.int32), np.zeros(0, dtype=np.int32)
         else:
             counts, new_blocks = self.manager.table_delta_rows(a["rows"], a["base"])
-            for i in np.flatnonzero(counts).tolist():          # the few rows with new blocks
-                seqs[i].blocks_sent += int(counts[i])
+            self.progress.blocks_sent[a["prog"]] += counts
         return ScheduledBatch(
             seqs=seqs, gens=a["gens"], input_ids=a["input_ids"], positions=a["positions"].astype(np.int32, copy=False),
             slot_mapping=(slots[0] if len(slots) == 1 else np.concatenate(slots)).astype(np.int32, copy=False),
             query_start_loc=qsl, seq_lens=a["seq_lens"], do_sample=a["do_sample"],
             table_base=a["base"], new_block_counts=counts, new_blocks=new_blocks.astype(np.int32, copy=False),
             seq_ids=a["ids"], sample_offsets=a["offsets"], step_rows=a["step_rows"], manager_rows=a["rows"],
-            special=self.num_special > 0, plain=a["plain"], slot=slot, deferred=deferred, block_tables=tables,
+            progress_rows=a["prog"], special=self.num_special > 0, plain=a["plain"], slot=slot, block_tables=tables,
             copies=self._take_copies(), prompt_rows=a["prompt_rows"])
 
-    def _decode_arrays(self, seqs: list[Sequence], dec) -> dict:
-        """The steady state, one token per sequence: one pass over the sequences; the rest are
-        columns of their STEP_ROWs and the block manager's arrays."""
-        step_rows, ids, rows, toks = dec
-        B = len(seqs)
-        input_ids = np.asarray(toks, dtype=np.int32)
+    def _decode_arrays(self, dec) -> dict:
+        """The steady state, one token per sequence: columns of their STEP_ROWs, the block
+        manager's arrays and their Progress rows, no pass over the sequences."""
+        step_rows, ids, rows, input_ids, prog = dec
+        P = self.progress
         seq_lens = self.manager.lens_of_rows(rows).astype(np.int32)        # after the appends
-        gens, base = [], []
-        for s in seqs:
-            s.num_computed_tokens += 1
-            s.inflight += 1
-            s.pending_sample = True
-            gens.append(s.gen)
-            base.append(s.blocks_sent)
+        P.num_computed_tokens[prog] += 1
+        P.inflight[prog] += 1
+        P.pending_sample[prog] = True
+        P.deferred[prog[input_ids == -1]] = True       # their input is the token still being sampled
+        B = ids.size
         fixed = np.frombuffer(step_rows, dtype=STEP_ROW)
-        return dict(ids=ids, rows=rows, input_ids=input_ids, seq_lens=seq_lens, positions=seq_lens - 1,
-                    num_new=np.ones(B, dtype=np.int32), do_sample=np.ones(B, dtype=np.uint8), gens=gens,
-                    base=np.asarray(base, dtype=np.int32),
+        return dict(ids=ids, rows=rows, prog=prog, input_ids=input_ids, seq_lens=seq_lens, positions=seq_lens - 1,
+                    num_new=np.ones(B, dtype=np.int32), do_sample=np.ones(B, dtype=np.uint8), gens=P.gen[prog],
+                    base=P.blocks_sent[prog],
                     # the token a decode samples is output number seq_len - prompt (one past its
                     # input, which is the last known token or, when -1, the one still in flight)
                     offsets=(seq_lens - fixed["prompt_len"]).astype(np.int32),
-                    deferred=[seqs[i] for i in np.flatnonzero(input_ids == -1).tolist()],
                     step_rows=step_rows, plain=bool(fixed["plain"].all()), prompt_rows=None)
 
-    def _mixed_arrays(self, chosen: list[tuple[Sequence, int]], num_decodes: int, dec) -> dict:
+    def _mixed_arrays(self, decodes: list[Sequence], extra: list[tuple[Sequence, int]], dec) -> dict:
         """Decodes and prefill chunks: per-chunk token slices and positions."""
+        chosen = [(s, 1) for s in decodes] + extra
+        num_decodes = len(decodes)
         seqs = [s for s, _ in chosen]
         B = len(seqs)
         ids = np.fromiter((s.seq_id for s in seqs), dtype=np.int64, count=B)
         rows = self.manager.rows_of(ids)
         seq_lens = self.manager.lens_of_rows(rows).astype(np.int32)
-        deferred = [s for s in seqs[:num_decodes] if s.num_tokens == s.num_computed_tokens]
+        deferred = [s for s in decodes if s.num_tokens == s.num_computed_tokens]
         num_new = np.fromiter((n for _, n in chosen), dtype=np.int32, count=B)
         starts = seq_lens - num_new
         input_ids = np.concatenate(
-            [np.asarray(dec[3] if dec else [], dtype=np.int32)]
+            [dec[3] if dec else np.zeros(0, dtype=np.int32)]
             + [np.asarray(s.token_slice(int(a), int(a) + int(n)), dtype=np.int32)
                for s, a, n in zip(seqs[num_decodes:], starts[num_decodes:], num_new[num_decodes:])])
         # positions: each chunk's start repeated, plus the offset inside the chunk
@@ -415,18 +481,18 @@ class Scheduler:
         do_sample = np.ones(B, dtype=np.uint8)
         do_sample[num_decodes:] = [s.num_computed_tokens == s.num_tokens and not (s.group and not s.group.forked)
                                    for s in seqs[num_decodes:]]
-        for s, d in zip(seqs, do_sample.tolist()):
-            s.inflight += 1
-            s.pending_sample = bool(d)
+        prog = self.progress.rows_of(seqs)
+        P = self.progress
+        P.inflight[prog] += 1
+        P.pending_sample[prog] = do_sample.astype(bool)
         pending = set(deferred)
-        return dict(ids=ids, rows=rows, input_ids=input_ids, seq_lens=seq_lens,
+        offsets = np.fromiter((len(s.output_token_ids) + (s in pending) for s in seqs), dtype=np.int32, count=B)
+        for s in deferred:
+            s.deferred = True
+        return dict(ids=ids, rows=rows, prog=prog, input_ids=input_ids, seq_lens=seq_lens,
                     positions=np.repeat(starts, num_new) + inner, num_new=num_new, do_sample=do_sample,
-                    gens=[s.gen for s in seqs],
-                    base=np.fromiter((s.blocks_sent for s in seqs), dtype=np.int32, count=B),
-                    offsets=np.fromiter((len(s.output_token_ids) + (s in pending) for s in seqs), dtype=np.int32,
-                                        count=B),
-                    deferred=deferred, step_rows=b"".join([s.step_row for s in seqs]), plain=False,
-                    prompt_rows=prompt_rows)
+                    gens=P.gen[prog], base=P.blocks_sent[prog], offsets=offsets,
+                    step_rows=b"".join([s.step_row for s in seqs]), plain=False, prompt_rows=prompt_rows)
 
     def _take_copies(self) -> list[tuple[int, int]]:
         copies, self.copies = self.copies, []

@@ -72,6 +72,23 @@ class SeqEvent:
     cumulative_logprob: float | None = None  # ... and its cumulative logprob
 
 
+def _counter(name: str) -> property:
+    """A field that lives in the owning scheduler's Progress row while the sequence is bound."""
+    own = "_" + name
+
+    def get(self):
+        p = self._progress
+        return getattr(self, own) if p is None else getattr(p, name).item(self._row)   # a Python int / bool
+
+    def put(self, value):
+        p = self._progress
+        if p is None:
+            setattr(self, own, value)
+        else:
+            getattr(p, name)[self._row] = value
+    return property(get, put)
+
+
 @dataclass(eq=False)  # identity semantics: sequences live in lists and sets
 class Sequence:
     prompt_token_ids: list[int]
@@ -81,23 +98,16 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_SEQ_IDS))
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
-    num_computed_tokens: int = 0             # tokens whose K/V are in the cache
     num_cached_tokens: int = 0               # prompt tokens the prefix cache served (first admission)
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str = ""
     preemptions: int = 0
     stop_checker: object = None              # StopChecker when the request has stop strings
 
-    num_tokens: int = 0                      # prompt + output, kept as a field: read every step
 
     # Where it runs and what is in flight (the owning chain's thread alone writes these).
     chain: object = None                     # the ChainRunner it was routed to
     slot: int = 0                            # micro-batch it belongs to on that chain
-    gen: int = 0                             # bumped when it loses its blocks: in-flight results are void
-    inflight: int = 0                        # steps in flight that contain it
-    deferred: bool = False                   # its last appended position's token is still being sampled
-    pending_sample: bool = False             # the newest in-flight step containing it samples for it
-    blocks_sent: int = 0                     # leading blocks of its table the chain's workers hold
     abort_requested: bool = False            # set by any thread; the owning chain finishes it
     route_load: float = 0.0                  # what the router charged its chain (given back at the end)
     admitted_at: float = 0.0                 # time.monotonic() of admission (TTFT)
@@ -111,7 +121,26 @@ class Sequence:
     step_row: bytes = b""                    # its fixed facts packed once, at admission (step_rows.py)
     prompt_lp: object = None                 # PromptState when the request asked for prompt logprobs
 
+    # Step-path counters (progress.py): in a Progress row while the sequence runs, else here.
+    #   num_tokens           prompt + output, kept as a counter: read every step
+    #   num_computed_tokens  tokens whose K/V are in the cache
+    #   inflight             steps in flight that contain it
+    #   gen                  bumped when it loses its blocks: in-flight results are void
+    #   blocks_sent          leading blocks of its table the chain's workers hold
+    #   deferred             its last appended position's token is still being sampled
+    #   pending_sample       the newest in-flight step containing it samples for it
+    num_tokens = _counter("num_tokens")
+    num_computed_tokens = _counter("num_computed_tokens")
+    inflight = _counter("inflight")
+    gen = _counter("gen")
+    blocks_sent = _counter("blocks_sent")
+    deferred = _counter("deferred")
+    pending_sample = _counter("pending_sample")
+
     def __post_init__(self):
+        self._progress, self._row = None, -1
+        self._num_computed_tokens = self._gen = self._inflight = self._blocks_sent = 0
+        self._deferred = self._pending_sample = False
         self.num_tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property

@@ -148,17 +148,8 @@ def _serve(port_spec: str, servicer, interceptors, tls) -> tuple:
     return server, add_port(server, port_spec, *tls), health_servicer
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    log = logging.getLogger("metadata_service")
-    try:  # first: a store another service owns (or a bad path) is a start error, before any port
-        jobs_store = JobStore(args.db, owner=_owner(args, args.port))
-    except JobStoreError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 1
-
+def _build(args, jobs_store: JobStore) -> tuple:
+    """The engine, the job manager and the servicer over them, tied to the store's model."""
     registry = WorkerRegistry(args.worker_lease, channel_factory=lambda address, options: make_channel(
         address, options, args.worker_tls_ca, args.worker_tls_cert, args.worker_tls_key))
     engine = Engine(block_size=args.block_size, num_blocks=args.num_blocks,
@@ -178,7 +169,12 @@ def main(argv=None) -> int:
     engine.backlog = jobs.backlog
     servicer = MetadataServicer(engine, jobs, max_waiting=args.max_waiting,
                                 block_api_enabled=not args.no_block_api)
+    return engine, jobs, servicer
 
+
+def _bind(args, servicer, log) -> tuple | None:
+    """A server per surface (client; internal with --worker-port), bound but not started:
+    (servers, their health servicers, {surface: port}), or None when a port cannot be had."""
     auth = [TokenInterceptor(args.token, args.worker_token)] if args.token or args.worker_token else []
     tls = (args.tls_cert, args.tls_key, args.tls_client_ca)
     split = args.worker_port >= 0
@@ -193,28 +189,71 @@ def main(argv=None) -> int:
             log.error("cannot serve on %s: the port is taken (or the address is not this machine's)", spec)
             print(f"error: cannot serve on {spec}: the port is taken or the address is not this machine's",
                   file=sys.stderr, flush=True)
-            return 1
+            return None
         ports[surface] = bound
         servers.append(server)
         healths.append(h)
-    port = ports["client"]
-    jobs_store.set_owner(_owner(args, port))
-    jobs.cancel_command = engine.cancel_command = _cancel_command(args.host, port)
-    # Health "" is liveness; the named service is readiness: SERVING only while a chain is ready.
+    return servers, healths, ports
+
+
+def _track_readiness(engine, healths) -> None:
+    """Health "" is liveness; the named service is readiness: SERVING only while a chain is ready."""
     for h in healths:
         h.set("", health_pb2.HealthCheckResponse.SERVING)
         h.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
     engine.on_ready_changed.append(lambda ok: [h.set(
         SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING)
         for h in healths])
-    if args.metrics_port >= 0:
-        from .metrics import ServiceMetrics
-        try:
-            mport = ServiceMetrics(engine).serve(args.metrics_port, args.host)
-            print(f"metrics on http://{args.host}:{mport}/metrics", file=sys.stderr, flush=True)
-        except OSError as e:
-            print(f"error: cannot serve metrics on {args.host}:{args.metrics_port}: {e}", file=sys.stderr, flush=True)
-            return 1
+
+
+def _serve_metrics(args, engine) -> bool:
+    """--metrics-port: False when its port cannot be had (a start error)."""
+    if args.metrics_port < 0:
+        return True
+    from .metrics import ServiceMetrics
+    try:
+        mport = ServiceMetrics(engine).serve(args.metrics_port, args.host)
+        print(f"metrics on http://{args.host}:{mport}/metrics", file=sys.stderr, flush=True)
+    except OSError as e:
+        print(f"error: cannot serve metrics on {args.host}:{args.metrics_port}: {e}", file=sys.stderr, flush=True)
+        return False
+    return True
+
+
+def _wait_for_signal() -> None:
+    """Until SIGTERM or SIGINT."""
+    stopping = threading.Event()
+
+    def on_signal(signum, frame):
+        stopping.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    stopping.wait()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    log = logging.getLogger("metadata_service")
+    try:  # first: a store another service owns (or a bad path) is a start error, before any port
+        jobs_store = JobStore(args.db, owner=_owner(args, args.port))
+    except JobStoreError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
+    engine, jobs, servicer = _build(args, jobs_store)
+    bound = _bind(args, servicer, log)
+    if bound is None:
+        return 1
+    servers, healths, ports = bound
+    split = args.worker_port >= 0
+    port = ports["client"]
+    jobs_store.set_owner(_owner(args, port))
+    jobs.cancel_command = engine.cancel_command = _cancel_command(args.host, port)
+    _track_readiness(engine, healths)
+    if not _serve_metrics(args, engine):
+        return 1
     from minipaged.gc_tuning import tune_for_serving
     tune_for_serving()
     engine.start()
@@ -229,14 +268,7 @@ def main(argv=None) -> int:
     print(f"LISTENING {args.host}:{port}" + (f" internal {args.worker_host}:{ports['internal']}" if split else ""),
           flush=True)
 
-    stopping = threading.Event()
-
-    def on_signal(signum, frame):
-        stopping.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    stopping.wait()
+    _wait_for_signal()
     log.info("shutting down: health NOT_SERVING, %.0fs grace", args.grace)
     for h in healths:
         h.enter_graceful_shutdown()

@@ -1,12 +1,11 @@
 """MetadataService: the gRPC face of the metadata plane.
 
-Generation and jobs go to the Engine and JobManager; the block API goes to BlockApi over a pool of
-its own (block ids are chain-local, so it cannot share a replica's); workers register here. Every
-handler validates before it changes anything."""
+Generation and jobs go to the Engine and JobManager (the job RPCs are in job_api.py); the block API
+goes to BlockApi over a pool of its own (block ids are chain-local, so it cannot share a replica's);
+workers register here. Every handler validates before it changes anything."""
 from __future__ import annotations
 
 import logging
-import math
 import queue
 import threading
 import time
@@ -21,13 +20,14 @@ from minipaged.wire import FLOAT32, INT32, pack
 from . import prompt_logprobs
 from .block_api import BlockApi
 from .block_manager import KVBlockManager
+from .job_api import JobRpcs
 from .jobs import JobManager
 from .requests import RequestError, final_text, normalize, to_sequence, usage
-from .workers import WorkerRejected, clip
+from .workers import WorkerRejected
 
 log = logging.getLogger("metadata_service.api")
 
-class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
+class MetadataServicer(JobRpcs, metadata_pb2_grpc.MetadataServiceServicer):
     def __init__(self, engine, jobs: JobManager, max_waiting: int = 4096, block_api_enabled: bool = True):
         self.engine = engine
         self.jobs = jobs
@@ -155,89 +155,6 @@ class MetadataServicer(metadata_pb2_grpc.MetadataServiceServicer):
                 chunk.top_logprob_ids = pack(np.concatenate([t[0] for t in m.output_top]))
                 chunk.top_logprobs = pack(np.concatenate([t[1] for t in m.output_top]), FLOAT32)
             yield chunk
-
-    # ------------------------------------------------------------------ jobs
-    def SubmitJob(self, request, context):
-        if not request.requests:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a job needs at least one request")
-        try:
-            reqs = self._admit(request.requests, context)
-        except RequestError as e:  # pragma: no cover - _admit aborts
-            context.abort(e.code, e.message)
-        job_id = self.jobs.submit(reqs)
-        job = self.jobs.get(job_id)
-        threading.Thread(target=self._release_when_done, args=(job,), daemon=True).start()
-        return metadata_pb2.SubmitJobReply(job_id=job_id)
-
-    def _release_when_done(self, job) -> None:
-        with job.cond:
-            job.cond.wait_for(lambda: len(job.results) == job.total or job.state == "cancelled")
-        self._done(job.total)
-
-    def _job(self, job_id, context):
-        job = self.jobs.get(job_id)
-        if job is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown job id {clip(job_id)}")
-        return job
-
-    def GetJob(self, request, context):
-        job = self._job(request.job_id, context)
-        with job.cond:
-            return job.proto(with_results=True)
-
-    def CancelJob(self, request, context):
-        job = self.jobs.cancel(request.job_id)
-        if job is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown job id {clip(request.job_id)}")
-        with job.cond:
-            return job.proto(with_results=True)
-
-    def ListJobs(self, request, context):
-        if request.limit < 0 or request.limit > 10000:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"limit must be in [0, 10000], got {request.limit}")
-        if request.state not in ("", "queued", "running", "done", "cancelled"):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"state {clip(request.state)} is not one of queued, running, done, cancelled")
-        return metadata_pb2.JobList(jobs=self.jobs.list(request.limit or 100, request.state))
-
-    def CancelPendingJobs(self, request, context):
-        model = request.model.strip()
-        jobs, requests = self.jobs.cancel_pending(model)
-        return metadata_pb2.CancelPendingJobsReply(jobs=jobs, requests=requests)
-
-    def PurgeJobs(self, request, context):
-        age = request.older_than_s
-        if not math.isfinite(age) or age <= 0:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"older_than_s must be a number of seconds > 0, got {age}")
-        return metadata_pb2.PurgeJobsReply(jobs=self.jobs.purge(age))
-
-    def DeleteJob(self, request, context):
-        job = self.jobs.delete(request.job_id)
-        if job is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown job id {clip(request.job_id)}")
-        with job.cond:
-            return job.proto(with_results=False)
-
-    def WatchJob(self, request, context):
-        job = self._job(request.job_id, context)
-        sent = 0
-        while context.is_active():
-            with job.cond:
-                job.cond.wait_for(lambda: len(job.order) > sent or self._settled(job), timeout=0.5)
-                new = [job.results[i] for i in job.order[sent:]]
-                sent += len(new)
-                final = self._settled(job) and sent == len(job.order)
-                msg = metadata_pb2.JobProgress(job_id=job.job_id, state=job.visible_state, total=job.total,
-                                               completed=len(job.results), new_results=new)
-            if new or final:
-                yield msg
-            if final:
-                return
-
-    @staticmethod
-    def _settled(job) -> bool:
-        """Done, or cancelled with every aborted sequence's partial result in."""
-        return job.state in ("done", "cancelled") and not job.seqs
 
     # ------------------------------------------------------------------ stats
     def Stats(self, request, context):

@@ -19,6 +19,18 @@ from minipaged.metrics_http import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 
+def _gauge(name, doc, value, label, **labels):
+    labels = {**label, **labels}
+    g = GaugeMetricFamily(name, doc, labels=list(labels))
+    g.add_metric(list(labels.values()), float(value))
+    return g
+
+
+def _counter(name, doc, value, label):
+    c = CounterMetricFamily(name, doc, labels=list(label))
+    c.add_metric(list(label.values()), float(value))
+    return c
+
 
 class _EngineCollector:
     def __init__(self, engine):
@@ -28,65 +40,63 @@ class _EngineCollector:
         e = self.engine
         st = e.stats()
         model = e.model_name or "unknown"
-        label = {"model_name": model}
+        yield from _service_families(st, {"model_name": model})
+        yield from _chain_families(st, model)
 
-        def gauge(name, doc, value, **labels):
-            labels = {**label, **labels}
-            g = GaugeMetricFamily(name, doc, labels=list(labels))
-            g.add_metric(list(labels.values()), float(value))
-            return g
 
-        def counter(name, doc, value):
-            c = CounterMetricFamily(name, doc, labels=list(label))
-            c.add_metric(list(label.values()), float(value))
-            return c
+def _service_families(st: dict, label: dict):
+    """The whole service's figures: vLLM's names first, then ours."""
+    bs = st["block_size"]
+    yield _gauge("vllm:num_requests_running", "Requests in a running batch", st["running"], label)
+    yield _gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled", st["waiting"], label)
+    yield _gauge("vllm:kv_cache_usage_perc", "KV-cache usage (used blocks / all blocks), 0..1",
+                 st["used_blocks"] / st["num_blocks"] if st["num_blocks"] else 0.0, label)
+    yield _counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                   st["prefix_cache_queries"] * bs, label)
+    yield _counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                   st["prefix_cache_hits"] * bs, label)
+    yield _counter("vllm:prompt_tokens", "Prompt tokens admitted", st["prompt_tokens"], label)
+    yield _counter("vllm:generation_tokens", "Tokens generated", st["generated_tokens"], label)
+    yield _counter("vllm:num_preemptions", "Sequences preempted (recomputed)", st["preemptions"], label)
+    yield _counter("minipaged:steps", "Engine steps applied, every chain", st["steps"], label)
+    for key, doc in (("num_blocks", "Physical KV blocks, every chain"), ("free_blocks", "Unreferenced blocks"),
+                     ("used_blocks", "Referenced blocks"), ("cached_blocks", "Free blocks holding a reusable prefix"),
+                     ("shared_blocks", "Blocks referenced by more than one sequence"),
+                     ("internal_fragmentation_tokens", "Reserved but unused slots"),
+                     ("metadata_ms_per_step", "Metadata-plane ms per step (schedule + pack + apply)"),
+                     ("num_chains", "Ready chains"), ("standby_workers", "Registered workers in no chain"),
+                     ("num_workers", "Registered workers")):
+        yield _gauge(f"minipaged:{key}", doc, st[key], label)
+    yield _gauge("minipaged:ready", "1 while a chain is ready", st["ready"], label)
+    yield _gauge("minipaged:invariants_ok", "1 while every pool's invariants hold", st["invariants_ok"], label)
+    yield _gauge("minipaged:metadata_cpu_seconds", "CPU seconds of this process", time.process_time(), label)
 
-        bs = st["block_size"]
-        yield gauge("vllm:num_requests_running", "Requests in a running batch", st["running"])
-        yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled", st["waiting"])
-        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage (used blocks / all blocks), 0..1",
-                    st["used_blocks"] / st["num_blocks"] if st["num_blocks"] else 0.0)
-        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-                      st["prefix_cache_queries"] * bs)
-        yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", st["prefix_cache_hits"] * bs)
-        yield counter("vllm:prompt_tokens", "Prompt tokens admitted", st["prompt_tokens"])
-        yield counter("vllm:generation_tokens", "Tokens generated", st["generated_tokens"])
-        yield counter("vllm:num_preemptions", "Sequences preempted (recomputed)", st["preemptions"])
-        yield counter("minipaged:steps", "Engine steps applied, every chain", st["steps"])
-        for key, doc in (("num_blocks", "Physical KV blocks, every chain"), ("free_blocks", "Unreferenced blocks"),
-                         ("used_blocks", "Referenced blocks"), ("cached_blocks", "Free blocks holding a reusable prefix"),
-                         ("shared_blocks", "Blocks referenced by more than one sequence"),
-                         ("internal_fragmentation_tokens", "Reserved but unused slots"),
-                         ("metadata_ms_per_step", "Metadata-plane ms per step (schedule + pack + apply)"),
-                         ("num_chains", "Ready chains"), ("standby_workers", "Registered workers in no chain"),
-                         ("num_workers", "Registered workers")):
-            yield gauge(f"minipaged:{key}", doc, st[key])
-        yield gauge("minipaged:ready", "1 while a chain is ready", st["ready"])
-        yield gauge("minipaged:invariants_ok", "1 while every pool's invariants hold", st["invariants_ok"])
-        yield gauge("minipaged:metadata_cpu_seconds", "CPU seconds of this process", time.process_time())
-        per_chain = {k: GaugeMetricFamily(f"minipaged:chain_{k}", doc, labels=["model_name", "chain", "group"])
-                     for k, doc in (("free_blocks", "Free blocks of the chain's pool"),
-                                    ("running", "Running sequences on the chain"),
-                                    ("waiting", "Waiting sequences on the chain"),
-                                    ("steps_per_second", "Steps per second since the chain formed"),
-                                    ("tokens_per_second", "Generated tokens per second since the chain formed"),
-                                    ("cache_epoch", "The chain's cache epoch"),
-                                    ("prefix_cache_hits", "Prompt blocks found in the chain's prefix cache"))}
-        busy = GaugeMetricFamily("minipaged:stage_busy_fraction", "Compute time / wall time of a stage",
-                                 labels=["model_name", "chain", "stage", "layers"])
-        step = GaugeMetricFamily("minipaged:stage_step_seconds", "Mean compute seconds per step of a stage",
-                                 labels=["model_name", "chain", "stage", "layers"])
-        for c in st["chains"]:
-            ids = [model, str(c["chain_id"]), c["group"]]
-            for k, fam in per_chain.items():
-                fam.add_metric(ids, float(c[k]))
-            for i, s in enumerate(c["stages"]):
-                sid = [model, str(c["chain_id"]), str(i), f"{s['layer_start']}:{s['layer_end']}"]
-                busy.add_metric(sid, s["busy_fraction"])
-                step.add_metric(sid, s["step_ms"] / 1e3)
-        yield from per_chain.values()
-        yield busy
-        yield step
+
+def _chain_families(st: dict, model: str):
+    """Per chain and per stage figures, labelled by chain (and stage and its layers)."""
+    per_chain = {k: GaugeMetricFamily(f"minipaged:chain_{k}", doc, labels=["model_name", "chain", "group"])
+                 for k, doc in (("free_blocks", "Free blocks of the chain's pool"),
+                                ("running", "Running sequences on the chain"),
+                                ("waiting", "Waiting sequences on the chain"),
+                                ("steps_per_second", "Steps per second since the chain formed"),
+                                ("tokens_per_second", "Generated tokens per second since the chain formed"),
+                                ("cache_epoch", "The chain's cache epoch"),
+                                ("prefix_cache_hits", "Prompt blocks found in the chain's prefix cache"))}
+    busy = GaugeMetricFamily("minipaged:stage_busy_fraction", "Compute time / wall time of a stage",
+                             labels=["model_name", "chain", "stage", "layers"])
+    step = GaugeMetricFamily("minipaged:stage_step_seconds", "Mean compute seconds per step of a stage",
+                             labels=["model_name", "chain", "stage", "layers"])
+    for c in st["chains"]:
+        ids = [model, str(c["chain_id"]), c["group"]]
+        for k, fam in per_chain.items():
+            fam.add_metric(ids, float(c[k]))
+        for i, s in enumerate(c["stages"]):
+            sid = [model, str(c["chain_id"]), str(i), f"{s['layer_start']}:{s['layer_end']}"]
+            busy.add_metric(sid, s["busy_fraction"])
+            step.add_metric(sid, s["step_ms"] / 1e3)
+    yield from per_chain.values()
+    yield busy
+    yield step
 
 
 class ServiceMetrics:

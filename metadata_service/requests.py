@@ -34,15 +34,30 @@ class RequestError(Exception):
 
 def normalize(req: metadata_pb2.GenerateRequest, engine) -> metadata_pb2.GenerateRequest:
     """Validate and return a copy with prompt_token_ids and seed filled in."""
-    bad = grpc.StatusCode.INVALID_ARGUMENT
     if not engine.model_name:
         raise RequestError(grpc.StatusCode.UNAVAILABLE,
                            "no worker chain has registered yet: the model (and its tokenizer and limits) "
                            "is unknown; retry when Stats().ready is true")
     if req.prompt and req.prompt_token_ids:
-        raise RequestError(bad, "give prompt or prompt_token_ids, not both")
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "give prompt or prompt_token_ids, not both")
     out = metadata_pb2.GenerateRequest()
     out.CopyFrom(req)
+    ids = _prompt_ids(req, engine)
+    _check_sampling(req)
+    _check_beams(req, engine)
+    _check_fits(req, int(ids.size), engine)
+    compile_grammar(req, engine)  # an invalid schema / regex / choice is the caller's error
+    out.prompt_token_ids = pack(ids, INT32)
+    out.prompt = ""
+    if not out.HasField("seed"):
+        out.seed = secrets.randbits(63)
+    return out
+
+
+def _prompt_ids(req: metadata_pb2.GenerateRequest, engine) -> np.ndarray:
+    """The prompt as int64 ids (tokenized when given as text), checked against the vocabulary, as
+    the stop token ids are."""
+    bad = grpc.StatusCode.INVALID_ARGUMENT
     try:
         ids = unpack(req.prompt_token_ids, INT32, name="prompt_token_ids") if req.prompt_token_ids else None
         stop_ids = unpack(req.stop_token_ids, INT32, name="stop_token_ids")
@@ -61,6 +76,12 @@ def normalize(req: metadata_pb2.GenerateRequest, engine) -> metadata_pb2.Generat
         raise RequestError(bad, f"prompt token ids must be in [0, {vocab}); got min {lo}, max {hi}")
     if stop_ids.size and vocab and (stop_ids.min() < 0 or stop_ids.max() >= vocab):
         raise RequestError(bad, f"stop_token_ids must be in [0, {vocab})")
+    return ids
+
+
+def _check_sampling(req: metadata_pb2.GenerateRequest) -> None:
+    """Lengths, sampling parameters, choices, logprobs and stop strings, each within its range."""
+    bad = grpc.StatusCode.INVALID_ARGUMENT
     plp = req.HasField("prompt_logprobs")
     if req.max_new_tokens < (0 if plp else 1):
         raise RequestError(bad, f"max_new_tokens must be >= 1 (0 only with prompt_logprobs), got {req.max_new_tokens}")
@@ -92,26 +113,25 @@ def normalize(req: metadata_pb2.GenerateRequest, engine) -> metadata_pb2.Generat
         raise RequestError(bad, f"top_logprobs must be in [0, {OPENAI_MAX_TOP_LOGPROBS}], got {req.top_logprobs}")
     if len(req.stop) > 16 or any(len(s) > 256 for s in req.stop):
         raise RequestError(bad, "at most 16 stop strings of at most 256 characters each")
-    _check_beams(req, engine)
-    total = int(ids.size) + req.max_new_tokens
+
+
+def _check_fits(req: metadata_pb2.GenerateRequest, prompt_len: int, engine) -> None:
+    """Within max_model_len, and no larger than the largest chain's pool (else it could never run)."""
+    total = prompt_len + req.max_new_tokens
     if total > engine.max_model_len:
-        raise RequestError(bad, f"prompt ({ids.size} tokens) + max_new_tokens ({req.max_new_tokens}) = {total} "
-                                f"exceeds max_model_len {engine.max_model_len}")
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"prompt ({prompt_len} tokens) + max_new_tokens ({req.max_new_tokens}) = {total} "
+                           f"exceeds max_model_len {engine.max_model_len}")
+    best_of = req.best_of or max(1, req.n)
     need = -(-total // engine.block_size) * best_of   # at worst every choice holds its own copy
     if req.beam_width:   # beams share the prompt's full blocks; at worst each holds its own rest
-        full = int(ids.size) // engine.block_size
+        full = prompt_len // engine.block_size
         need = full + req.beam_width * -(-(total - full * engine.block_size) // engine.block_size)
     pool = engine.max_pool_blocks  # a sequence lives in one chain's pool: the largest one bounds it
     if need > pool:
         raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                            f"this request needs {need} blocks of {engine.block_size} tokens but the whole pool "
                            f"holds {pool} ({pool * engine.block_size} tokens): it could never run")
-    compile_grammar(req, engine)  # an invalid schema / regex / choice is the caller's error
-    out.prompt_token_ids = pack(ids, INT32)
-    out.prompt = ""
-    if not out.HasField("seed"):
-        out.seed = secrets.randbits(63)
-    return out
 
 
 def _check_beams(req: metadata_pb2.GenerateRequest, engine) -> None:
@@ -191,6 +211,8 @@ def compile_grammar(req: metadata_pb2.GenerateRequest, engine):
         return None if spec is None else engine.grammars().compile(spec)
     except GrammarError as e:
         raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+
+
 def _beam_params(params: SamplingParams, req, engine) -> None:
     """One sequence per beam, greedy, each step returning its top M logprobs (beam_scorer.py)."""
     params.n = params.best_of = 1

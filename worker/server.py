@@ -194,36 +194,6 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                             f"cache_epoch mismatch: request has {epoch}, this worker's cache is epoch {self.epoch} "
                             f"(the cache was re-initialised; its content is gone)")
 
-    def CopyBlocks(self, request, context):
-        with self.lock:
-            try:
-                self._check_epoch(request.cache_epoch)
-            except StepError as e:
-                context.abort(e.code, e.message)
-            try:
-                src = wire.unpack(request.src_blocks, wire.INT32, name="src_blocks")
-                dst = wire.unpack(request.dst_blocks, wire.INT32, name="dst_blocks", count=src.size)
-            except wire.WireError as e:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            for name, ids in (("src_blocks", src), ("dst_blocks", dst)):
-                if ((ids < 0) | (ids >= self.num_blocks)).any():
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                  f"{name}: block ids must be in [0, {self.num_blocks})")
-            if np.unique(dst).size != dst.size:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "dst_blocks: duplicate destination blocks")
-            if src.size:
-                self.runner.kv_cache.copy_blocks(src, dst)
-            if self.next_stub is not None:
-                try:
-                    fwd = pb.CopyBlocksRequest(src_blocks=request.src_blocks, dst_blocks=request.dst_blocks,
-                                               cache_epoch=self._pin_next_epoch())
-                    self.next_stub.CopyBlocks(fwd, metadata=self.next_meta, timeout=self.rpc_timeout_s)
-                except StepError as e:
-                    context.abort(e.code, e.message)
-                except grpc.RpcError as e:
-                    context.abort(upstream_code(e.code()), f"next stage {self.next_address}: {e.details()}")
-        return pb.CopyBlocksReply(copied=int(src.size))
-
     # ---- step ------------------------------------------------------------------------------------
     def _process(self, request, hidden: bytes | None = None) -> StepOutcome:
         """Validate, then run one step on this stage. Raises StepError; a rejected step leaves the

@@ -8,7 +8,7 @@ import sys
 
 from minipaged.cli import prog_name
 from minipaged.config import check_weights_present, load_model_config
-from minipaged.constants import DEFAULT_METADATA_ADDRESS
+from minipaged.constants import DEFAULT_METADATA_ADDRESS, DTYPE_BYTES
 
 DEFAULT_CPU_KV_BYTES = 256 * 1024 * 1024
 # ... or room for this many tokens if that is more (capped at a quarter of the free RAM): at the
@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="tiny", help="'tiny' (embedded) or a local Qwen3 checkpoint directory")
     p.add_argument("--layers", default="", help="A:B, the layer range [A, B) this stage serves (default: all)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--dtype", choices=["auto", "float32", "float64", "bfloat16", "float16"], default="auto",
+    p.add_argument("--dtype", choices=["auto", *DTYPE_BYTES], default="auto",
                    help="auto: the checkpoint's dtype where the device computes it well, else float32 "
                         "(worker/dtype_choice.py: bfloat16 on cuda; float32 on a CPU without "
                         "AVX512_BF16/AMX; tiny: float32 on cpu, bfloat16 on cuda)")

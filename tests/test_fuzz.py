@@ -2,7 +2,7 @@
 
 Metadata service: a real LocalCluster (subprocesses on loopback) driven through raw gRPC stubs.
 Worker: an in-process WorkerServicer over the real `tiny` ModelRunner, so the K/V cache checksum can
-be compared before and after every rejected Step / CopyBlocks / InitCache.
+be compared before and after every rejected Step (copy-on-write copies included) / InitCache.
 
 Every call must end with a clear status (OK for valid-but-odd input, else one of ALLOWED) and a
 non-empty message; no process dies; no block leaks; a rejected Step never touches the cache.
@@ -382,7 +382,7 @@ def real_worker(cluster):
         return pb_grpc.WorkerServiceStub(ch).Info(pb.InfoRequest(), timeout=10)
 
 
-# ================================================================== worker: Step / CopyBlocks / InitCache
+# ================================================================== worker: Step / InitCache
 
 DTYPES = {"sequence_ids": wire.INT64, "input_ids": wire.INT32, "positions": wire.INT32,
           "slot_mapping": wire.INT32, "query_start_loc": wire.INT32, "seq_lens": wire.INT32,
@@ -504,16 +504,24 @@ BLOCK_IDS = st.one_of(st.lists(st.integers(0, NB - 1), max_size=5, unique=True).
 
 
 @fuzz(150)
-@given(src=BLOCK_IDS, dst=BLOCK_IDS, epoch=st.one_of(st.none(), st.none(), INT64))
-def test_fuzz_copy_blocks(stage, src, dst, epoch):
-    req = pb.CopyBlocksRequest(cache_epoch=stage.epoch if epoch is None else epoch, src_blocks=src, dst_blocks=dst)
+@given(step=valid_steps(), src=BLOCK_IDS, dst=BLOCK_IDS)
+def test_fuzz_step_copies(stage, step, src, dst):
+    """A valid Step carrying random copy-on-write pairs: it runs when the pairs are well formed (same
+    count, ids in range, distinct destinations), else INVALID_ARGUMENT with the cache untouched."""
+    fields, scalars = dict(step[0]), dict(step[1], cache_epoch=stage.epoch)
+    req = pb.StepRequest(**fields, **scalars, copy_src=src, copy_dst=dst)
+    well_formed = len(src) % 4 == 0 and len(src) == len(dst)
+    if well_formed and src:
+        s, d = np.frombuffer(src, wire.INT32), np.frombuffer(dst, wire.INT32)
+        well_formed = (((s >= 0) & (s < NB)).all() and ((d >= 0) & (d < NB)).all()
+                       and np.unique(d).size == d.size)
     before = stage.checksum()
-    code, reply, details = outcome("CopyBlocks", lambda: stage.stub.CopyBlocks(req, timeout=30),
-                                   allowed={OK, SC.INVALID_ARGUMENT, SC.FAILED_PRECONDITION})
-    if code == OK:
-        assert reply.copied == len(src) // 4
-    else:
-        assert stage.checksum() == before, f"a rejected CopyBlocks ({details}) changed the cache"
+    code, _, details = outcome("Step", lambda: stage.stub.Step(req, timeout=60),
+                               allowed={OK, SC.INVALID_ARGUMENT})
+    assert (code == OK) == well_formed, details
+    if code != OK:
+        assert "copy_" in details, details
+        assert stage.checksum() == before, f"a rejected Step ({details}) changed the cache"
 
 
 @fuzz(40)

@@ -11,7 +11,7 @@ from transformers.generation.logits_process import (MinNewTokensLengthLogitsProc
 
 from client import LocalCluster
 from worker import logits_processors as lp
-from worker.validation import SamplingExtras
+from worker.validate_sampling import SamplingExtras
 from tests.test_e2e import EOS, VOCAB, ckpt, prompts, settle  # noqa: F401 (fixtures)
 from tests.checkpoints import load_oracle
 

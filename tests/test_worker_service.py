@@ -1,6 +1,6 @@
 """The WorkerService over real gRPC (in-process servers on loopback) with the real ModelRunner on the
 embedded `tiny` Qwen3: Info, InitCache, Step (parity with the runner, validation, epochs), pipeline
-stages, CopyBlocks, token auth, registration and the command line."""
+stages, copy-on-write copies carried by a Step, token auth, registration and the command line."""
 from __future__ import annotations
 
 import os
@@ -275,24 +275,39 @@ def test_two_stages_match_one(single, chain):
     assert code == grpc.StatusCode.UNAVAILABLE and "127.0.0.1:1" in msg
 
 
-def test_copy_blocks_reaches_every_stage(chain):
+def test_step_copies_reach_every_stage(chain):
+    """Copy-on-write the way the metadata service forks: the Step carries copy_src/copy_dst, every
+    stage copies before it writes. A child sharing the parent's full block and owning a copy of its
+    partial last block decodes exactly as the parent does, on both stages."""
     first, last = chain
     # The metadata service's way: one chain-wide epoch, last stage initialised first.
     assert last.init(epoch=12345) == 12345
     epoch = first.init(next_stage=last.address, next_token=TOKEN, epoch=12345)
     assert epoch == 12345
-    prefill_then_decode(first.call, epoch)
-    src, dst = [0, 9], [20, 21]
-    reply = first.call("CopyBlocks", pb.CopyBlocksRequest(cache_epoch=epoch, src_blocks=wire.pack(src),
-                                                          dst_blocks=wire.pack(dst)))
-    assert reply.copied == 2
+    prompt, parent, child = PROMPTS[0], [0, 1], [0, 20]   # 7 tokens: block 0 full, block 1 holds 3
+    r = first.call("Step", step_request(arrays([prompt], [0], [parent]), epoch))
+    tok = int(wire.unpack(r.sampled_token_ids)[0])
+    before = {id(s): s.checksum() for s in chain}
+    fork = step_request(arrays([[tok], [tok]], [len(prompt)] * 2, [parent, child]), epoch, step_id=2,
+                        return_logits=True, copy_src=wire.pack([1]), copy_dst=wire.pack([20]))
+    reply = first.call("Step", fork)
+    ids = wire.unpack(reply.sampled_token_ids).tolist()
+    logits = wire.unpack(reply.logits, wire.FLOAT64).reshape(2, -1)
+    assert ids[0] == ids[1]
+    np.testing.assert_allclose(logits[1], logits[0], rtol=1e-5, atol=1e-5)
     for stage in chain:
+        assert stage.checksum() != before[id(stage)]
         for k in stage.runner.kv_cache.key_cache + stage.runner.kv_cache.value_cache:
-            assert torch.equal(k[dst], k[src]) and k[src].abs().sum() > 0
-    for bad in ([0], [NB]), ([NB], [1]):
-        code, _ = code_of(lambda: first.call("CopyBlocks", pb.CopyBlocksRequest(
-            cache_epoch=epoch, src_blocks=wire.pack(bad[0]), dst_blocks=wire.pack(bad[1]))))
-        assert code == grpc.StatusCode.INVALID_ARGUMENT
+            # block 20 = block 1's three copied positions + the child's token, written as the parent's
+            assert torch.equal(k[20], k[1]) and k[1].abs().sum() > 0
+    # Bad copies are refused by the whole chain before any stage touches its cache.
+    for src, dst in ([0], [NB]), ([NB], [1]), ([0, 1], [30, 30]), ([0, 1], [30]):
+        sums = [s.checksum() for s in chain]
+        code, msg = code_of(lambda: first.call("Step", step_request(
+            arrays([[tok]], [len(prompt)], [parent]), epoch, step_id=3, copy_src=wire.pack(src),
+            copy_dst=wire.pack(dst))))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "copy_" in msg, msg
+        assert [s.checksum() for s in chain] == sums
 
 
 def test_token_auth(chain):

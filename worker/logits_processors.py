@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from worker import grammar_mask
-from worker.validation import SamplingExtras
+from worker.validate_sampling import SamplingExtras
 
 
 def _csr_rows(counts: np.ndarray, values: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

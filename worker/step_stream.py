@@ -101,7 +101,7 @@ class StepPipe:
             return
         if self.link is None:
             try:
-                self.link = s.open_link(self._relay, self._failed)
+                self.link = s.next_stage.open_link(self._relay, self._failed)
             except StepError as e:
                 self.out.put((error_reply(request.step_id, e.code, e.message, s.epoch), 0.0))
                 return

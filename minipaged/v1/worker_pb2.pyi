@@ -230,22 +230,6 @@ class StepReply(_message.Message):
     prompt_top_logprobs: bytes
     def __init__(self, step_id: _Optional[int] = ..., cache_epoch: _Optional[int] = ..., sampled_token_ids: _Optional[bytes] = ..., logprobs: _Optional[bytes] = ..., timings: _Optional[_Iterable[_Union[StageTiming, _Mapping]]] = ..., logits: _Optional[bytes] = ..., error_code: _Optional[int] = ..., error: _Optional[str] = ..., top_logprob_ids: _Optional[bytes] = ..., top_logprobs: _Optional[bytes] = ..., prompt_logprobs: _Optional[bytes] = ..., prompt_top_logprob_ids: _Optional[bytes] = ..., prompt_top_logprobs: _Optional[bytes] = ...) -> None: ...
 
-class CopyBlocksRequest(_message.Message):
-    __slots__ = ("cache_epoch", "src_blocks", "dst_blocks")
-    CACHE_EPOCH_FIELD_NUMBER: _ClassVar[int]
-    SRC_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    DST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    cache_epoch: int
-    src_blocks: bytes
-    dst_blocks: bytes
-    def __init__(self, cache_epoch: _Optional[int] = ..., src_blocks: _Optional[bytes] = ..., dst_blocks: _Optional[bytes] = ...) -> None: ...
-
-class CopyBlocksReply(_message.Message):
-    __slots__ = ("copied",)
-    COPIED_FIELD_NUMBER: _ClassVar[int]
-    copied: int
-    def __init__(self, copied: _Optional[int] = ...) -> None: ...
-
 class WorkerHealthRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -59,11 +59,6 @@ class WorkerServiceStub:
                 request_serializer=minipaged_dot_v1_dot_worker__pb2.StepResultsRequest.SerializeToString,
                 response_deserializer=minipaged_dot_v1_dot_worker__pb2.StepReply.FromString,
                 _registered_method=True)
-        self.CopyBlocks = channel.unary_unary(
-                '/minipaged.v1.WorkerService/CopyBlocks',
-                request_serializer=minipaged_dot_v1_dot_worker__pb2.CopyBlocksRequest.SerializeToString,
-                response_deserializer=minipaged_dot_v1_dot_worker__pb2.CopyBlocksReply.FromString,
-                _registered_method=True)
         self.Health = channel.unary_unary(
                 '/minipaged.v1.WorkerService/Health',
                 request_serializer=minipaged_dot_v1_dot_worker__pb2.WorkerHealthRequest.SerializeToString,
@@ -108,12 +103,6 @@ class WorkerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def CopyBlocks(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def Health(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -147,11 +136,6 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.StepResults,
                     request_deserializer=minipaged_dot_v1_dot_worker__pb2.StepResultsRequest.FromString,
                     response_serializer=minipaged_dot_v1_dot_worker__pb2.StepReply.SerializeToString,
-            ),
-            'CopyBlocks': grpc.unary_unary_rpc_method_handler(
-                    servicer.CopyBlocks,
-                    request_deserializer=minipaged_dot_v1_dot_worker__pb2.CopyBlocksRequest.FromString,
-                    response_serializer=minipaged_dot_v1_dot_worker__pb2.CopyBlocksReply.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
@@ -294,33 +278,6 @@ class WorkerService:
             '/minipaged.v1.WorkerService/StepResults',
             minipaged_dot_v1_dot_worker__pb2.StepResultsRequest.SerializeToString,
             minipaged_dot_v1_dot_worker__pb2.StepReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def CopyBlocks(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/minipaged.v1.WorkerService/CopyBlocks',
-            minipaged_dot_v1_dot_worker__pb2.CopyBlocksRequest.SerializeToString,
-            minipaged_dot_v1_dot_worker__pb2.CopyBlocksReply.FromString,
             options,
             channel_credentials,
             insecure,

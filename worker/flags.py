@@ -1,0 +1,139 @@
+"""The worker's command line (`python -m worker ...`, DESIGN section 2): the flags, their defaults,
+and the checks that need only the model's config.json (no weights are read here)."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from minipaged.cli import prog_name
+from minipaged.config import check_weights_present, load_model_config
+from minipaged.constants import DEFAULT_METADATA_ADDRESS, DTYPE_BYTES
+
+DEFAULT_CPU_KV_BYTES = 256 * 1024 * 1024
+# ... or room for this many tokens if that is more (capped at a quarter of the free RAM): at the
+# real Qwen3 shapes a token's K/V is 229 KB in float32, so 256 MiB held only ~1,170 tokens and a
+# batch of 16 long prompts ran a few sequences at a time (issue 18 measured with it)
+DEFAULT_CPU_KV_TOKENS = 8192
+DEFAULT_GPU_MEMORY_FRACTION = 0.9
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog_name("worker"), description="MiniPaged-Qwen worker: one pipeline stage.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--metadata", default=os.environ.get("MINIPAGED_ADDRESS", DEFAULT_METADATA_ADDRESS),
+                   help="metadata service HOST:PORT to register with, as the client's and gateway's default "
+                        "(env MINIPAGED_ADDRESS)")
+    p.add_argument("--standalone", action="store_true",
+                   help="register with no metadata service: serve WorkerService calls only (tests, debugging)")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 in containers)")
+    p.add_argument("--port", type=int, default=50061, help="port to serve on (0 = pick a free one)")
+    p.add_argument("--advertise-address", default="", help="HOST:PORT others reach this worker at "
+                   "(default: --host:bound port, or hostname:port when bound to 0.0.0.0)")
+    p.add_argument("--model", default="tiny", help="'tiny' (embedded) or a local Qwen3 checkpoint directory")
+    p.add_argument("--layers", default="", help="A:B, the layer range [A, B) this stage serves (default: all)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", choices=["auto", *DTYPE_BYTES], default="auto",
+                   help="auto: the checkpoint's dtype where the device computes it well, else float32 "
+                        "(worker/dtype_choice.py: bfloat16 on cuda; float32 on a CPU without "
+                        "AVX512_BF16/AMX; tiny: float32 on cpu, bfloat16 on cuda)")
+    cap = p.add_mutually_exclusive_group()
+    cap.add_argument("--num-blocks", type=int, default=0, help="fixed K/V capacity in blocks")
+    cap.add_argument("--kv-memory-fraction", type=float, default=None,
+                     help="fraction of device memory this process may use in all (weights + K/V); "
+                          f"default {DEFAULT_GPU_MEMORY_FRACTION} on cuda")
+    p.add_argument("--kv-cache-bytes", type=int, default=None,
+                   help=f"K/V byte budget (default {DEFAULT_CPU_KV_BYTES} on cpu)")
+    p.add_argument("--backend", choices=["torch", "pycuda"], default=None,
+                   help="attention backend (default: torch on cpu, pycuda on cuda)")
+    p.add_argument("--tls-cert", default="", help="serve TLS with this certificate (PEM)")
+    p.add_argument("--tls-key", default="", help="private key of --tls-cert (PEM)")
+    p.add_argument("--tls-client-ca", default="",
+                   help="require client certificates signed by this CA (mutual TLS on the worker links)")
+    p.add_argument("--tls-ca", default="",
+                   help="CA that signed the metadata service's and the next stage's certificates; "
+                        "this worker then presents --tls-cert/--tls-key as its client certificate")
+    p.add_argument("--worker-token", default=None,
+                   help="require 'authorization: Bearer TOKEN' on WorkerService calls; default: "
+                        "$MINIPAGED_WORKER_TOKEN")
+    p.add_argument("--worker-token-file", default="",
+                   help="read the worker token from this file (a compose/Kubernetes secret)")
+    p.add_argument("--heartbeat-ms", type=int, default=1000,
+                   help="heartbeat interval until the metadata service names its own")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch CPU threads for this worker (default: torch's own choice, all cores)")
+    p.add_argument("--replica-group", default="",
+                   help="chains form among workers of the same group (default: one group for all)")
+    p.add_argument("--simulate", default="", metavar="h200|PROFILE.json",
+                   help="a simulated worker: no weights, no compute; each step sleeps for a roofline timing "
+                        "model's time (worker/simulator.py) and returns deterministic pseudo-random tokens")
+    p.add_argument("--data-port", type=int, default=0,
+                   help="TCP data link for hidden states from the previous stage (0 picks a port, -1 = none: "
+                        "they come on the gRPC stream; never with TLS, whose stream is encrypted)")
+    p.add_argument("--metrics-port", type=int, default=-1,
+                   help="serve Prometheus text on this port (0 picks one; default off)")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def parse_layers(spec: str, num_layers: int) -> tuple[int, int]:
+    """'A:B' -> (A, B) with 0 <= A < B <= num_layers; '' = all layers."""
+    if not spec:
+        return 0, num_layers
+    try:
+        a, b = spec.split(":")
+        start, end = int(a) if a else 0, int(b) if b else num_layers
+    except ValueError:
+        raise ValueError(f"--layers {spec!r}: expected A:B, e.g. 0:{num_layers // 2}") from None
+    if not 0 <= start < end <= num_layers:
+        raise ValueError(f"--layers {spec!r}: need 0 <= A < B <= {num_layers} (the model has {num_layers} "
+                         f"layers; the range must not be empty)")
+    return start, end
+
+
+def resolve_args(argv=None) -> argparse.Namespace:
+    """Parse and check the flags against the model config (cheap: config.json only, no weights)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.worker_token = args.worker_token or os.environ.get("MINIPAGED_WORKER_TOKEN", "")  # not a default: --help
+    if args.standalone or not args.metadata:   # --metadata "" still means standalone, as it used to
+        args.metadata = ""
+    try:
+        args.config = load_model_config(args.model)
+        if not args.simulate:  # a simulated worker has no weights to load
+            check_weights_present(args.model)
+    except (ValueError, OSError) as e:  # one line naming the file and field, no usage wall
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    try:
+        args.layer_start, args.layer_end = parse_layers(args.layers, args.config.num_hidden_layers)
+    except ValueError as e:
+        parser.error(str(e))
+    cuda = args.device.startswith("cuda")
+    if args.simulate:
+        from worker.simulator import load_profile
+        try:
+            args.profile = load_profile(args.simulate)
+        except (ValueError, OSError) as e:
+            parser.error(str(e))
+        cuda = True  # it stands in for a GPU: bfloat16 by default
+    from worker.dtype_choice import resolve_dtype
+    args.dtype = resolve_dtype(args.dtype, args.config, "cuda" if cuda else "cpu")
+    args.backend = args.backend or ("pycuda" if cuda else "torch")
+    if args.num_blocks < 0:
+        parser.error("--num-blocks must be > 0")
+    if args.kv_memory_fraction is not None and not 0 < args.kv_memory_fraction < 1:
+        parser.error("--kv-memory-fraction must be in (0, 1): activations need room beyond the cache")
+    if args.kv_cache_bytes is not None and args.kv_cache_bytes <= 0:
+        parser.error("--kv-cache-bytes must be > 0")
+    if not 0 <= args.port < 65536:
+        parser.error(f"--port {args.port} out of range")
+    if args.worker_token_file:
+        try:
+            with open(args.worker_token_file) as f:
+                args.worker_token = f.read().strip()
+        except OSError as e:
+            parser.error(f"--worker-token-file: {e}")
+        if not args.worker_token:  # an empty secret file would silently mean "no token"
+            parser.error(f"--worker-token-file {args.worker_token_file} is empty")
+    return args

@@ -281,18 +281,19 @@ class ChainRunner:
         if b.num_tokens:
             self.slowest_s_per_token = max(self.slowest_s_per_token, step_ms / 1e3 / b.num_tokens)
         done = ()
-        with self.lock:
-            if b.plain and not reply.logprobs and not reply.top_logprob_ids:
-                self._apply_plain(b, unpack(reply.sampled_token_ids, INT32, count=len(b.seqs)))
-            else:
-                self.scheduler.step_done(b)
-                done = prompt_logprobs.apply(b, reply) if b.prompt_rows is not None else ()
-                for seq in done:                  # max_new_tokens 0: ended before any token is applied
-                    self.scheduler.remove(seq)
-                self._apply(b, reply)
-        self._invariants_dirty = True
-        for seq in done:
-            self.engine.finish(seq, "length")
+        with self.engine.finish_batch():               # the step's finished results: one store write
+            with self.lock:
+                if b.plain and not reply.logprobs and not reply.top_logprob_ids:
+                    self._apply_plain(b, unpack(reply.sampled_token_ids, INT32, count=len(b.seqs)))
+                else:
+                    self.scheduler.step_done(b)
+                    done = prompt_logprobs.apply(b, reply) if b.prompt_rows is not None else ()
+                    for seq in done:              # max_new_tokens 0: ended before any token is applied
+                        self.scheduler.remove(seq)
+                    self._apply(b, reply)
+            self._invariants_dirty = True
+            for seq in done:
+                self.engine.finish(seq, "length")
         self.steps += 1
         self.metadata_s += time.perf_counter() - t0
 

@@ -13,6 +13,8 @@ from their tokens on the other chains, exactly (sampling is a pure function of s
 Sinks (Generate streams, jobs) hear about tokens and endings from whichever thread applies them."""
 from __future__ import annotations
 
+import contextlib
+
 import itertools
 import logging
 import queue
@@ -81,6 +83,7 @@ class Engine:
         self.on_model_changed = []                 # callbacks(fingerprint, name): the job store records it
         self.on_ready_changed = []                 # callbacks(bool): health readiness follows
         self.on_sequence_finished = []             # callbacks(seq): metrics
+        self.finish_batch = contextlib.nullcontext  # () -> context: finishes inside it share one store write
         self.on_chain_started = []                 # callbacks(chain): the block API sizes its pool
         self.backlog = lambda: []                  # () -> [Backlog]: unfinished job work (JobManager's)
         self.cancel_command = CANCEL_COMMAND       # how a user drops it (main() adds --address)

@@ -9,6 +9,7 @@ process at a time: an exclusive flock on `PATH.lock`, held for the process's lif
 it when the process dies, even by kill -9), names its holder for whoever comes second."""
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import socket
@@ -62,6 +63,7 @@ class JobStore:
         self.path = path or MEMORY
         self.durable = self.path != MEMORY
         self._lock = threading.Lock()
+        self._batch = threading.local()            # .ops: writes deferred by `deferred()`
         self._lockfile = None
         if self.durable:
             folder = os.path.dirname(os.path.abspath(self.path))
@@ -107,18 +109,45 @@ class JobStore:
                                  [(job_id, i, r.SerializeToString()) for i, r in enumerate(requests)])
             self._db.execute("COMMIT")
 
-    def save_result(self, job_id: str, result: metadata_pb2.GenerationResult) -> bool:
-        """Store a result once; a second save of the same index is ignored (returns False)."""
+    @contextlib.contextmanager
+    def deferred(self):
+        """Result and state writes this thread makes inside go to the file in one transaction at the
+        end: a step that finishes many requests costs one commit, not one per request (each commit
+        is a write to the WAL). Nested uses join the outer one."""
+        if getattr(self._batch, "ops", None) is not None:
+            yield
+            return
+        self._batch.ops = []
+        try:
+            yield
+        finally:
+            ops, self._batch.ops = self._batch.ops, None
+            if ops:
+                with self._lock:
+                    self._db.execute("BEGIN")
+                    for sql, args in ops:
+                        self._db.execute(sql, args)
+                    self._db.execute("COMMIT")
+
+    def _write(self, sql: str, args: tuple):
+        """Execute now, or queue inside `deferred()` (then None)."""
+        ops = getattr(self._batch, "ops", None)
+        if ops is not None:
+            ops.append((sql, args))
+            return None
         with self._lock:
-            cur = self._db.execute(
-                "UPDATE requests SET result = ? WHERE job_id = ? AND idx = ? AND result IS NULL",
-                (result.SerializeToString(), job_id, result.index))
-            return cur.rowcount == 1
+            return self._db.execute(sql, args)
+
+    def save_result(self, job_id: str, result: metadata_pb2.GenerationResult) -> bool:
+        """Store a result once; a second save of the same index is ignored (returns False; inside
+        `deferred()` the answer is not known yet: True)."""
+        cur = self._write("UPDATE requests SET result = ? WHERE job_id = ? AND idx = ? AND result IS NULL",
+                          (result.SerializeToString(), job_id, result.index))
+        return cur is None or cur.rowcount == 1
 
     def set_state(self, job_id: str, state: str) -> None:
         finished = None if state in UNFINISHED else time.time()
-        with self._lock:
-            self._db.execute("UPDATE jobs SET state = ?, finished = ? WHERE job_id = ?", (state, finished, job_id))
+        self._write("UPDATE jobs SET state = ?, finished = ? WHERE job_id = ?", (state, finished, job_id))
 
     def job(self, job_id: str):
         """(state, total, {index: GenerationResult}) or None."""

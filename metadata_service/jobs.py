@@ -50,6 +50,7 @@ class JobManager:
     def __init__(self, engine, store: JobStore):
         self.engine = engine
         self.store = store
+        engine.finish_batch = store.deferred     # a step's finished results: one store transaction
         self.jobs: dict[str, JobState] = {}
         self.lock = threading.Lock()
         self.cancel_command = "minipaged jobs --cancel-all"  # main() adds --address when not the default

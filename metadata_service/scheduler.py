@@ -456,43 +456,48 @@ class Scheduler:
 
     def _mixed_arrays(self, decodes: list[Sequence], extra: list[tuple[Sequence, int]], dec) -> dict:
         """Decodes and prefill chunks: per-chunk token slices and positions."""
-        chosen = [(s, 1) for s in decodes] + extra
         num_decodes = len(decodes)
-        seqs = [s for s, _ in chosen]
+        chunks = [s for s, _ in extra]
+        seqs = decodes + chunks
         B = len(seqs)
-        ids = np.fromiter((s.seq_id for s in seqs), dtype=np.int64, count=B)
+        step_rows = (dec[0] if dec else b"") + b"".join([s.step_row for s in chunks])
+        fixed = np.frombuffer(step_rows, dtype=STEP_ROW)
+        ids = fixed["seq_id"].copy()
         rows = self.manager.rows_of(ids)
         seq_lens = self.manager.lens_of_rows(rows).astype(np.int32)
-        deferred = [s for s in decodes if s.num_tokens == s.num_computed_tokens]
-        num_new = np.fromiter((n for _, n in chosen), dtype=np.int32, count=B)
+        num_new = np.ones(B, dtype=np.int32)
+        num_new[num_decodes:] = [n for _, n in extra]
         starts = seq_lens - num_new
         input_ids = np.concatenate(
             [dec[3] if dec else np.zeros(0, dtype=np.int32)]
             + [np.asarray(s.token_slice(int(a), int(a) + int(n)), dtype=np.int32)
-               for s, a, n in zip(seqs[num_decodes:], starts[num_decodes:], num_new[num_decodes:])])
+               for s, a, n in zip(chunks, starts[num_decodes:], num_new[num_decodes:])])
         # positions: each chunk's start repeated, plus the offset inside the chunk
         ends = np.cumsum(num_new)
         inner = np.arange(int(ends[-1]), dtype=np.int32) - np.repeat(ends - num_new, num_new)
         prompt_rows = plan_prompt_rows(seqs, starts, num_new, num_decodes)
-        for s, n in chosen:
-            s.num_computed_tokens += n
+        P = self.progress
+        prog = np.concatenate([dec[4] if dec else np.zeros(0, dtype=np.int64), P.rows_of(chunks)])
+        defer = np.zeros(B, dtype=bool)                 # decodes whose input is the token being sampled
+        if dec:
+            defer[:num_decodes] = dec[3] == -1
+        # the token each row samples is output number (output so far), one more when its input is -1
+        offsets = (P.num_tokens[prog] - fixed["prompt_len"] + defer).astype(np.int32)
+        P.num_computed_tokens[prog] += num_new
         # a prefill chunk samples only once it reaches the last known token (a request with
         # several choices never samples before its fork)
         do_sample = np.ones(B, dtype=np.uint8)
-        do_sample[num_decodes:] = [s.num_computed_tokens == s.num_tokens and not (s.group and not s.group.forked)
-                                   for s in seqs[num_decodes:]]
-        prog = self.progress.rows_of(seqs)
-        P = self.progress
+        pc = prog[num_decodes:]
+        unforked = np.fromiter((s.group is not None and not s.group.forked for s in chunks), dtype=bool,
+                               count=len(chunks))
+        do_sample[num_decodes:] = (P.num_computed_tokens[pc] == P.num_tokens[pc]) & ~unforked
         P.inflight[prog] += 1
         P.pending_sample[prog] = do_sample.astype(bool)
-        pending = set(deferred)
-        offsets = np.fromiter((len(s.output_token_ids) + (s in pending) for s in seqs), dtype=np.int32, count=B)
-        for s in deferred:
-            s.deferred = True
+        P.deferred[prog[defer]] = True
         return dict(ids=ids, rows=rows, prog=prog, input_ids=input_ids, seq_lens=seq_lens,
                     positions=np.repeat(starts, num_new) + inner, num_new=num_new, do_sample=do_sample,
                     gens=P.gen[prog], base=P.blocks_sent[prog], offsets=offsets,
-                    step_rows=b"".join([s.step_row for s in seqs]), plain=False, prompt_rows=prompt_rows)
+                    step_rows=step_rows, plain=False, prompt_rows=prompt_rows)
 
     def _take_copies(self) -> list[tuple[int, int]]:
         copies, self.copies = self.copies, []
@@ -500,6 +505,6 @@ class Scheduler:
 
     def step_done(self, batch: ScheduledBatch) -> None:
         """The step came back (applied or failed): its sequences are one step less in flight."""
-        for s, g in zip(batch.seqs, batch.gens):
-            if s.gen == g and s.inflight:
-                s.inflight -= 1
+        P, pr = self.progress, batch.progress_rows
+        live = pr[(P.owner[pr] == batch.seq_ids) & (P.gen[pr] == batch.gens)]   # not ended nor preempted since
+        P.inflight[live] -= P.inflight[live] > 0

@@ -126,3 +126,24 @@ def test_ages_on_the_command_line():
     for bad in ("0", "-1h", "soon", "inf", ""):
         with pytest.raises(Exception, match="expected an age"):
             _age(bad)
+
+
+def test_deferred_writes_land_together_at_the_end_of_the_block(tmp_path):
+    """A step's finished results and the job's state go to the file in one transaction."""
+    path = str(tmp_path / "jobs.db")
+    store = JobStore(path)
+    req = metadata_pb2.GenerateRequest(max_new_tokens=1)
+    store.create("j", [req, req])
+    other = sqlite3.connect(path)                       # another connection sees only committed rows
+    done = lambda: other.execute("SELECT COUNT(*) FROM requests WHERE result IS NOT NULL").fetchone()[0]
+    with store.deferred():
+        with store.deferred():                          # nested: joins the outer transaction
+            store.save_result("j", metadata_pb2.GenerationResult(index=0, finish_reason="length"))
+        store.save_result("j", metadata_pb2.GenerationResult(index=1, finish_reason="length"))
+        store.set_state("j", "done")
+        assert done() == 0
+    assert done() == 2
+    assert other.execute("SELECT state FROM jobs").fetchone()[0] == "done"
+    assert store.save_result("j", metadata_pb2.GenerationResult(index=1)) is False   # stored once
+    state, total, results = store.job("j")
+    assert (state, total, sorted(results)) == ("done", 2, [0, 1])

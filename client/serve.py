@@ -165,7 +165,7 @@ class _Signals:
         self.count += 1
         if self.count == 1:
             raise KeyboardInterrupt
-        for p in list(cl._LIVE):
+        for p in list(cl.LIVE):
             try:
                 p.kill()
             except OSError:

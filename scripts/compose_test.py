@@ -44,6 +44,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -278,189 +279,245 @@ def on_signal(signum, frame):
     raise SystemExit(128 + signum)   # unwinds into main()'s finally: down -v, daemon stopped
 
 
+@dataclass
+class Run:
+    """What the cleanup needs to know however far the run got."""
+    workdir: str
+    started_daemon: bool = False
+    stack: Stack | None = None
+    ok: bool = False
+
+
 def main() -> int:
     for sig in (signal.SIGTERM, signal.SIGHUP):  # clean up on CI cancellation too (SIGINT: KeyboardInterrupt)
         signal.signal(sig, on_signal)
-    started_daemon, stack, workdir, ok = False, None, tempfile.mkdtemp(prefix="minipaged-compose-test-"), False
+    r = Run(workdir=tempfile.mkdtemp(prefix="minipaged-compose-test-"))
     try:
         with step("docker daemon"):
-            if docker_answers() and shutil.which("docker-compose"):
-                log("a Docker daemon answers: using it (and leaving it running)")
-            else:
-                if not os.path.isdir(SHARED):
-                    raise Failed(f"no daemon answers and {SHARED} (dockerd-up.sh) does not exist")
-                started_daemon = not docker_answers()
-                run([os.path.join(SHARED, "dockerd-up.sh")], env={**os.environ, "DOCKERD_PID": DAEMON_PIDFILE})
-                if not docker_answers():
-                    raise Failed("dockerd-up.sh ran but no daemon answers")
-            run(["docker", "version", "--format", "client {{.Client.Version}}, server {{.Server.Version}}"])
-            run(["docker-compose", "version", "--short"])
-            check_networks("before")
-
+            docker_daemon(r)
         with step("base image"):
-            if BASE_IMAGE.startswith("local/"):
-                run([os.path.join(SHARED, "local-base.sh")],
-                    env={**os.environ, "WORKDIR": os.path.join(workdir, "local-base")})
-            elif run(["docker", "image", "inspect", BASE_IMAGE], check=False, capture=True).returncode:
-                run(["docker", "pull", BASE_IMAGE])
-
+            base_image(r.workdir)
         with step("torch CPU wheel into docker/wheels/cpu"):
-            version = re.search(r"^ARG TORCH_VERSION=(\S+)$", open(os.path.join(REPO, "docker", "Dockerfile.cpu")).read(),
-                                re.M).group(1)
-            folder = os.path.join(REPO, "docker", "wheels", "cpu")
-            if not any(n.startswith(f"torch-{version}+cpu") for n in os.listdir(folder)):
-                run([sys.executable, "-m", "pip", "download", "-q", f"torch=={version}", "--no-deps", "-d", folder])
-            wheels = [n for n in os.listdir(folder) if n.startswith(f"torch-{version}")]
-            if not any("+cpu" in n for n in wheels):
-                raise Failed(f"pip found no CPU build of torch {version} ({wheels}); the image would be the "
-                             f"CUDA build. Put torch-{version}+cpu-*.whl into {folder} or make the index reachable")
-            log(f"   {', '.join(wheels)}")
-
-        stack = Stack(workdir)
+            torch_wheel()
+        r.stack = stack = Stack(r.workdir)
         with step("docker-compose config: both files, both profiles"):
-            for path in ("docker-compose.yml", COMPOSE_FILE):   # the bridge file cannot run here; it must parse
-                for profile in ("cpu", "gpu"):
-                    run(["docker-compose", "-f", path, "--profile", profile, "config", "-q"], env=stack.env)
-
+            compose_config(stack)
         with step("build the CPU image (cached between runs)"):
-            args = ["--network", "host", "--build-arg", f"BASE_IMAGE={BASE_IMAGE}", "-f", "docker/Dockerfile.cpu"]
-            # the deps stage under a tag of its own, so that pruning old build stages keeps its cache
-            run(["docker", "build", "-q", *args, "--target", "deps", "-t", "minipaged-qwen:cpu-deps", "."])
-            stack.compose("build", "-q", "metadata")
-            for label in ("org.minipaged.stage", "org.opencontainers.image.title=minipaged-qwen"):
-                run(["docker", "image", "prune", "-f", "--filter", f"label={label}"], capture=True)
-            run(["docker", "image", "ls", "--format", "table {{.Repository}}:{{.Tag}}\t{{.Size}}",
-                 "--filter", "reference=minipaged-qwen", "--filter", "reference=local/*"])
-
+            build_image(stack)
         work = workload()
         with step("reference: LocalCluster, same model and dtype"):
             ref = reference(work)
-
         with step("up (host networking) until healthy and ready"):
-            stack.compose("down", "-v", check=False, capture=True)   # leftovers of an interrupted run
-            stack.up()
-            log(f"   healthy and ready {stack.wait_healthy():.1f}s after up")
-            check_networks("during the run")
-            run(["docker", "network", "ls"])
-            running = set(stack.containers())
-            log(f"   containers: {sorted(running)}")
-            if running & {"worker0", "worker1"}:
-                raise Failed("a GPU worker started on a CPU-only run")
-            checked = {n: p for n, p in PORTS.items() if n != "GATEWAY_PORT" or HAS_GATEWAY}
-            for name, port in checked.items():
-                addrs = listening_addresses(port)
-                if addrs != {"127.0.0.1"}:
-                    raise Failed(f"port {port} ({name}) listens on {addrs or 'nothing'}, expected 127.0.0.1 only")
-            log(f"   listening on 127.0.0.1 only: {sorted(checked.values())}")
-
+            up_healthy_on_loopback(stack)
         with step("auth: no token -> UNAUTHENTICATED; no client API on the internal port"):
-            try:
-                Client(stack.address, timeout=5).stats()
-                raise Failed("the client API answered without the client token")
-            except Unauthenticated as e:
-                log(f"   refused: {e}")
-            internal = f"127.0.0.1:{PORTS['METADATA_WORKER_PORT']}"
-            try:
-                Client(internal, token=stack.client_token, timeout=5).stats()
-                raise Failed(f"the client API answered on the internal surface {internal}")
-            except MiniPagedError as e:
-                log(f"   the internal surface {internal} refuses the client API: {type(e).__name__}")
-
+            auth_checks(stack)
         with step("metrics: GET /metrics of the metadata service and both workers"):
-            for name in ("METADATA_METRICS_PORT", "WORKER0_METRICS_PORT", "WORKER1_METRICS_PORT"):
-                url = f"http://127.0.0.1:{PORTS[name]}/metrics"
-                with urllib.request.urlopen(url, timeout=10) as r:
-                    text = r.read().decode()
-                series = {line.split("{")[0].split()[0] for line in text.splitlines() if line and line[0] != "#"}
-                if r.status != 200 or not series:
-                    raise Failed(f"{url}: {r.status}, no series")
-                log(f"   {url} -> {r.status}, {len(series)} series, e.g. {sorted(series)[:3]}")
-
+            metrics_checks()
         with step("streamed generate + 32-prompt job, token-exact"):
-            with stack.client() as c:
-                chunks = list(c.stream(**work["stream"]))
-                log(f"   stream: {len(chunks)} chunks")
-                expect_exact("stream", [t for ch in chunks for t in ch.token_ids], ref["stream"], "tokens")
-                jobs = {"A": c.submit(work["jobs"]["A"])}
-                expect_exact("job A", [r.token_ids for r in c.wait(jobs["A"], timeout=600)], ref["A"])
-
+            jobs = stream_and_job(stack, work, ref)
         with step("worker crash mid-job: SIGKILL in worker1-cpu, restart policy, job exact"):
-            with stack.client() as c:
-                before = stack.containers()["worker1-cpu"]
-                jobs["B"] = c.submit(work["jobs"]["B"])
-                wait_progress(c, jobs["B"], steps=10)
-                victim = python_child(before["pid"])
-                log(f"   kill -9 {victim} (worker1-cpu's python, what a crash or the OOM killer does)")
-                os.kill(victim, signal.SIGKILL)
-                state = c.get_job(jobs["B"])
-                log(f"   job B at the crash: {state.completed}/{state.total} done")
-                if state.done:
-                    raise Failed("job B finished before the crash; make it longer")
-                results = c.wait(jobs["B"], timeout=600)
-                after = stack.containers()["worker1-cpu"]
-                if after["restarts"] != before["restarts"] + 1:
-                    raise Failed(f"worker1-cpu restarts {before['restarts']} -> {after['restarts']}, expected +1")
-                log(f"   worker1-cpu restarted by the policy (RestartCount {after['restarts']})")
-                expect_exact("job B", [r.token_ids for r in results], ref["B"])
-
+            worker_crash(stack, work, ref, jobs)
         with step("docker-compose restart metadata mid-job: job survives on the volume, exact"):
-            with stack.client() as c, cf.ThreadPoolExecutor(1) as pool:
-                jobs["C"] = c.submit(work["jobs"]["C"])
-                wait_progress(c, jobs["C"], steps=10)
-                waiting = pool.submit(stack.client().wait, jobs["C"], timeout=600)  # follows it across
-                stack.compose("restart", "metadata")
-                expect_exact("job C", [r.token_ids for r in waiting.result()], ref["C"])
-            stack.wait_healthy()
-
+            restart_metadata(stack, work, ref, jobs)
         if HAS_GATEWAY:
             with step("gateway: GET /health, POST /v1/completions"):
                 gateway_checks(stack, ref["gateway_text"])
-
         with step("stop (graceful: exit 0), down, up: finished jobs still readable"):
-            stack.compose("stop")
-            codes = {s: v["exit_code"] for s, v in stack.containers().items()}
-            log(f"   exit codes after stop: {codes}")
-            if any(codes.values()):
-                raise Failed(f"not every service drained and exited 0 on SIGTERM (137: killed after "
-                             f"stop_grace_period): {codes}")
-            stack.compose("down")
-            check_networks("after down")
-            stack.up()
-            stack.wait_healthy()
-            with stack.client() as c:
-                for name, job in jobs.items():
-                    status = c.get_job(job)
-                    if status.state != "done":
-                        raise Failed(f"job {name} is {status.state} after down/up")
-                    expect_exact(f"job {name} from the job store", [r.token_ids for r in status.results], ref[name])
-        ok = True
+            stop_down_up(stack, ref, jobs)
+        r.ok = True
     except BaseException as e:  # noqa: BLE001 - report, clean up, fail
         log(f"FAILED: {type(e).__name__}: {e}")
-        if stack is not None:
+        if r.stack is not None:
             try:
-                stack.logs()
+                r.stack.logs()
             except Exception as e2:  # noqa: BLE001
                 log(f"(no logs: {e2})")
     finally:
-        with step("down -v" + (", stop the daemon this run started" if started_daemon else "")):
-            if stack is not None:
-                stack.compose("down", "-v", check=False)
-            if docker_answers():
-                try:
-                    check_networks("after down -v")
-                except Failed as e:
-                    log(str(e))
-                    ok = False
-            if started_daemon:
-                run([os.path.join(SHARED, "dockerd-down.sh")], env={**os.environ, "DOCKERD_PID": DAEMON_PIDFILE},
-                    check=False)
-            shutil.rmtree(workdir, ignore_errors=True)
-        print("\ncompose-test timings", flush=True)
-        for name, dt in TIMINGS:
-            print(f"  {dt:7.1f}s  {name}")
-        print(f"  {time.monotonic() - T0:7.1f}s  total", flush=True)
-        print("compose-test " + ("PASSED" if ok else "FAILED"), flush=True)
-    return 0 if ok else 1
+        with step("down -v" + (", stop the daemon this run started" if r.started_daemon else "")):
+            clean_up(r)
+        print_summary(r.ok)
+    return 0 if r.ok else 1
+
+
+def docker_daemon(r: Run) -> None:
+    if docker_answers() and shutil.which("docker-compose"):
+        log("a Docker daemon answers: using it (and leaving it running)")
+    else:
+        if not os.path.isdir(SHARED):
+            raise Failed(f"no daemon answers and {SHARED} (dockerd-up.sh) does not exist")
+        r.started_daemon = not docker_answers()
+        run([os.path.join(SHARED, "dockerd-up.sh")], env={**os.environ, "DOCKERD_PID": DAEMON_PIDFILE})
+        if not docker_answers():
+            raise Failed("dockerd-up.sh ran but no daemon answers")
+    run(["docker", "version", "--format", "client {{.Client.Version}}, server {{.Server.Version}}"])
+    run(["docker-compose", "version", "--short"])
+    check_networks("before")
+
+
+def base_image(workdir: str) -> None:
+    if BASE_IMAGE.startswith("local/"):
+        run([os.path.join(SHARED, "local-base.sh")],
+            env={**os.environ, "WORKDIR": os.path.join(workdir, "local-base")})
+    elif run(["docker", "image", "inspect", BASE_IMAGE], check=False, capture=True).returncode:
+        run(["docker", "pull", BASE_IMAGE])
+
+
+def torch_wheel() -> None:
+    version = re.search(r"^ARG TORCH_VERSION=(\S+)$", open(os.path.join(REPO, "docker", "Dockerfile.cpu")).read(),
+                        re.M).group(1)
+    folder = os.path.join(REPO, "docker", "wheels", "cpu")
+    if not any(n.startswith(f"torch-{version}+cpu") for n in os.listdir(folder)):
+        run([sys.executable, "-m", "pip", "download", "-q", f"torch=={version}", "--no-deps", "-d", folder])
+    wheels = [n for n in os.listdir(folder) if n.startswith(f"torch-{version}")]
+    if not any("+cpu" in n for n in wheels):
+        raise Failed(f"pip found no CPU build of torch {version} ({wheels}); the image would be the "
+                     f"CUDA build. Put torch-{version}+cpu-*.whl into {folder} or make the index reachable")
+    log(f"   {', '.join(wheels)}")
+
+
+def compose_config(stack: Stack) -> None:
+    for path in ("docker-compose.yml", COMPOSE_FILE):   # the bridge file cannot run here; it must parse
+        for profile in ("cpu", "gpu"):
+            run(["docker-compose", "-f", path, "--profile", profile, "config", "-q"], env=stack.env)
+
+
+def build_image(stack: Stack) -> None:
+    args = ["--network", "host", "--build-arg", f"BASE_IMAGE={BASE_IMAGE}", "-f", "docker/Dockerfile.cpu"]
+    # the deps stage under a tag of its own, so that pruning old build stages keeps its cache
+    run(["docker", "build", "-q", *args, "--target", "deps", "-t", "minipaged-qwen:cpu-deps", "."])
+    stack.compose("build", "-q", "metadata")
+    for label in ("org.minipaged.stage", "org.opencontainers.image.title=minipaged-qwen"):
+        run(["docker", "image", "prune", "-f", "--filter", f"label={label}"], capture=True)
+    run(["docker", "image", "ls", "--format", "table {{.Repository}}:{{.Tag}}\t{{.Size}}",
+         "--filter", "reference=minipaged-qwen", "--filter", "reference=local/*"])
+
+
+def up_healthy_on_loopback(stack: Stack) -> None:
+    stack.compose("down", "-v", check=False, capture=True)   # leftovers of an interrupted run
+    stack.up()
+    log(f"   healthy and ready {stack.wait_healthy():.1f}s after up")
+    check_networks("during the run")
+    run(["docker", "network", "ls"])
+    running = set(stack.containers())
+    log(f"   containers: {sorted(running)}")
+    if running & {"worker0", "worker1"}:
+        raise Failed("a GPU worker started on a CPU-only run")
+    checked = {n: p for n, p in PORTS.items() if n != "GATEWAY_PORT" or HAS_GATEWAY}
+    for name, port in checked.items():
+        addrs = listening_addresses(port)
+        if addrs != {"127.0.0.1"}:
+            raise Failed(f"port {port} ({name}) listens on {addrs or 'nothing'}, expected 127.0.0.1 only")
+    log(f"   listening on 127.0.0.1 only: {sorted(checked.values())}")
+
+
+def auth_checks(stack: Stack) -> None:
+    try:
+        Client(stack.address, timeout=5).stats()
+        raise Failed("the client API answered without the client token")
+    except Unauthenticated as e:
+        log(f"   refused: {e}")
+    internal = f"127.0.0.1:{PORTS['METADATA_WORKER_PORT']}"
+    try:
+        Client(internal, token=stack.client_token, timeout=5).stats()
+        raise Failed(f"the client API answered on the internal surface {internal}")
+    except MiniPagedError as e:
+        log(f"   the internal surface {internal} refuses the client API: {type(e).__name__}")
+
+
+def metrics_checks() -> None:
+    for name in ("METADATA_METRICS_PORT", "WORKER0_METRICS_PORT", "WORKER1_METRICS_PORT"):
+        url = f"http://127.0.0.1:{PORTS[name]}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as r:
+            text = r.read().decode()
+        series = {line.split("{")[0].split()[0] for line in text.splitlines() if line and line[0] != "#"}
+        if r.status != 200 or not series:
+            raise Failed(f"{url}: {r.status}, no series")
+        log(f"   {url} -> {r.status}, {len(series)} series, e.g. {sorted(series)[:3]}")
+
+
+def stream_and_job(stack: Stack, work: dict, ref: dict) -> dict[str, str]:
+    """The stream and job A, token-exact; returns {job name: job id} for the steps after it."""
+    with stack.client() as c:
+        chunks = list(c.stream(**work["stream"]))
+        log(f"   stream: {len(chunks)} chunks")
+        expect_exact("stream", [t for ch in chunks for t in ch.token_ids], ref["stream"], "tokens")
+        jobs = {"A": c.submit(work["jobs"]["A"])}
+        expect_exact("job A", [r.token_ids for r in c.wait(jobs["A"], timeout=600)], ref["A"])
+    return jobs
+
+
+def worker_crash(stack: Stack, work: dict, ref: dict, jobs: dict[str, str]) -> None:
+    with stack.client() as c:
+        before = stack.containers()["worker1-cpu"]
+        jobs["B"] = c.submit(work["jobs"]["B"])
+        wait_progress(c, jobs["B"], steps=10)
+        victim = python_child(before["pid"])
+        log(f"   kill -9 {victim} (worker1-cpu's python, what a crash or the OOM killer does)")
+        os.kill(victim, signal.SIGKILL)
+        state = c.get_job(jobs["B"])
+        log(f"   job B at the crash: {state.completed}/{state.total} done")
+        if state.done:
+            raise Failed("job B finished before the crash; make it longer")
+        results = c.wait(jobs["B"], timeout=600)
+        after = stack.containers()["worker1-cpu"]
+        if after["restarts"] != before["restarts"] + 1:
+            raise Failed(f"worker1-cpu restarts {before['restarts']} -> {after['restarts']}, expected +1")
+        log(f"   worker1-cpu restarted by the policy (RestartCount {after['restarts']})")
+        expect_exact("job B", [r.token_ids for r in results], ref["B"])
+
+
+def restart_metadata(stack: Stack, work: dict, ref: dict, jobs: dict[str, str]) -> None:
+    with stack.client() as c, cf.ThreadPoolExecutor(1) as pool:
+        jobs["C"] = c.submit(work["jobs"]["C"])
+        wait_progress(c, jobs["C"], steps=10)
+        waiting = pool.submit(stack.client().wait, jobs["C"], timeout=600)  # follows it across
+        stack.compose("restart", "metadata")
+        expect_exact("job C", [r.token_ids for r in waiting.result()], ref["C"])
+    stack.wait_healthy()
+
+
+def stop_down_up(stack: Stack, ref: dict, jobs: dict[str, str]) -> None:
+    stack.compose("stop")
+    codes = {s: v["exit_code"] for s, v in stack.containers().items()}
+    log(f"   exit codes after stop: {codes}")
+    if any(codes.values()):
+        raise Failed(f"not every service drained and exited 0 on SIGTERM (137: killed after "
+                     f"stop_grace_period): {codes}")
+    stack.compose("down")
+    check_networks("after down")
+    stack.up()
+    stack.wait_healthy()
+    with stack.client() as c:
+        for name, job in jobs.items():
+            status = c.get_job(job)
+            if status.state != "done":
+                raise Failed(f"job {name} is {status.state} after down/up")
+            expect_exact(f"job {name} from the job store", [r.token_ids for r in status.results], ref[name])
+
+
+def clean_up(r: Run) -> None:
+    """`down -v`, the networks checked once more (a leftover fails the run), the daemon this run
+    started stopped, the work directory removed."""
+    if r.stack is not None:
+        r.stack.compose("down", "-v", check=False)
+    if docker_answers():
+        try:
+            check_networks("after down -v")
+        except Failed as e:
+            log(str(e))
+            r.ok = False
+    if r.started_daemon:
+        run([os.path.join(SHARED, "dockerd-down.sh")], env={**os.environ, "DOCKERD_PID": DAEMON_PIDFILE},
+            check=False)
+    shutil.rmtree(r.workdir, ignore_errors=True)
+
+
+def print_summary(ok: bool) -> None:
+    print("\ncompose-test timings", flush=True)
+    for name, dt in TIMINGS:
+        print(f"  {dt:7.1f}s  {name}")
+    print(f"  {time.monotonic() - T0:7.1f}s  total", flush=True)
+    print("compose-test " + ("PASSED" if ok else "FAILED"), flush=True)
 
 
 def gateway_checks(stack: Stack, want_text: str) -> None:

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -185,3 +186,39 @@ def python_child(pid: int) -> int:
     if len(children) != 1:
         raise Failed(f"expected one process under the container's init {pid}, found {children}")
     return children[0]
+
+
+# ------------------------------------------------------------------ the run's bookkeeping
+
+@dataclass
+class Run:
+    """What the cleanup needs to know however far the run got."""
+    workdir: str
+    started_daemon: bool = False
+    stack: Stack | None = None
+    ok: bool = False
+
+
+def clean_up(r: Run) -> None:
+    """`down -v`, the networks checked once more (a leftover fails the run), the daemon this run
+    started stopped, the work directory removed."""
+    if r.stack is not None:
+        r.stack.compose("down", "-v", check=False)
+    if docker_answers():
+        try:
+            check_networks("after down -v")
+        except Failed as e:
+            log(str(e))
+            r.ok = False
+    if r.started_daemon:
+        run([os.path.join(SHARED, "dockerd-down.sh")], env={**os.environ, "DOCKERD_PID": DAEMON_PIDFILE},
+            check=False)
+    shutil.rmtree(r.workdir, ignore_errors=True)
+
+
+def print_summary(ok: bool) -> None:
+    print("\ncompose-test timings", flush=True)
+    for name, dt in TIMINGS:
+        print(f"  {dt:7.1f}s  {name}")
+    print(f"  {time.monotonic() - T0:7.1f}s  total", flush=True)
+    print("compose-test " + ("PASSED" if ok else "FAILED"), flush=True)

@@ -33,90 +33,30 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import os
-import random
 import re
 import shutil
 import signal
 import sys
 import tempfile
-import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 
 # the settings and the docker plumbing (scripts/compose_stack.py, which also puts the repo on sys.path);
 # scripts/ is on sys.path already when this runs as a script, not when it is imported from elsewhere
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compose_stack import (BASE_IMAGE, COMPOSE_FILE, DAEMON_PIDFILE, GATEWAY_PROMPT, HAS_GATEWAY,  # noqa: E402
-                           MODEL, PORTS, REPO, SHARED, T0, TIMINGS, Failed, Stack, check_networks, docker_answers,
-                           listening_addresses, log, python_child, run, step)
+                           MODEL, PORTS, REPO, SHARED, Failed, Run, Stack, check_networks, clean_up,
+                           docker_answers, listening_addresses, log, print_summary, python_child, run, step)
+from compose_workload import expect_exact, reference, wait_progress, workload  # noqa: E402
 
-from client import Client, LocalCluster  # noqa: E402
+from client import Client  # noqa: E402
 from client.errors import MiniPagedError, Unauthenticated  # noqa: E402
-from minipaged.config import load_model_config  # noqa: E402
-
-
-# ------------------------------------------------------------------ the workload
-
-def make_prompts(n: int, seed: int, vocab: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(2, vocab) for _ in range(rng.randint(4, 48))] for _ in range(n)]
-
-
-def workload() -> dict:
-    vocab = load_model_config(MODEL).vocab_size
-    a = [{"prompt_token_ids": p, "max_new_tokens": 24, "ignore_eos": True} for p in make_prompts(28, 1, vocab)]
-    a += [{"prompt_token_ids": p, "max_new_tokens": 24, "ignore_eos": True, "temperature": 0.8, "top_p": 0.95,
-           "seed": 1000 + i} for i, p in enumerate(make_prompts(4, 2, vocab))]   # seeded sampling, too
-    long = lambda seed: [{"prompt_token_ids": p, "max_new_tokens": 96, "ignore_eos": True}  # noqa: E731
-                         for p in make_prompts(32, seed, vocab)]
-    return {"stream": {"prompt": "The paged KV cache", "max_new_tokens": 32, "ignore_eos": True},
-            "jobs": {"A": a, "B": long(3), "C": long(4)}}
-
-
-def reference(work: dict) -> dict:
-    """The same requests through LocalCluster (host processes), same model and dtype."""
-    with LocalCluster(model=MODEL, workers=2, dtype=DTYPE) as cluster:
-        c = cluster.client
-        out = {"stream": c.generate(**work["stream"]).token_ids,
-               "gateway_text": c.generate(**GATEWAY_PROMPT, temperature=0.0).text}
-        for name, requests in work["jobs"].items():
-            out[name] = [r.token_ids for r in c.wait(c.submit(requests), timeout=600)]
-    return out
-
-
-def expect_exact(what: str, got: list, want: list, unit: str = "results") -> None:
-    if got != want:
-        bad = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
-        raise Failed(f"{what}: not token-exact against LocalCluster ({len(bad)} of {len(want)} {unit} differ, "
-                     f"first {bad[:5]}; lengths {len(got)} vs {len(want)})")
-    log(f"   {what}: token-exact against LocalCluster ({len(want)} {unit})")
-
-
-def wait_progress(c: Client, job: str, steps: int, timeout: float = 120.0) -> None:
-    """Until the engine ran `steps` more steps for this job and it is still unfinished."""
-    start, end = c.stats().steps, time.monotonic() + timeout
-    while c.stats().steps < start + steps:
-        if c.get_job(job).done:
-            raise Failed("the job finished before the fault; make it longer")
-        if time.monotonic() > end:
-            raise Failed(f"no progress on job {job} within {timeout:.0f}s")
-        time.sleep(0.05)
 
 
 # ------------------------------------------------------------------ the run
 
 def on_signal(signum, frame):
     raise SystemExit(128 + signum)   # unwinds into main()'s finally: down -v, daemon stopped
-
-
-@dataclass
-class Run:
-    """What the cleanup needs to know however far the run got."""
-    workdir: str
-    started_daemon: bool = False
-    stack: Stack | None = None
-    ok: bool = False
 
 
 def main() -> int:
@@ -324,31 +264,6 @@ def stop_down_up(stack: Stack, ref: dict, jobs: dict[str, str]) -> None:
             if status.state != "done":
                 raise Failed(f"job {name} is {status.state} after down/up")
             expect_exact(f"job {name} from the job store", [r.token_ids for r in status.results], ref[name])
-
-
-def clean_up(r: Run) -> None:
-    """`down -v`, the networks checked once more (a leftover fails the run), the daemon this run
-    started stopped, the work directory removed."""
-    if r.stack is not None:
-        r.stack.compose("down", "-v", check=False)
-    if docker_answers():
-        try:
-            check_networks("after down -v")
-        except Failed as e:
-            log(str(e))
-            r.ok = False
-    if r.started_daemon:
-        run([os.path.join(SHARED, "dockerd-down.sh")], env={**os.environ, "DOCKERD_PID": DAEMON_PIDFILE},
-            check=False)
-    shutil.rmtree(r.workdir, ignore_errors=True)
-
-
-def print_summary(ok: bool) -> None:
-    print("\ncompose-test timings", flush=True)
-    for name, dt in TIMINGS:
-        print(f"  {dt:7.1f}s  {name}")
-    print(f"  {time.monotonic() - T0:7.1f}s  total", flush=True)
-    print("compose-test " + ("PASSED" if ok else "FAILED"), flush=True)
 
 
 def gateway_checks(stack: Stack, want_text: str) -> None:

@@ -4,7 +4,6 @@ For tests, the demo and notebooks. The services are started as processes (`pytho
 imported: the client stays on its side of the wire (docs/architecture.md section 1)."""
 from __future__ import annotations
 
-import atexit
 import os
 import shutil
 import signal
@@ -12,19 +11,17 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from dataclasses import dataclass
 
 import grpc
 
 from minipaged.config import load_model_config
 
 from .errors import MiniPagedError
+from .procs import LIVE, Proc, log_tail, spawn, stop_all
 from .sdk import Client
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_LIVE: set[subprocess.Popen] = set()  # every process we started and have not reaped yet
 
 
 class ClusterError(RuntimeError):
@@ -52,37 +49,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# `python -m MOD ARGS` plus PR_SET_PDEATHSIG, so a child dies with us even if we are SIGKILLed and
-# atexit never runs. Done in the child's own Python rather than a preexec_fn: forking a process that
-# runs gRPC threads can crash the child (gRPC's fork handlers), posix_spawn does not fork.
-_BOOT = ("import ctypes, runpy, signal, sys; ctypes.CDLL(None).prctl(1, int(signal.SIGTERM)); "
-         "sys.argv = sys.argv[1:]; runpy._run_module_as_main(sys.argv[0])")
+def _cpu_threads(n_procs: int, standby: int) -> int:
+    """The cores shared out among the CPU workers: on a quiet 2-core machine one worker with 2
+    threads ran the e2e workload ~1.4x faster than with 1 (the service's work overlaps); on cores
+    busy with other jobs pass threads=1: OpenMP threads whose partner is descheduled wait at every
+    op's barrier. Standbys (of a multi-stage chain) idle, so they get no share."""
+    return max(1, (os.cpu_count() or 1) // max(1, n_procs - standby))
 
 
-def _stop_all(procs, grace: float) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    end = time.monotonic() + grace
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.0, end - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-        _LIVE.discard(p)
-
-
-atexit.register(lambda: _stop_all(list(_LIVE), grace=3.0))
-
-
-@dataclass
-class _Proc:
-    name: str
-    cmd: list[str]
-    log_path: str
-    popen: subprocess.Popen | None = None
-    rebinds: int = 0      # restarts on a fresh port after "could not bind" (see _rebind)
+def _worker_flags(dtype, simulate, device, threads, num_blocks, extra) -> list[str]:
+    """The flags every worker of the cluster gets, after its own --port, --model and --layers."""
+    flags = ["--dtype", dtype] if dtype else []
+    flags += ["--simulate", simulate] if simulate else ["--device", device]
+    flags += ["--threads", str(threads)] if threads else []
+    if num_blocks is not None:
+        flags += ["--num-blocks", str(num_blocks)]
+    return flags + [str(x) for x in extra]
 
 
 class LocalCluster:
@@ -119,33 +101,15 @@ class LocalCluster:
         self.log_dir = tempfile.mkdtemp(prefix="minipaged-cluster-")
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.env["PYTHONPATH"] = os.pathsep.join(p for p in (self.root, self.env.get("PYTHONPATH")) if p)
-        n_procs = len(self.layers)
-        if n_procs > 1:  # processes on one machine take turns: idle OpenMP threads must not spin on its cores
-            self.env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        self.env = self._child_env(env)
         if threads is None and not simulate and device == "cpu":
-            # the cores shared out among the CPU workers: on a quiet 2-core machine one worker with
-            # 2 threads ran the e2e workload ~1.4x faster than with 1 (the service's work overlaps);
-            # on cores busy with other jobs pass threads=1: OpenMP threads whose partner is
-            # descheduled wait at every op's barrier
-            busy = max(1, n_procs - (standby if workers > 1 else 0))
-            threads = max(1, (os.cpu_count() or 1) // busy)
-        py, log = sys.executable, lambda name: os.path.join(self.log_dir, f"{name}.log")
-        service_cmd = [py, "-m", "metadata_service", "--host", "127.0.0.1", "--port", str(self.port),
+            threads = _cpu_threads(len(self.layers), standby if workers > 1 else 0)
+        service_cmd = [sys.executable, "-m", "metadata_service", "--host", "127.0.0.1", "--port", str(self.port),
                        "--block-size", str(block_size), "--db", db or os.path.join(self.log_dir, "jobs.db")]
         service_cmd += (["--token", token] if token else []) + [str(x) for x in extra_service_args]
-        self._procs = [_Proc("metadata_service", service_cmd, log("metadata_service"))]
-        for i, (a, b) in enumerate(self.layers):
-            cmd = [py, "-m", "worker", "--metadata", self.address, "--host", "127.0.0.1",
-                   "--port", str(free_port()), "--model", model, "--layers", f"{a}:{b}"]
-            cmd += ["--dtype", dtype] if dtype else []
-            cmd += ["--simulate", simulate] if simulate else ["--device", device]
-            cmd += ["--threads", str(threads)] if threads else []
-            if num_blocks is not None:
-                cmd += ["--num-blocks", str(num_blocks)]
-            cmd += [str(x) for x in extra_worker_args]
-            self._procs.append(_Proc(f"worker{i}", cmd, log(f"worker{i}")))
+        self._procs = [Proc("metadata_service", service_cmd, self._log_path("metadata_service"))]
+        worker_flags = _worker_flags(dtype, simulate, device, threads, num_blocks, extra_worker_args)
+        self._procs += [self._worker_proc(i, a, b, worker_flags) for i, (a, b) in enumerate(self.layers)]
         self.client = Client(self.address, token=token)
         self.http_url: str | None = None
         self._http = (http_host, http_port, [str(x) for x in extra_gateway_args])
@@ -154,10 +118,25 @@ class LocalCluster:
                 self._spawn(p)
             self.wait_ready()
             if http:
-                self._start_gateway(py, log("gateway"), token)
+                self._start_gateway(sys.executable, self._log_path("gateway"), token)
         except BaseException:
             self.stop(keep_logs=True)
             raise
+
+    def _child_env(self, env: dict | None) -> dict:
+        out = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        out["PYTHONPATH"] = os.pathsep.join(p for p in (self.root, out.get("PYTHONPATH")) if p)
+        if len(self.layers) > 1:  # processes on one machine take turns: idle OpenMP threads must not spin on its cores
+            out.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        return out
+
+    def _log_path(self, name: str) -> str:
+        return os.path.join(self.log_dir, f"{name}.log")
+
+    def _worker_proc(self, i: int, start: int, end: int, flags: list[str]) -> Proc:
+        cmd = [sys.executable, "-m", "worker", "--metadata", self.address, "--host", "127.0.0.1",
+               "--port", str(free_port()), "--model", self.model, "--layers", f"{start}:{end}", *flags]
+        return Proc(f"worker{i}", cmd, self._log_path(f"worker{i}"))
 
     # ------------------------------------------------------------ processes
 
@@ -166,28 +145,12 @@ class LocalCluster:
         """[metadata service, worker0, worker1, ...] (current ones, after any restart)."""
         return [p.popen for p in self._procs]
 
-    def _spawn(self, p: _Proc) -> None:
-        cmd = p.cmd
-        # PDEATHSIG follows the thread that spawned the child: only safe from the main thread.
-        if sys.platform.startswith("linux") and threading.current_thread() is threading.main_thread():
-            cmd = [cmd[0], "-c", _BOOT, *cmd[2:]]  # same as cmd = [python, "-m", MOD, ...]
-        with open(p.log_path, "ab") as log:  # the child keeps its own copy of the fd
-            p.popen = subprocess.Popen(cmd, cwd=self.root, env=self.env, stdout=log,
-                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, **self.popen_kwargs)
-        _LIVE.add(p.popen)
+    def _spawn(self, p: Proc) -> None:
+        spawn(p, self.root, self.env, **self.popen_kwargs)
 
     def logs(self, lines: int = 30) -> str:
         """The tail of every process's log, for error messages and debugging."""
-        out = []
-        for p in self._procs:
-            try:
-                with open(p.log_path, "rb") as f:
-                    tail = f.read().decode("utf-8", "replace").splitlines()[-lines:]
-            except OSError:
-                tail = ["<no log>"]
-            rc = p.popen.poll() if p.popen else None
-            out.append(f"--- {p.name} (exit code {rc}) {' '.join(p.cmd[1:])}\n" + "\n".join(tail))
-        return "\n".join(out)
+        return "\n".join(log_tail(p, lines) for p in self._procs)
 
     def wait_ready(self, timeout: float | None = None) -> None:
         """Until Stats says every chain is ready (caches initialised) and every worker registered,
@@ -210,7 +173,7 @@ class LocalCluster:
                                    f"logs in {self.log_dir}\n" + self.logs())
             time.sleep(0.2)
 
-    def _rebind(self, p: _Proc) -> bool:
+    def _rebind(self, p: Proc) -> bool:
         """A worker that lost its --port to another process (free_port's port is free only until
         some process binds an ephemeral port, e.g. another worker's data link) starts again on a
         fresh one, at most 3 times. True when it was restarted."""
@@ -235,7 +198,7 @@ class LocalCluster:
         port = port or free_port()
         cmd = [py, "-m", "gateway", "--metadata", self.address, "--port", str(port), "--host", host,
                "--model", self.model] + (["--token", token] if token else []) + extra
-        p = _Proc("gateway", cmd, log_path)
+        p = Proc("gateway", cmd, log_path)
         self._procs.append(p)  # last: workers keep their indices in .processes
         self._spawn(p)
         near = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host  # where we can reach it
@@ -260,7 +223,7 @@ class LocalCluster:
         p = self._procs[1 + i].popen
         p.send_signal(sig)
         p.wait()
-        _LIVE.discard(p)
+        LIVE.discard(p)
 
     def restart_worker(self, i: int, wait: bool = True) -> None:
         """(Re)start worker i with the same command and port: it comes back with a fresh cache."""
@@ -270,8 +233,8 @@ class LocalCluster:
         """Stop and restart the metadata service on the same port and job database."""
         self._restart(self._procs[0], wait)
 
-    def _restart(self, p: _Proc, wait: bool) -> None:
-        _stop_all([p.popen], self.grace)
+    def _restart(self, p: Proc, wait: bool) -> None:
+        stop_all([p.popen], self.grace)
         self._spawn(p)
         if wait:
             # The service may still report the old chain as ready: first wait for the new process
@@ -289,7 +252,7 @@ class LocalCluster:
     def stop(self, keep_logs: bool = False) -> None:
         """SIGTERM everything (workers first), wait `grace`, then SIGKILL. Idempotent."""
         self.client.close()
-        _stop_all([p.popen for p in reversed(self._procs) if p.popen is not None], self.grace)
+        stop_all([p.popen for p in reversed(self._procs) if p.popen is not None], self.grace)
         if not keep_logs:
             shutil.rmtree(self.log_dir, ignore_errors=True)
 

@@ -18,6 +18,8 @@ import sys
 import threading
 import time
 
+from minipaged.constants import DTYPE_BYTES
+
 from . import cluster as cl
 from .errors import MiniPagedError
 from .sdk import Client
@@ -35,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None,
                    help="clients must send 'Authorization: Bearer KEY' (env MINIPAGED_API_KEY); the "
                         "service and gateway share it")
-    p.add_argument("--dtype", default=None, choices=["float32", "float64", "bfloat16", "float16"],
+    p.add_argument("--dtype", default=None, choices=list(DTYPE_BYTES),
                    help="weights and K/V (default: float32 on cpu, bfloat16 on cuda)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--max-model-len", type=int, default=None,
@@ -165,7 +167,7 @@ class _Signals:
         self.count += 1
         if self.count == 1:
             raise KeyboardInterrupt
-        for p in list(cl._LIVE):
+        for p in list(cl.LIVE):
             try:
                 p.kill()
             except OSError:

@@ -10,6 +10,7 @@ import sys
 import uvicorn
 
 from minipaged.cli import prog_name
+from minipaged.constants import DEFAULT_METADATA_PORT
 
 from .reasoning import DEFAULT_PARSER, PARSERS
 
@@ -17,8 +18,9 @@ from .reasoning import DEFAULT_PARSER, PARSERS
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog_name("gateway"), description=__doc__,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--metadata", default=os.environ.get("MINIPAGED_ADDRESS", "127.0.0.1:50051"),
-                   help="the metadata service, HOST:PORT (HOST alone: port 50051; env MINIPAGED_ADDRESS)")
+    p.add_argument("--metadata", default=os.environ.get("MINIPAGED_ADDRESS", f"127.0.0.1:{DEFAULT_METADATA_PORT}"),
+                   help=f"the metadata service, HOST:PORT (HOST alone: port {DEFAULT_METADATA_PORT}; "
+                        f"env MINIPAGED_ADDRESS)")
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port")
     p.add_argument("--token", default=None,

@@ -17,6 +17,10 @@ DEFAULT_METADATA_ADDRESS = f"127.0.0.1:{METADATA_PORT}"
 # OpenAI's (and vLLM's default --max-logprobs) limit on alternatives per token a request may ask for.
 OPENAI_MAX_TOP_LOGPROBS = 20
 
+# The metadata service's client port: `python -m metadata_service`'s default, and the port the SDK,
+# the CLI and the gateway add to an address given as HOST alone.
+DEFAULT_METADATA_PORT = 50051
+
 # Alternatives per row a Step may ask a worker for: beam search needs (1 + #EOS) x K, K <= 16.
 STEP_MAX_TOP_LOGPROBS = 64
 

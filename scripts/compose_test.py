@@ -31,245 +31,26 @@ other tests use), MINIPAGED_SHARED_DOCKER.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import ipaddress
 import json
 import os
-import random
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
-import time
 import urllib.error
 import urllib.request
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+# the settings and the docker plumbing (scripts/compose_stack.py, which also puts the repo on sys.path);
+# scripts/ is on sys.path already when this runs as a script, not when it is imported from elsewhere
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from compose_stack import (BASE_IMAGE, COMPOSE_FILE, DAEMON_PIDFILE, GATEWAY_PROMPT, HAS_GATEWAY,  # noqa: E402
+                           MODEL, PORTS, REPO, SHARED, Failed, Run, Stack, check_networks, clean_up,
+                           docker_answers, listening_addresses, log, print_summary, python_child, run, step)
+from compose_workload import expect_exact, reference, wait_progress, workload  # noqa: E402
 
-from client import Client, LocalCluster  # noqa: E402
+from client import Client  # noqa: E402
 from client.errors import MiniPagedError, Unauthenticated  # noqa: E402
-from minipaged.config import load_model_config  # noqa: E402
-
-SHARED = os.environ.get("MINIPAGED_SHARED_DOCKER", os.path.join(REPO, "..", "shared", "docker"))
-PROJECT = os.environ.get("COMPOSE_TEST_PROJECT", "minipaged-ci")
-COMPOSE_FILE = "docker-compose.host.yml"
-BASE_IMAGE = os.environ.get("COMPOSE_TEST_BASE_IMAGE", "local/python:3.11-bookworm")
-PORTS = {name: int(os.environ.get(f"COMPOSE_TEST_{name}", default)) for name, default in
-         (("METADATA_PORT", 51051), ("METADATA_WORKER_PORT", 51052), ("WORKER0_PORT", 51061),
-          ("WORKER1_PORT", 51062), ("GATEWAY_PORT", 51080), ("METADATA_METRICS_PORT", 51100),
-          ("WORKER0_METRICS_PORT", 51101), ("WORKER1_METRICS_PORT", 51102))}
-DAEMON_PIDFILE = os.environ.get("DOCKERD_PID", "/tmp/minipaged-compose-test-dockerd.pid")
-MODEL, DTYPE = "tiny", "float64"   # float64: greedy tokens do not depend on batch composition
-CPU_SERVICES = ["metadata", "worker0-cpu", "worker1-cpu"]
-GATEWAY_PROMPT = {"prompt": "Once upon a time", "max_new_tokens": 16}   # /v1/completions; tiny answers in visible text
-HAS_GATEWAY = os.path.isdir(os.path.join(REPO, "gateway"))
-T0 = time.monotonic()
-TIMINGS: list[tuple[str, float]] = []
-
-
-class Failed(Exception):
-    pass
-
-
-def log(msg: str) -> None:
-    print(f"[{time.monotonic() - T0:7.1f}s] {msg}", flush=True)
-
-
-class step:
-    """`with step("name"):` logs the start and the duration, and keeps it for the summary."""
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def __enter__(self):
-        self.t = time.monotonic()
-        log(f"== {self.name}")
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        dt = time.monotonic() - self.t
-        TIMINGS.append((self.name + ("" if exc is None else "  (FAILED)"), dt))
-        log(f"   {self.name}: {dt:.1f}s" + ("" if exc is None else f"  FAILED: {exc}"))
-
-
-def run(cmd: list[str], *, env: dict | None = None, check: bool = True, capture: bool = False,
-        show: bool = True, timeout: float = 1800) -> subprocess.CompletedProcess:
-    if show:
-        log("$ " + " ".join(cmd))
-    p = subprocess.run(cmd, cwd=REPO, env=env, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
-                       stdout=subprocess.PIPE if capture else None, stderr=subprocess.PIPE if capture else None)
-    if check and p.returncode != 0:
-        detail = ((p.stdout or "") + (p.stderr or ""))[-4000:] if capture else ""
-        raise Failed(f"{' '.join(cmd)} exited {p.returncode}\n{detail}")
-    return p
-
-
-def docker_answers() -> bool:
-    return shutil.which("docker") is not None and subprocess.run(
-        ["docker", "info"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
-
-
-def networks() -> list[str]:
-    return run(["docker", "network", "ls", "--format", "{{.Name}}"], capture=True, show=False).stdout.split()
-
-
-def check_networks(when: str) -> None:
-    names = networks()
-    log(f"docker network ls ({when}): {' '.join(sorted(names))}")
-    if set(names) != {"host", "none"}:
-        raise Failed(f"networks other than host and none exist ({when}): {names}; remove them "
-                     f"(docker network rm NAME): only loopback traffic is allowed on these machines")
-
-
-class Stack:
-    """docker-compose on the host-networking file, with this run's ports, secrets and dtype."""
-
-    def __init__(self, workdir: str):
-        self.secrets = os.path.join(workdir, "secrets")
-        self.models = os.path.join(workdir, "models")
-        os.makedirs(self.models)
-        self.env = {**os.environ, "MINIPAGED_SECRETS_DIR": self.secrets, "MODELS_DIR": self.models,
-                    "BASE_IMAGE": BASE_IMAGE, "MODEL": MODEL, "CPU_DTYPE": DTYPE,
-                    # the cores shared out between the two workers, as LocalCluster does
-                    "CPU_THREADS": str(max(1, (os.cpu_count() or 1) // 2)),
-                    **{k: str(v) for k, v in PORTS.items()}}
-        run([os.path.join(REPO, "docker", "make-secrets.sh")], env=self.env, capture=True)
-        self.client_token = self.read_secret("client_token")
-        self.address = f"127.0.0.1:{PORTS['METADATA_PORT']}"
-
-    def read_secret(self, name: str) -> str:
-        with open(os.path.join(self.secrets, name)) as f:
-            return f.read().strip()
-
-    def compose(self, *args: str, capture: bool = False, check: bool = True) -> subprocess.CompletedProcess:
-        return run(["docker-compose", "-p", PROJECT, "-f", COMPOSE_FILE, *args], env=self.env,
-                   capture=capture, check=check)
-
-    def up(self) -> None:
-        if HAS_GATEWAY:
-            self.compose("--profile", "cpu", "up", "-d", "--no-build")
-        else:
-            log("gateway/ is not in this tree yet: the gateway service is not started, the HTTP checks "
-                "do not run (they run once gateway/ exists)")
-            self.compose("up", "-d", "--no-build", *CPU_SERVICES)
-
-    def containers(self) -> dict[str, dict]:
-        """service -> {id, status, health, restarts, pid}, for this project's containers."""
-        ids = run(["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={PROJECT}"],
-                  capture=True, show=False).stdout.split()
-        if not ids:
-            return {}
-        fmt = ('{{index .Config.Labels "com.docker.compose.service"}}|{{.Id}}|{{.State.Status}}|'
-               '{{if .State.Health}}{{.State.Health.Status}}{{end}}|{{.RestartCount}}|{{.State.Pid}}|'
-               '{{.State.ExitCode}}')
-        out = {}
-        for line in run(["docker", "inspect", "-f", fmt, *ids], capture=True, show=False).stdout.splitlines():
-            service, cid, status, health, restarts, pid, code = line.split("|")
-            out[service] = {"id": cid, "status": status, "health": health, "restarts": int(restarts),
-                            "pid": int(pid), "exit_code": int(code)}
-        return out
-
-    def wait_healthy(self, timeout: float = 600.0) -> float:
-        """Until every container is healthy and the service reports a ready chain."""
-        t, end = time.monotonic(), time.monotonic() + timeout
-        expected = set(CPU_SERVICES + (["gateway"] if HAS_GATEWAY else []))
-        while True:
-            c = self.containers()
-            healthy = {s for s, v in c.items() if v["status"] == "running" and v["health"] == "healthy"}
-            if healthy >= expected and self.ready():
-                return time.monotonic() - t
-            if time.monotonic() > end:
-                raise Failed(f"not healthy after {timeout:.0f}s: {c}")
-            time.sleep(1.0)
-
-    def ready(self) -> bool:
-        try:
-            with Client(self.address, token=self.client_token, timeout=3) as c:
-                return c.stats().ready
-        except Exception:
-            return False
-
-    def client(self) -> Client:
-        return Client(self.address, token=self.client_token)
-
-    def logs(self) -> None:
-        self.compose("logs", "--no-color", "--tail", "60", check=False)
-
-
-# ------------------------------------------------------------------ the workload
-
-def make_prompts(n: int, seed: int, vocab: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(2, vocab) for _ in range(rng.randint(4, 48))] for _ in range(n)]
-
-
-def workload() -> dict:
-    vocab = load_model_config(MODEL).vocab_size
-    a = [{"prompt_token_ids": p, "max_new_tokens": 24, "ignore_eos": True} for p in make_prompts(28, 1, vocab)]
-    a += [{"prompt_token_ids": p, "max_new_tokens": 24, "ignore_eos": True, "temperature": 0.8, "top_p": 0.95,
-           "seed": 1000 + i} for i, p in enumerate(make_prompts(4, 2, vocab))]   # seeded sampling, too
-    long = lambda seed: [{"prompt_token_ids": p, "max_new_tokens": 96, "ignore_eos": True}  # noqa: E731
-                         for p in make_prompts(32, seed, vocab)]
-    return {"stream": {"prompt": "The paged KV cache", "max_new_tokens": 32, "ignore_eos": True},
-            "jobs": {"A": a, "B": long(3), "C": long(4)}}
-
-
-def reference(work: dict) -> dict:
-    """The same requests through LocalCluster (host processes), same model and dtype."""
-    with LocalCluster(model=MODEL, workers=2, dtype=DTYPE) as cluster:
-        c = cluster.client
-        out = {"stream": c.generate(**work["stream"]).token_ids,
-               "gateway_text": c.generate(**GATEWAY_PROMPT, temperature=0.0).text}
-        for name, requests in work["jobs"].items():
-            out[name] = [r.token_ids for r in c.wait(c.submit(requests), timeout=600)]
-    return out
-
-
-def expect_exact(what: str, got: list, want: list, unit: str = "results") -> None:
-    if got != want:
-        bad = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
-        raise Failed(f"{what}: not token-exact against LocalCluster ({len(bad)} of {len(want)} {unit} differ, "
-                     f"first {bad[:5]}; lengths {len(got)} vs {len(want)})")
-    log(f"   {what}: token-exact against LocalCluster ({len(want)} {unit})")
-
-
-def listening_addresses(port: int) -> set[str]:
-    """Local addresses with a listening TCP socket on `port` (host networking: the host's table);
-    IPv4-mapped IPv6 addresses (gRPC binds 127.0.0.1 that way) as IPv4."""
-    found = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in f.readlines()[1:]:
-                fields = line.split()
-                addr, p = fields[1].split(":")
-                if fields[3] != "0A" or int(p, 16) != port:   # 0A: LISTEN
-                    continue
-                raw = b"".join(bytes.fromhex(addr[i:i + 8])[::-1] for i in range(0, len(addr), 8))
-                ip = ipaddress.ip_address(raw)
-                found.add(str(ip.ipv4_mapped or ip) if ip.version == 6 else str(ip))
-    return found
-
-
-def wait_progress(c: Client, job: str, steps: int, timeout: float = 120.0) -> None:
-    """Until the engine ran `steps` more steps for this job and it is still unfinished."""
-    start, end = c.stats().steps, time.monotonic() + timeout
-    while c.stats().steps < start + steps:
-        if c.get_job(job).done:
-            raise Failed("the job finished before the fault; make it longer")
-        if time.monotonic() > end:
-            raise Failed(f"no progress on job {job} within {timeout:.0f}s")
-        time.sleep(0.05)
-
-
-def python_child(pid: int) -> int:
-    """The service process under the container's init (compose `init: true`)."""
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        children = [int(x) for x in f.read().split()]
-    if len(children) != 1:
-        raise Failed(f"expected one process under the container's init {pid}, found {children}")
-    return children[0]
 
 
 # ------------------------------------------------------------------ the run
@@ -281,186 +62,208 @@ def on_signal(signum, frame):
 def main() -> int:
     for sig in (signal.SIGTERM, signal.SIGHUP):  # clean up on CI cancellation too (SIGINT: KeyboardInterrupt)
         signal.signal(sig, on_signal)
-    started_daemon, stack, workdir, ok = False, None, tempfile.mkdtemp(prefix="minipaged-compose-test-"), False
+    r = Run(workdir=tempfile.mkdtemp(prefix="minipaged-compose-test-"))
     try:
         with step("docker daemon"):
-            if docker_answers() and shutil.which("docker-compose"):
-                log("a Docker daemon answers: using it (and leaving it running)")
-            else:
-                if not os.path.isdir(SHARED):
-                    raise Failed(f"no daemon answers and {SHARED} (dockerd-up.sh) does not exist")
-                started_daemon = not docker_answers()
-                run([os.path.join(SHARED, "dockerd-up.sh")], env={**os.environ, "DOCKERD_PID": DAEMON_PIDFILE})
-                if not docker_answers():
-                    raise Failed("dockerd-up.sh ran but no daemon answers")
-            run(["docker", "version", "--format", "client {{.Client.Version}}, server {{.Server.Version}}"])
-            run(["docker-compose", "version", "--short"])
-            check_networks("before")
-
+            docker_daemon(r)
         with step("base image"):
-            if BASE_IMAGE.startswith("local/"):
-                run([os.path.join(SHARED, "local-base.sh")],
-                    env={**os.environ, "WORKDIR": os.path.join(workdir, "local-base")})
-            elif run(["docker", "image", "inspect", BASE_IMAGE], check=False, capture=True).returncode:
-                run(["docker", "pull", BASE_IMAGE])
-
+            base_image(r.workdir)
         with step("torch CPU wheel into docker/wheels/cpu"):
-            version = re.search(r"^ARG TORCH_VERSION=(\S+)$", open(os.path.join(REPO, "docker", "Dockerfile.cpu")).read(),
-                                re.M).group(1)
-            folder = os.path.join(REPO, "docker", "wheels", "cpu")
-            if not any(n.startswith(f"torch-{version}+cpu") for n in os.listdir(folder)):
-                run([sys.executable, "-m", "pip", "download", "-q", f"torch=={version}", "--no-deps", "-d", folder])
-            wheels = [n for n in os.listdir(folder) if n.startswith(f"torch-{version}")]
-            if not any("+cpu" in n for n in wheels):
-                raise Failed(f"pip found no CPU build of torch {version} ({wheels}); the image would be the "
-                             f"CUDA build. Put torch-{version}+cpu-*.whl into {folder} or make the index reachable")
-            log(f"   {', '.join(wheels)}")
-
-        stack = Stack(workdir)
+            torch_wheel()
+        r.stack = stack = Stack(r.workdir)
         with step("docker-compose config: both files, both profiles"):
-            for path in ("docker-compose.yml", COMPOSE_FILE):   # the bridge file cannot run here; it must parse
-                for profile in ("cpu", "gpu"):
-                    run(["docker-compose", "-f", path, "--profile", profile, "config", "-q"], env=stack.env)
-
+            compose_config(stack)
         with step("build the CPU image (cached between runs)"):
-            args = ["--network", "host", "--build-arg", f"BASE_IMAGE={BASE_IMAGE}", "-f", "docker/Dockerfile.cpu"]
-            # the deps stage under a tag of its own, so that pruning old build stages keeps its cache
-            run(["docker", "build", "-q", *args, "--target", "deps", "-t", "minipaged-qwen:cpu-deps", "."])
-            stack.compose("build", "-q", "metadata")
-            for label in ("org.minipaged.stage", "org.opencontainers.image.title=minipaged-qwen"):
-                run(["docker", "image", "prune", "-f", "--filter", f"label={label}"], capture=True)
-            run(["docker", "image", "ls", "--format", "table {{.Repository}}:{{.Tag}}\t{{.Size}}",
-                 "--filter", "reference=minipaged-qwen", "--filter", "reference=local/*"])
-
+            build_image(stack)
         work = workload()
         with step("reference: LocalCluster, same model and dtype"):
             ref = reference(work)
-
         with step("up (host networking) until healthy and ready"):
-            stack.compose("down", "-v", check=False, capture=True)   # leftovers of an interrupted run
-            stack.up()
-            log(f"   healthy and ready {stack.wait_healthy():.1f}s after up")
-            check_networks("during the run")
-            run(["docker", "network", "ls"])
-            running = set(stack.containers())
-            log(f"   containers: {sorted(running)}")
-            if running & {"worker0", "worker1"}:
-                raise Failed("a GPU worker started on a CPU-only run")
-            checked = {n: p for n, p in PORTS.items() if n != "GATEWAY_PORT" or HAS_GATEWAY}
-            for name, port in checked.items():
-                addrs = listening_addresses(port)
-                if addrs != {"127.0.0.1"}:
-                    raise Failed(f"port {port} ({name}) listens on {addrs or 'nothing'}, expected 127.0.0.1 only")
-            log(f"   listening on 127.0.0.1 only: {sorted(checked.values())}")
-
+            up_healthy_on_loopback(stack)
         with step("auth: no token -> UNAUTHENTICATED; no client API on the internal port"):
-            try:
-                Client(stack.address, timeout=5).stats()
-                raise Failed("the client API answered without the client token")
-            except Unauthenticated as e:
-                log(f"   refused: {e}")
-            internal = f"127.0.0.1:{PORTS['METADATA_WORKER_PORT']}"
-            try:
-                Client(internal, token=stack.client_token, timeout=5).stats()
-                raise Failed(f"the client API answered on the internal surface {internal}")
-            except MiniPagedError as e:
-                log(f"   the internal surface {internal} refuses the client API: {type(e).__name__}")
-
+            auth_checks(stack)
         with step("metrics: GET /metrics of the metadata service and both workers"):
-            for name in ("METADATA_METRICS_PORT", "WORKER0_METRICS_PORT", "WORKER1_METRICS_PORT"):
-                url = f"http://127.0.0.1:{PORTS[name]}/metrics"
-                with urllib.request.urlopen(url, timeout=10) as r:
-                    text = r.read().decode()
-                series = {line.split("{")[0].split()[0] for line in text.splitlines() if line and line[0] != "#"}
-                if r.status != 200 or not series:
-                    raise Failed(f"{url}: {r.status}, no series")
-                log(f"   {url} -> {r.status}, {len(series)} series, e.g. {sorted(series)[:3]}")
-
+            metrics_checks()
         with step("streamed generate + 32-prompt job, token-exact"):
-            with stack.client() as c:
-                chunks = list(c.stream(**work["stream"]))
-                log(f"   stream: {len(chunks)} chunks")
-                expect_exact("stream", [t for ch in chunks for t in ch.token_ids], ref["stream"], "tokens")
-                jobs = {"A": c.submit(work["jobs"]["A"])}
-                expect_exact("job A", [r.token_ids for r in c.wait(jobs["A"], timeout=600)], ref["A"])
-
+            jobs = stream_and_job(stack, work, ref)
         with step("worker crash mid-job: SIGKILL in worker1-cpu, restart policy, job exact"):
-            with stack.client() as c:
-                before = stack.containers()["worker1-cpu"]
-                jobs["B"] = c.submit(work["jobs"]["B"])
-                wait_progress(c, jobs["B"], steps=10)
-                victim = python_child(before["pid"])
-                log(f"   kill -9 {victim} (worker1-cpu's python, what a crash or the OOM killer does)")
-                os.kill(victim, signal.SIGKILL)
-                state = c.get_job(jobs["B"])
-                log(f"   job B at the crash: {state.completed}/{state.total} done")
-                if state.done:
-                    raise Failed("job B finished before the crash; make it longer")
-                results = c.wait(jobs["B"], timeout=600)
-                after = stack.containers()["worker1-cpu"]
-                if after["restarts"] != before["restarts"] + 1:
-                    raise Failed(f"worker1-cpu restarts {before['restarts']} -> {after['restarts']}, expected +1")
-                log(f"   worker1-cpu restarted by the policy (RestartCount {after['restarts']})")
-                expect_exact("job B", [r.token_ids for r in results], ref["B"])
-
+            worker_crash(stack, work, ref, jobs)
         with step("docker-compose restart metadata mid-job: job survives on the volume, exact"):
-            with stack.client() as c, cf.ThreadPoolExecutor(1) as pool:
-                jobs["C"] = c.submit(work["jobs"]["C"])
-                wait_progress(c, jobs["C"], steps=10)
-                waiting = pool.submit(stack.client().wait, jobs["C"], timeout=600)  # follows it across
-                stack.compose("restart", "metadata")
-                expect_exact("job C", [r.token_ids for r in waiting.result()], ref["C"])
-            stack.wait_healthy()
-
+            restart_metadata(stack, work, ref, jobs)
         if HAS_GATEWAY:
             with step("gateway: GET /health, POST /v1/completions"):
                 gateway_checks(stack, ref["gateway_text"])
-
         with step("stop (graceful: exit 0), down, up: finished jobs still readable"):
-            stack.compose("stop")
-            codes = {s: v["exit_code"] for s, v in stack.containers().items()}
-            log(f"   exit codes after stop: {codes}")
-            if any(codes.values()):
-                raise Failed(f"not every service drained and exited 0 on SIGTERM (137: killed after "
-                             f"stop_grace_period): {codes}")
-            stack.compose("down")
-            check_networks("after down")
-            stack.up()
-            stack.wait_healthy()
-            with stack.client() as c:
-                for name, job in jobs.items():
-                    status = c.get_job(job)
-                    if status.state != "done":
-                        raise Failed(f"job {name} is {status.state} after down/up")
-                    expect_exact(f"job {name} from the job store", [r.token_ids for r in status.results], ref[name])
-        ok = True
+            stop_down_up(stack, ref, jobs)
+        r.ok = True
     except BaseException as e:  # noqa: BLE001 - report, clean up, fail
         log(f"FAILED: {type(e).__name__}: {e}")
-        if stack is not None:
+        if r.stack is not None:
             try:
-                stack.logs()
+                r.stack.logs()
             except Exception as e2:  # noqa: BLE001
                 log(f"(no logs: {e2})")
     finally:
-        with step("down -v" + (", stop the daemon this run started" if started_daemon else "")):
-            if stack is not None:
-                stack.compose("down", "-v", check=False)
-            if docker_answers():
-                try:
-                    check_networks("after down -v")
-                except Failed as e:
-                    log(str(e))
-                    ok = False
-            if started_daemon:
-                run([os.path.join(SHARED, "dockerd-down.sh")], env={**os.environ, "DOCKERD_PID": DAEMON_PIDFILE},
-                    check=False)
-            shutil.rmtree(workdir, ignore_errors=True)
-        print("\ncompose-test timings", flush=True)
-        for name, dt in TIMINGS:
-            print(f"  {dt:7.1f}s  {name}")
-        print(f"  {time.monotonic() - T0:7.1f}s  total", flush=True)
-        print("compose-test " + ("PASSED" if ok else "FAILED"), flush=True)
-    return 0 if ok else 1
+        with step("down -v" + (", stop the daemon this run started" if r.started_daemon else "")):
+            clean_up(r)
+        print_summary(r.ok)
+    return 0 if r.ok else 1
+
+
+def docker_daemon(r: Run) -> None:
+    if docker_answers() and shutil.which("docker-compose"):
+        log("a Docker daemon answers: using it (and leaving it running)")
+    else:
+        if not os.path.isdir(SHARED):
+            raise Failed(f"no daemon answers and {SHARED} (dockerd-up.sh) does not exist")
+        r.started_daemon = not docker_answers()
+        run([os.path.join(SHARED, "dockerd-up.sh")], env={**os.environ, "DOCKERD_PID": DAEMON_PIDFILE})
+        if not docker_answers():
+            raise Failed("dockerd-up.sh ran but no daemon answers")
+    run(["docker", "version", "--format", "client {{.Client.Version}}, server {{.Server.Version}}"])
+    run(["docker-compose", "version", "--short"])
+    check_networks("before")
+
+
+def base_image(workdir: str) -> None:
+    if BASE_IMAGE.startswith("local/"):
+        run([os.path.join(SHARED, "local-base.sh")],
+            env={**os.environ, "WORKDIR": os.path.join(workdir, "local-base")})
+    elif run(["docker", "image", "inspect", BASE_IMAGE], check=False, capture=True).returncode:
+        run(["docker", "pull", BASE_IMAGE])
+
+
+def torch_wheel() -> None:
+    version = re.search(r"^ARG TORCH_VERSION=(\S+)$", open(os.path.join(REPO, "docker", "Dockerfile.cpu")).read(),
+                        re.M).group(1)
+    folder = os.path.join(REPO, "docker", "wheels", "cpu")
+    if not any(n.startswith(f"torch-{version}+cpu") for n in os.listdir(folder)):
+        run([sys.executable, "-m", "pip", "download", "-q", f"torch=={version}", "--no-deps", "-d", folder])
+    wheels = [n for n in os.listdir(folder) if n.startswith(f"torch-{version}")]
+    if not any("+cpu" in n for n in wheels):
+        raise Failed(f"pip found no CPU build of torch {version} ({wheels}); the image would be the "
+                     f"CUDA build. Put torch-{version}+cpu-*.whl into {folder} or make the index reachable")
+    log(f"   {', '.join(wheels)}")
+
+
+def compose_config(stack: Stack) -> None:
+    for path in ("docker-compose.yml", COMPOSE_FILE):   # the bridge file cannot run here; it must parse
+        for profile in ("cpu", "gpu"):
+            run(["docker-compose", "-f", path, "--profile", profile, "config", "-q"], env=stack.env)
+
+
+def build_image(stack: Stack) -> None:
+    args = ["--network", "host", "--build-arg", f"BASE_IMAGE={BASE_IMAGE}", "-f", "docker/Dockerfile.cpu"]
+    # the deps stage under a tag of its own, so that pruning old build stages keeps its cache
+    run(["docker", "build", "-q", *args, "--target", "deps", "-t", "minipaged-qwen:cpu-deps", "."])
+    stack.compose("build", "-q", "metadata")
+    for label in ("org.minipaged.stage", "org.opencontainers.image.title=minipaged-qwen"):
+        run(["docker", "image", "prune", "-f", "--filter", f"label={label}"], capture=True)
+    run(["docker", "image", "ls", "--format", "table {{.Repository}}:{{.Tag}}\t{{.Size}}",
+         "--filter", "reference=minipaged-qwen", "--filter", "reference=local/*"])
+
+
+def up_healthy_on_loopback(stack: Stack) -> None:
+    stack.compose("down", "-v", check=False, capture=True)   # leftovers of an interrupted run
+    stack.up()
+    log(f"   healthy and ready {stack.wait_healthy():.1f}s after up")
+    check_networks("during the run")
+    run(["docker", "network", "ls"])
+    running = set(stack.containers())
+    log(f"   containers: {sorted(running)}")
+    if running & {"worker0", "worker1"}:
+        raise Failed("a GPU worker started on a CPU-only run")
+    checked = {n: p for n, p in PORTS.items() if n != "GATEWAY_PORT" or HAS_GATEWAY}
+    for name, port in checked.items():
+        addrs = listening_addresses(port)
+        if addrs != {"127.0.0.1"}:
+            raise Failed(f"port {port} ({name}) listens on {addrs or 'nothing'}, expected 127.0.0.1 only")
+    log(f"   listening on 127.0.0.1 only: {sorted(checked.values())}")
+
+
+def auth_checks(stack: Stack) -> None:
+    try:
+        Client(stack.address, timeout=5).stats()
+        raise Failed("the client API answered without the client token")
+    except Unauthenticated as e:
+        log(f"   refused: {e}")
+    internal = f"127.0.0.1:{PORTS['METADATA_WORKER_PORT']}"
+    try:
+        Client(internal, token=stack.client_token, timeout=5).stats()
+        raise Failed(f"the client API answered on the internal surface {internal}")
+    except MiniPagedError as e:
+        log(f"   the internal surface {internal} refuses the client API: {type(e).__name__}")
+
+
+def metrics_checks() -> None:
+    for name in ("METADATA_METRICS_PORT", "WORKER0_METRICS_PORT", "WORKER1_METRICS_PORT"):
+        url = f"http://127.0.0.1:{PORTS[name]}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as r:
+            text = r.read().decode()
+        series = {line.split("{")[0].split()[0] for line in text.splitlines() if line and line[0] != "#"}
+        if r.status != 200 or not series:
+            raise Failed(f"{url}: {r.status}, no series")
+        log(f"   {url} -> {r.status}, {len(series)} series, e.g. {sorted(series)[:3]}")
+
+
+def stream_and_job(stack: Stack, work: dict, ref: dict) -> dict[str, str]:
+    """The stream and job A, token-exact; returns {job name: job id} for the steps after it."""
+    with stack.client() as c:
+        chunks = list(c.stream(**work["stream"]))
+        log(f"   stream: {len(chunks)} chunks")
+        expect_exact("stream", [t for ch in chunks for t in ch.token_ids], ref["stream"], "tokens")
+        jobs = {"A": c.submit(work["jobs"]["A"])}
+        expect_exact("job A", [r.token_ids for r in c.wait(jobs["A"], timeout=600)], ref["A"])
+    return jobs
+
+
+def worker_crash(stack: Stack, work: dict, ref: dict, jobs: dict[str, str]) -> None:
+    with stack.client() as c:
+        before = stack.containers()["worker1-cpu"]
+        jobs["B"] = c.submit(work["jobs"]["B"])
+        wait_progress(c, jobs["B"], steps=10)
+        victim = python_child(before["pid"])
+        log(f"   kill -9 {victim} (worker1-cpu's python, what a crash or the OOM killer does)")
+        os.kill(victim, signal.SIGKILL)
+        state = c.get_job(jobs["B"])
+        log(f"   job B at the crash: {state.completed}/{state.total} done")
+        if state.done:
+            raise Failed("job B finished before the crash; make it longer")
+        results = c.wait(jobs["B"], timeout=600)
+        after = stack.containers()["worker1-cpu"]
+        if after["restarts"] != before["restarts"] + 1:
+            raise Failed(f"worker1-cpu restarts {before['restarts']} -> {after['restarts']}, expected +1")
+        log(f"   worker1-cpu restarted by the policy (RestartCount {after['restarts']})")
+        expect_exact("job B", [r.token_ids for r in results], ref["B"])
+
+
+def restart_metadata(stack: Stack, work: dict, ref: dict, jobs: dict[str, str]) -> None:
+    with stack.client() as c, cf.ThreadPoolExecutor(1) as pool:
+        jobs["C"] = c.submit(work["jobs"]["C"])
+        wait_progress(c, jobs["C"], steps=10)
+        waiting = pool.submit(stack.client().wait, jobs["C"], timeout=600)  # follows it across
+        stack.compose("restart", "metadata")
+        expect_exact("job C", [r.token_ids for r in waiting.result()], ref["C"])
+    stack.wait_healthy()
+
+
+def stop_down_up(stack: Stack, ref: dict, jobs: dict[str, str]) -> None:
+    stack.compose("stop")
+    codes = {s: v["exit_code"] for s, v in stack.containers().items()}
+    log(f"   exit codes after stop: {codes}")
+    if any(codes.values()):
+        raise Failed(f"not every service drained and exited 0 on SIGTERM (137: killed after "
+                     f"stop_grace_period): {codes}")
+    stack.compose("down")
+    check_networks("after down")
+    stack.up()
+    stack.wait_healthy()
+    with stack.client() as c:
+        for name, job in jobs.items():
+            status = c.get_job(job)
+            if status.state != "done":
+                raise Failed(f"job {name} is {status.state} after down/up")
+            expect_exact(f"job {name} from the job store", [r.token_ids for r in status.results], ref[name])
 
 
 def gateway_checks(stack: Stack, want_text: str) -> None:

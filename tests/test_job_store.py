@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from client.__main__ import _age
+from client.cli_args import _age
 from metadata_service.__main__ import parse_args
 from metadata_service.backlog import Backlog, age_words, waiting_reason
 from metadata_service.job_store import JobStore, JobStoreError

@@ -1,0 +1,206 @@
+"""Keyword arguments -> GenerateRequest / SubmitJobRequest, for `Client`, `AsyncClient` and the CLI.
+
+Only type checks and the few value checks the wire cannot express are made here; the service
+validates every value and answers INVALID_ARGUMENT, so the two cannot disagree."""
+from __future__ import annotations
+
+import json
+from typing import Sequence
+
+import numpy as np
+
+from minipaged import wire
+from minipaged.v1 import metadata_pb2 as pb
+
+from .errors import InvalidArgument
+
+# Keys a generate() call / a submit() item may carry (timeout is per call, not per request).
+REQUEST_KEYS = ("prompt", "prompt_token_ids", "max_new_tokens", "temperature", "top_p", "top_k",
+                "seed", "stop", "stop_token_ids", "ignore_eos", "return_logprobs", "logprobs", "n", "best_of",
+                "min_new_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                "json_schema", "regex", "choice", "json_object", "beam_width", "length_penalty", "early_stopping",
+                "prompt_logprobs")
+
+
+def _int_array(name: str, values) -> bytes:
+    arr = np.asarray(values)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise TypeError(f"{name} must be a flat sequence of ints, got {values!r:.80}")
+    if arr.size and (int(arr.min()) < -2**31 or int(arr.max()) >= 2**31):  # would wrap silently
+        raise InvalidArgument(f"{name}: values must fit int32, got min {arr.min()} max {arr.max()}")
+    return wire.pack(arr, wire.INT32)
+
+
+def _logprob_fields(logprobs, return_logprobs) -> tuple[bool, int]:
+    """`logprobs=True` (or the older `return_logprobs=True`): the sampled tokens' logprobs;
+    `logprobs=k` (an int >= 0): also the k best alternatives per token (OpenAI's `logprobs=k`)."""
+    if logprobs is None or logprobs is False:
+        return bool(return_logprobs), 0
+    if logprobs is True:
+        return True, 0
+    if isinstance(logprobs, (int, np.integer)):
+        if logprobs < 0:
+            raise InvalidArgument(f"logprobs must be True or an int >= 0 (alternatives per token), got {logprobs}")
+        return True, int(logprobs)
+    raise TypeError(f"logprobs must be a bool or an int, got {logprobs!r}")
+
+
+def refuse_unstreamable(request: pb.GenerateRequest) -> None:
+    """stream() with best_of > n: the winners are known only when every candidate has ended, so
+    there is nothing to stream (generate() and the gateway's non-streaming path wait for them)."""
+    n = max(1, request.n)
+    if request.best_of > n:
+        raise InvalidArgument(f"best_of ({request.best_of}) > n ({n}) cannot be streamed: which choices win "
+                              f"is known only at the end; use generate() (it waits for them) or submit() a job")
+
+
+def build_generate_request(prompt: str | None = None, prompt_token_ids: Sequence[int] | None = None,
+                           max_new_tokens: int = 32, temperature: float = 0.0, top_p: float | None = None,
+                           top_k: int = 0, seed: int | None = None, stop: str | Sequence[str] | None = None,
+                           stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
+                           return_logprobs: bool = False, logprobs: bool | int | None = None,
+                           n: int | None = None, best_of: int | None = None, min_new_tokens: int = 0,
+                           repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
+                           frequency_penalty: float = 0.0, json_schema: dict | str | None = None,
+                           regex: str | None = None, choice: Sequence[str] | None = None,
+                           json_object: bool = False, beam_width: int = 0,
+                           length_penalty: float | None = None,
+                           early_stopping: bool | str = False,
+                           prompt_logprobs: int | None = None) -> pb.GenerateRequest:
+    """Type checks and the few value checks the wire cannot express (top_p=0, both prompt forms);
+    the server validates every value and answers INVALID_ARGUMENT.
+
+    Structured outputs (at most one): `json_schema` (a dict or its JSON text), `regex`, `choice` (a
+    list of strings), `json_object=True` (any JSON object). beam_width=K: beam search
+    (transformers' num_beams=K, num_return_sequences=K): K choices, best first, each with its
+    cumulative_logprob and beam_score; n must then be unset or K."""
+    _check_prompt_and_ints(prompt, prompt_token_ids, (
+        ("max_new_tokens", max_new_tokens), ("top_k", top_k), ("seed", seed), ("n", n),
+        ("best_of", best_of), ("min_new_tokens", min_new_tokens), ("beam_width", beam_width)))
+    if top_p is not None and not 0 < float(top_p) <= 1:  # also catches NaN
+        raise InvalidArgument(f"top_p must be in (0, 1], got {top_p}")
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if not all(isinstance(s, str) for s in stops):
+        raise TypeError(f"stop must be a str or a list of str, got {stop!r}")
+    want_logprobs, top_logprobs = _logprob_fields(logprobs, return_logprobs)
+    if early_stopping not in (True, False, "never"):
+        raise InvalidArgument(f'early_stopping must be True, False or "never", got {early_stopping!r}')
+    try:  # values the wire cannot carry (an int past int32/int64) are the caller's error too
+        req = pb.GenerateRequest(prompt=prompt or "", max_new_tokens=int(max_new_tokens),
+                                 temperature=float(temperature), top_k=int(top_k),
+                                 stop=stops, ignore_eos=bool(ignore_eos), return_logprobs=want_logprobs,
+                                 top_logprobs=top_logprobs, n=int(n or 0), best_of=int(best_of or 0),
+                                 min_new_tokens=int(min_new_tokens),
+                                 repetition_penalty=float(repetition_penalty),
+                                 presence_penalty=float(presence_penalty),
+                                 frequency_penalty=float(frequency_penalty), beam_width=int(beam_width or 0),
+                                 early_stopping=str(early_stopping).lower() if beam_width else "")
+        _optional_fields(req, length_penalty, top_p, prompt_token_ids, stop_token_ids, seed)
+        _structured(req, json_schema, regex, choice, json_object)
+        _set_prompt_logprobs(req, prompt_logprobs)
+    except (ValueError, OverflowError) as e:
+        raise InvalidArgument(f"{e} (max_new_tokens, top_k, n, best_of, min_new_tokens are int32, seed int64, "
+                              f"token ids int32)") from None
+    return req
+
+
+def _check_prompt_and_ints(prompt, prompt_token_ids, ints) -> None:
+    """One prompt form, a str prompt, and real ints (not bools) where the wire holds ints."""
+    if prompt is not None and not isinstance(prompt, str):
+        raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
+    if prompt is not None and prompt_token_ids is not None:
+        raise InvalidArgument("give prompt or prompt_token_ids, not both")
+    for name, v in ints:
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer))):
+            raise TypeError(f"{name} must be an int, got {v!r}")
+
+
+def _optional_fields(req: pb.GenerateRequest, length_penalty, top_p, prompt_token_ids, stop_token_ids,
+                     seed) -> None:
+    """Fields whose absence means something of its own (proto3 optional) or that are packed arrays."""
+    if length_penalty is not None:
+        req.length_penalty = float(length_penalty)
+    if top_p is not None:  # proto3 optional: unset means 1 (off)
+        req.top_p = float(top_p)
+    if prompt_token_ids is not None:
+        req.prompt_token_ids = _int_array("prompt_token_ids", prompt_token_ids)
+    if stop_token_ids is not None:
+        req.stop_token_ids = _int_array("stop_token_ids", stop_token_ids)
+    if seed is not None:  # proto3 optional: unset means "the service picks one"
+        req.seed = int(seed)
+
+
+def _set_prompt_logprobs(req: pb.GenerateRequest, prompt_logprobs) -> None:
+    if prompt_logprobs is None:  # proto3 optional: 0 (own logprob only) differs from unset
+        return
+    if isinstance(prompt_logprobs, bool) or not isinstance(prompt_logprobs, (int, np.integer)):
+        raise TypeError(f"prompt_logprobs must be an int >= 0 or None, got {prompt_logprobs!r}")
+    if prompt_logprobs < 0:
+        raise InvalidArgument(f"prompt_logprobs must be >= 0 (alternatives per prompt token), "
+                              f"got {prompt_logprobs}")
+    req.prompt_logprobs = int(prompt_logprobs)
+
+
+def _structured(req: pb.GenerateRequest, json_schema, regex, choice, json_object) -> None:
+    """The structured-output fields; the service compiles them and names what is invalid."""
+    if json_schema is not None:
+        if isinstance(json_schema, (dict, bool)):
+            json_schema = json.dumps(json_schema)
+        if not isinstance(json_schema, str):
+            raise TypeError(f"json_schema must be a dict or a JSON string, got {type(json_schema).__name__}")
+        req.json_schema = json_schema
+    if regex is not None:
+        if not isinstance(regex, str):
+            raise TypeError(f"regex must be a str, got {type(regex).__name__}")
+        req.regex = regex
+    if choice is not None:
+        if isinstance(choice, str) or not all(isinstance(c, str) for c in choice):
+            raise TypeError(f"choice must be a list of str, got {choice!r:.80}")
+        req.choice.extend(choice)
+    req.json_object = bool(json_object)
+
+
+def build_submit_request(requests: Sequence[dict]) -> pb.SubmitJobRequest:
+    items = []
+    for i, item in enumerate(requests):
+        if not isinstance(item, dict):
+            raise TypeError(f"submit item {i} must be a dict, got {type(item).__name__}")
+        unknown = set(item) - set(REQUEST_KEYS)
+        if unknown:
+            raise TypeError(f"submit item {i}: unknown keys {sorted(unknown)} (allowed: {REQUEST_KEYS})")
+        items.append(build_generate_request(**item))
+    return pb.SubmitJobRequest(requests=items)
+
+
+def batch_items(prompt, params: dict) -> list[dict] | None:
+    """generate([...]): a list of prompts (str, token-id lists or request dicts), or
+    prompt_token_ids=[[...], ...], is a batch: one request dict per item (shared `params` under
+    each item's own keys). None when this is a single request."""
+    ids = params.get("prompt_token_ids")
+    if prompt is None and isinstance(ids, (list, tuple)) and ids and isinstance(ids[0], (list, tuple, np.ndarray)):
+        rest = {k: v for k, v in params.items() if k != "prompt_token_ids"}
+        return [{**rest, "prompt_token_ids": list(x)} for x in ids]
+    if not isinstance(prompt, (list, tuple)):
+        return None
+    items = []
+    for i, p in enumerate(prompt):
+        if isinstance(p, str):
+            items.append({**params, "prompt": p})
+        elif isinstance(p, dict):
+            items.append({**params, **p})
+        elif isinstance(p, (list, tuple, np.ndarray)):
+            items.append({**params, "prompt_token_ids": list(p)})
+        else:
+            raise TypeError(f"generate([...]) item {i} must be a str, a list of token ids or a dict, "
+                            f"got {type(p).__name__} (one prompt of token ids: prompt_token_ids=[...])")
+    for i, item in enumerate(items):
+        unknown = set(item) - set(REQUEST_KEYS)
+        if unknown:
+            raise TypeError(f"generate([...]) item {i}: unknown keys {sorted(unknown)} (allowed: {REQUEST_KEYS})")
+    return items
+
+
+def final_only(request: pb.GenerateRequest) -> pb.GenerateRequest:
+    """Ask for the result in one chunk per choice (callers that wait for the end: no per-token messages)."""
+    request.final_only = True
+    return request

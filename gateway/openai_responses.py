@@ -1,0 +1,185 @@
+"""OpenAI response bodies from our stream chunks: a choice being assembled (Choice), usage, the
+legacy and chat logprobs objects, whole responses and stream chunks. Pure: no I/O."""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Literal
+
+from client.messages import StreamChunk, Usage
+
+FINISH_REASONS = {"length": "length", "stop": "stop", "cancelled": "abort", "": None}
+
+
+@dataclass
+class Choice:
+    """One choice being assembled (index = prompt index * n + choice index within the prompt)."""
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    prompt_logprobs: list | None = None   # echo + logprobs: [None, lp_1, ...] (the request's first chunk)
+    prompt_top: list | None = None
+
+    def add(self, c: StreamChunk) -> None:
+        if c.prompt_logprobs is not None:
+            self.prompt_logprobs, self.prompt_top = c.prompt_logprobs, c.prompt_top_logprobs
+        self.token_ids += c.token_ids
+        self.text.append(c.text)
+        self.logprobs += c.logprobs or []
+        self.top += c.top_logprobs or []
+        if c.finish_reason:
+            self.finish_reason = FINISH_REASONS.get(c.finish_reason, c.finish_reason)
+        if c.usage is not None:
+            self.usage = c.usage
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def total_usage(per_prompt: list[list[Choice]]) -> dict:
+    """Prompt tokens once per prompt (its choices share the prompt's blocks), completion tokens of
+    every choice."""
+    p = c = cached = 0
+    for choices in per_prompt:
+        usages = [ch.usage for ch in choices if ch.usage is not None]
+        if usages:
+            p += usages[0].prompt_tokens
+            cached += usages[0].cached_tokens
+        c += sum(len(ch.token_ids) for ch in choices)
+    return usage_dict(p, c, cached)
+
+
+# ---------------------------------------------------------------- logprobs
+
+def completion_logprobs(choice: Choice, token_text, offset0: int = 0) -> dict | None:
+    """OpenAI legacy completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
+    if not choice.logprobs:
+        return None
+    tokens = [token_text(t) for t in choice.token_ids]
+    offsets, pos = [], offset0
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    top = None
+    if choice.top:
+        top = [{token_text(t): lp for t, lp in alts.items()} for alts in choice.top]
+    return {"tokens": tokens, "token_logprobs": choice.logprobs[:len(tokens)], "top_logprobs": top,
+            "text_offset": offsets}
+
+
+def echo_logprobs(prompt_ids: list[int], logprobs: list, top: list | None, token_text) -> dict:
+    """The echoed prompt's part of the legacy logprobs: token_logprobs and top_logprobs are null
+    for the first token (nothing comes before it), as OpenAI's are."""
+    tokens = [token_text(t) for t in prompt_ids]
+    offsets, pos = [], 0
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    alts = None
+    if top is not None:
+        alts = [None]
+        for d in top[1:]:
+            row: dict[str, float] = {}
+            for t, lp in d.items():       # best first: two ids of one text keep the better logprob
+                row.setdefault(token_text(t), lp)
+            alts.append(row)
+    return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": alts, "text_offset": offsets}
+
+
+def join_logprobs(prompt: dict | None, completion: dict | None) -> dict | None:
+    """Echoed prompt + completion logprobs as one legacy logprobs object."""
+    if prompt is None or completion is None:
+        return prompt or completion
+    out = {k: prompt[k] + completion[k] for k in ("tokens", "token_logprobs", "text_offset")}
+    if prompt["top_logprobs"] is None and completion["top_logprobs"] is None:
+        out["top_logprobs"] = None
+    else:
+        out["top_logprobs"] = (prompt["top_logprobs"] or [None] * len(prompt["tokens"])) + \
+            (completion["top_logprobs"] or [None] * len(completion["tokens"]))
+    return out
+
+
+def prompt_logprobs_of(choices: list[Choice], prompt_index: int, n: int) -> tuple[list | None, list | None]:
+    """The prompt logprobs of a prompt, from whichever of its choices got the first chunk."""
+    for ch in choices:
+        if ch.index // n == prompt_index and ch.prompt_logprobs is not None:
+            return ch.prompt_logprobs, ch.prompt_top
+    return None, None
+
+
+def chat_logprobs(choice: Choice, token_text) -> dict | None:
+    if not choice.logprobs:
+        return None
+    # the token's raw bytes where token_text knows them (gateway/token_bytes.py), else its text's
+    raw = getattr(token_text, "raw_bytes", None) or (lambda t: list(token_text(t).encode("utf-8")))
+    content = []
+    for k, (t, lp) in enumerate(zip(choice.token_ids, choice.logprobs)):
+        s = token_text(t)
+        alts = choice.top[k] if k < len(choice.top) else {}
+        content.append({"token": s, "logprob": lp, "bytes": raw(t),
+                        "top_logprobs": [{"token": token_text(a), "logprob": alp, "bytes": raw(a)}
+                                         for a, alp in alts.items()]})
+    return {"content": content}
+
+
+# ---------------------------------------------------------------- responses
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def completion_response(rid: str, model: str, choices: list[Choice], per_prompt: list[list[Choice]],
+                        token_text, echo_texts: list[str] | None = None, n: int = 1,
+                        prompt_ids: list[list[int]] | None = None) -> dict:
+    out = []
+    for ch in choices:
+        prefix = echo_texts[ch.index // n] if echo_texts else ""
+        lp = completion_logprobs(ch, token_text, len(prefix))
+        if prompt_ids is not None:        # echo + logprobs: the prompt's tokens come first
+            own, top = prompt_logprobs_of(choices, ch.index // n, n)
+            if own is not None:
+                lp = join_logprobs(echo_logprobs(prompt_ids[ch.index // n], own, top, token_text), lp)
+        out.append({"index": ch.index, "text": prefix + "".join(ch.text), "logprobs": lp,
+                    "finish_reason": ch.finish_reason})
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": out, "usage": total_usage(per_prompt)}
+
+
+def chat_response(rid: str, model: str, choices: list[Choice], token_text, output=None) -> dict:
+    """`output`: gateway.chat_output.OutputOptions (reasoning and tool calls parsed out)."""
+    out = []
+    for ch in choices:
+        message, finish = {"role": "assistant", "content": "".join(ch.text)}, ch.finish_reason
+        if output is not None:
+            parsed = output.new()
+            message = parsed.message("".join(ch.text))
+            finish = parsed.finish_reason(finish)
+        out.append({"index": ch.index, "message": message, "logprobs": chat_logprobs(ch, token_text),
+                    "finish_reason": finish})
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": out, "usage": total_usage([choices])}
+
+
+def completion_chunk(rid: str, created: int, model: str, index: int, text: str, logprobs: dict | None,
+                     finish_reason: str | None) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+
+
+def chat_chunk(rid: str, created: int, model: str, index: int, delta: dict, logprobs: dict | None,
+               finish_reason: str | None) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+
+
+def usage_chunk(rid: str, created: int, model: str, obj: Literal["text_completion", "chat.completion.chunk"],
+                usage: dict) -> dict:
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage}

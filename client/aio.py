@@ -11,6 +11,7 @@ from typing import AsyncIterator, Sequence
 import grpc
 import grpc.aio
 
+from minipaged.constants import DEFAULT_METADATA_ADDRESS
 from minipaged.tls import channel_credentials, make_channel
 from minipaged.v1 import metadata_pb2 as pb
 from minipaged.v1 import metadata_pb2_grpc as pb_grpc
@@ -27,7 +28,7 @@ class AsyncClient:
     """Non-blocking client. Create it inside a running event loop (grpc.aio binds to it).
     `wait_ready` and the address rules are those of `Client`."""
 
-    def __init__(self, address: str = "127.0.0.1:50051", token: str | None = None,
+    def __init__(self, address: str = DEFAULT_METADATA_ADDRESS, token: str | None = None,
                  timeout: float | None = None, *, tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, wait_ready: float | None = None):
         self.address, self.timeout, self.wait_ready = normalize_address(address), timeout, wait_ready

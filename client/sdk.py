@@ -11,6 +11,7 @@ from typing import Iterator, Sequence
 
 import grpc
 
+from minipaged.constants import DEFAULT_METADATA_ADDRESS
 from minipaged.tls import make_channel
 from minipaged.v1 import metadata_pb2 as pb
 from minipaged.v1 import metadata_pb2_grpc as pb_grpc
@@ -44,7 +45,7 @@ class Client:
     seconds for one (the channel to connect, then Stats().ready), and fail with Unavailable, saying
     why the service is not ready, only after that. `address` "HOST" means HOST:50051."""
 
-    def __init__(self, address: str = "127.0.0.1:50051", token: str | None = None,
+    def __init__(self, address: str = DEFAULT_METADATA_ADDRESS, token: str | None = None,
                  timeout: float | None = None, *, tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, wait_ready: float | None = None):
         self.address, self.timeout, self.wait_ready = normalize_address(address), timeout, wait_ready

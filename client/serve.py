@@ -208,9 +208,9 @@ def serve(a) -> int:
             say(f"error: {e}")
             return 1
         name = a.served_model_name or a.model
-        say(f"ready in {time.monotonic() - t0:.1f}s: model {name!r}, OpenAI API at {c.http_url}/v1 "
-            f"(dashboard {c.http_url}/, SDK Client({c.address!r})); Ctrl-C stops")
-        try:
+        try:                  # a signal while the ready line prints is a stop like any other
+            say(f"ready in {time.monotonic() - t0:.1f}s: model {name!r}, OpenAI API at {c.http_url}/v1 "
+                f"(dashboard {c.http_url}/, SDK Client({c.address!r})); Ctrl-C stops")
             code = _run_until_stopped(c)
         except KeyboardInterrupt:
             say("stopping (Ctrl-C again kills)")

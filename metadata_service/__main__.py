@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from minipaged.constants import DEFAULT_METADATA_PORT
 from minipaged.cli import prog_name
 from minipaged.rpc import DecodeGuardInterceptor
 from minipaged.tls import add_port, make_channel
@@ -34,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog_name("metadata_service"), description=__doc__,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50051, help="0 picks a free port")
+    p.add_argument("--port", type=int, default=DEFAULT_METADATA_PORT, help="0 picks a free port")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=0,
                    help="cap on the pool (default: the smallest capacity of the worker chain; 1024 before "
@@ -132,7 +133,7 @@ def _owner(args, port: int) -> str:
 
 def _cancel_command(host: str, port: int) -> str:
     """`minipaged jobs --cancel-all`, with the address when the CLI's default would not reach us."""
-    if host in ("127.0.0.1", "localhost", "0.0.0.0", "::", "[::]") and port == 50051:
+    if host in ("127.0.0.1", "localhost", "0.0.0.0", "::", "[::]") and port == DEFAULT_METADATA_PORT:
         return "minipaged jobs --cancel-all"
     host = "127.0.0.1" if host in ("0.0.0.0", "::", "[::]") else host
     return f"minipaged jobs --cancel-all --address {host}:{port}"

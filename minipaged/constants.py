@@ -9,17 +9,15 @@ DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
 # gRPC's 4 MiB default is too small: a long prefill's hidden states and a big batch reply fit in 256 MiB.
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
-# The metadata service's default port, and the address the worker, the client and the gateway
-# assume when given none (each lets env MINIPAGED_ADDRESS override it).
-METADATA_PORT = 50051
-DEFAULT_METADATA_ADDRESS = f"127.0.0.1:{METADATA_PORT}"
-
 # OpenAI's (and vLLM's default --max-logprobs) limit on alternatives per token a request may ask for.
 OPENAI_MAX_TOP_LOGPROBS = 20
 
 # The metadata service's client port: `python -m metadata_service`'s default, and the port the SDK,
 # the CLI and the gateway add to an address given as HOST alone.
 DEFAULT_METADATA_PORT = 50051
+# ... and the address the worker, the client and the gateway assume when given none (each lets env
+# MINIPAGED_ADDRESS override it).
+DEFAULT_METADATA_ADDRESS = f"127.0.0.1:{DEFAULT_METADATA_PORT}"
 
 # Alternatives per row a Step may ask a worker for: beam search needs (1 + #EOS) x K, K <= 16.
 STEP_MAX_TOP_LOGPROBS = 64

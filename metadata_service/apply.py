@@ -13,26 +13,21 @@ from minipaged.wire import FLOAT32, INT32, unpack
 
 from .beam import on_beam_rows
 from .grammar import advance
-from .scheduler import ScheduledBatch
+from .step_batch import ScheduledBatch
 from .sequence import SeqStatus
 from .step_rows import STEP_ROW, eos_mask
 
 
 def apply_reply(chain, b: ScheduledBatch, reply: worker_pb2.StepReply) -> None:
     """Append each sampled token and apply the stop rules, any rule (one pass, locals only)."""
-    sampled = unpack(reply.sampled_token_ids, INT32)
+    sampled, logprobs, top = _unpack_reply(reply)
     tokens = sampled.tolist()
     is_eos = eos_mask(sampled, chain.engine.eos_ids).tolist()
-    logprobs = unpack(reply.logprobs, FLOAT32).tolist() if reply.logprobs else None
-    top = None
-    if reply.top_logprob_ids:
-        top_ids = unpack(reply.top_logprob_ids, INT32).reshape(len(tokens), -1)
-        top = (top_ids, unpack(reply.top_logprobs, FLOAT32).reshape(top_ids.shape))
     rows = b.do_sample.nonzero()[0].tolist() if len(tokens) < len(b.seqs) else range(len(tokens))
     seqs, gens = b.seqs, b.gens.tolist()
     finished_status, engine = SeqStatus.FINISHED, chain.engine
     special = b.special or logprobs is not None or top is not None
-    finished, fill, rejected, beams = [], [], [], []
+    ended, fill, beams = [], [], []
     kept = 0
     now = 0.0
     for j, i in enumerate(rows):
@@ -52,42 +47,66 @@ def apply_reply(chain, b: ScheduledBatch, reply: worker_pb2.StepReply) -> None:
         out.append(tok)
         seq.num_tokens += 1
         kept += 1
-        p = seq.params
-        verdict = ""
-        if special:
-            if logprobs is not None:
-                seq.output_logprobs.append(logprobs[j])
-            if top is not None and p.top_logprobs:
-                seq.output_top.append((top[0][j, :p.top_logprobs], top[1][j, :p.top_logprobs]))
-            if seq.matcher is not None:
-                verdict = advance(seq.matcher, tok)  # structured outputs
-        if verdict == "rejected":
-            rejected.append(seq)
-        elif verdict == "stop" or (is_eos[j] and not p.ignore_eos) or tok in p.stop_token_ids:
-            finished.append((seq, "stop"))
-        elif seq.stop_checker is not None and seq.stop_checker.push(tok):
-            finished.append((seq, "stop"))
-        elif len(out) >= p.max_new_tokens:
-            finished.append((seq, "length"))
-        elif seq.sink is not None and seq.tag is None and p.per_token_events:  # streams hear every token
+        verdict = _extras(seq, tok, j, logprobs, top) if special else ""
+        reason = _stop(seq, tok, verdict, is_eos[j])
+        if reason:
+            ended.append((seq, reason))
+        elif seq.sink is not None and seq.tag is None and seq.params.per_token_events:  # streams hear every token
             engine.stream_tokens(seq, [tok], [logprobs[j]] if logprobs else [],
-                                 seq.output_top[-1:] if p.top_logprobs else [])
+                                 seq.output_top[-1:] if seq.params.top_logprobs else [])
     if beams:
         kept += on_beam_rows(chain, beams, top)
     if fill:
         where = np.asarray(fill)
         chain.manager.fill_tokens(b.seq_ids[b.do_sample.astype(bool)][where], sampled[where])
     chain.generated_tokens += kept        # tokens requests kept (not one computed and dropped)
-    for seq, reason in finished:
+    _end(chain, ended)
+
+
+def _unpack_reply(reply: worker_pb2.StepReply):
+    """(sampled ids, logprobs list or None, (top ids, top logprobs) or None) of a general reply."""
+    sampled = unpack(reply.sampled_token_ids, INT32)
+    logprobs = unpack(reply.logprobs, FLOAT32).tolist() if reply.logprobs else None
+    top = None
+    if reply.top_logprob_ids:
+        top_ids = unpack(reply.top_logprob_ids, INT32).reshape(sampled.size, -1)
+        top = (top_ids, unpack(reply.top_logprobs, FLOAT32).reshape(top_ids.shape))
+    return sampled, logprobs, top
+
+
+def _extras(seq, tok: int, j: int, logprobs, top) -> str:
+    """Logprobs and alternatives kept; the grammar advanced ("stop", "rejected" or "")."""
+    p = seq.params
+    if logprobs is not None:
+        seq.output_logprobs.append(logprobs[j])
+    if top is not None and p.top_logprobs:
+        seq.output_top.append((top[0][j, :p.top_logprobs], top[1][j, :p.top_logprobs]))
+    return advance(seq.matcher, tok) if seq.matcher is not None else ""   # structured outputs
+
+
+def _stop(seq, tok: int, verdict: str, is_eos: bool) -> str:
+    """Why the sequence ends with this token ("stop", "length", "rejected"), or ""."""
+    p = seq.params
+    if verdict == "rejected":
+        return verdict
+    if verdict == "stop" or (is_eos and not p.ignore_eos) or tok in p.stop_token_ids:
+        return "stop"
+    if seq.stop_checker is not None and seq.stop_checker.push(tok):
+        return "stop"
+    return "length" if len(seq.output_token_ids) >= p.max_new_tokens else ""
+
+
+def _end(chain, ended: list) -> None:
+    """Ended sequences leave the scheduler first (their blocks free), then their owners hear."""
+    for seq, _ in ended:
         chain.scheduler.remove(seq)
-    for seq in rejected:
-        chain.scheduler.remove(seq)
-    for seq, reason in finished:
-        engine.finish(seq, reason)
-    for seq in rejected:
-        engine.finish(seq, "error", error=f"the data plane returned token {seq.output_token_ids[-1]}, which "
-                                          f"the request's grammar does not allow (a worker ignored the bitmask)",
-                      code="INTERNAL")
+    for seq, reason in ended:
+        if reason == "rejected":
+            chain.engine.finish(seq, "error", code="INTERNAL",
+                                error=f"the data plane returned token {seq.output_token_ids[-1]}, which the "
+                                      f"request's grammar does not allow (a worker ignored the bitmask)")
+        else:
+            chain.engine.finish(seq, reason)
 
 
 def apply_plain(chain, b: ScheduledBatch, tokens: np.ndarray) -> None:

@@ -11,7 +11,7 @@ from minipaged.wire import FLOAT64, INT32, INT64, pack
 from . import prompt_logprobs
 from .step_rows import STEP_ROW
 from .grammar import fill_bitmask
-from .scheduler import ScheduledBatch
+from .step_batch import ScheduledBatch
 from .sequence import Sequence
 
 

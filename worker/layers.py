@@ -1,0 +1,182 @@
+"""The blocks one Qwen3 decoder layer is made of: Linear, RMSNorm, RoPE, attention over the
+paged K/V cache, the SwiGLU MLP, and the layer itself (worker/model.py stacks them into a stage).
+
+Numerics follow Hugging Face `modeling_qwen3` op for op (the oracle, docs/architecture.md section 6): RMSNorm
+casts to float32 exactly as HF does, RoPE's inv_freq/cos/sin are computed in float32 like HF and
+then cast to the model dtype, and residual additions happen in the same order. Attention differs
+in form: it reads K/V from the paged cache through the step's block tables.
+
+Like vLLM, the q/k/v projections are one matrix (`qkv_proj`, rows q|k|v) and gate/up another
+(`gate_up_proj`, rows gate|up): one GEMM instead of three and two, which matters most for decode
+steps, where the GEMMs are small and their per-call cost shows. Each output element is still the
+dot product of one weight row with the input.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minipaged.config import ModelConfig
+from worker import cpu_gemm, cpu_kernels
+from worker.attention import AttentionBackend
+
+
+@dataclass
+class StepBatch:
+    """One engine step, as device tensors. T packed tokens of B sequences."""
+    input_ids: torch.Tensor | None     # int64 [T] (first stage only)
+    positions: torch.Tensor            # int64 [T]
+    slot_mapping: torch.Tensor         # [T], -1 = padding
+    query_start_loc: torch.Tensor      # int32 [B+1]
+    seq_lens: torch.Tensor             # int32 [B], context length after this step
+    block_tables: torch.Tensor         # int32 [B, max_blocks]
+    max_query_len: int
+    is_decode: bool                    # every sequence has exactly one query token
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]
+
+
+def _onednn_fp32_gemm() -> bool:
+    """Can float32 GEMMs go to oneDNN? torch's F.linear calls MKL's sgemm, which on AMD CPUs runs
+    its non-AVX-512 code: ~100 GFLOP/s per core here, where oneDNN (the GEMM torch's Inductor and
+    vLLM's CPU backend use) does ~230. Checked once against F.linear; MINIPAGED_CPU_KERNELS=0
+    keeps F.linear."""
+    if os.environ.get("MINIPAGED_CPU_KERNELS", "1") == "0" or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        x, w = torch.randn(3, 8), torch.randn(5, 8)
+        got = torch.ops.mkldnn._linear_pointwise(x, w, torch.ones(5), "none", [], "")
+        return torch.allclose(got, F.linear(x, w, torch.ones(5)), rtol=1e-5, atol=1e-5)
+    except (AttributeError, RuntimeError):
+        return False
+
+
+ONEDNN_FP32_GEMM = _onednn_fp32_gemm()
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose float32 CPU GEMM is oneDNN's when available (see _onednn_fp32_gemm);
+    float64 (the parity mode) and other devices use F.linear. With `packed` (worker/cpu_gemm.py:
+    the same weights as bfloat16 panels), batches of at most `packed_rows` rows run the
+    bfloat16-weight kernel instead."""
+
+    packed: torch.Tensor | None = None
+    packed_rows: int = 0               # the most rows that take the packed path (all: a large number)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and x.dtype == torch.float32 and x.numel() <= self.packed_rows * x.shape[-1]:
+            return cpu_gemm.linear(x, self.packed, self.out_features, self.bias)
+        if ONEDNN_FP32_GEMM and x.dtype == torch.float32 and x.device.type == "cpu":
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Exactly HF's Qwen3RMSNorm: statistics in float32 (even for float64 models), cast back,
+        # times the weight (the in-place steps work on fresh tensors and change no value).
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        rstd = x.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
+        return (x * rstd).to(dtype).mul_(self.weight)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        # float32, the HF way (its default-RoPE init): bit-equal inv_freq is what float64 parity needs.
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq.float()[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)                          # [T, D]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D]; cos/sin [T, D] at each token's own position."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return (x * cos) + (rotate_half(x) * sin)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+        super().__init__()
+        H, D, bias = config.hidden_size, config.head_dim, config.attention_bias
+        self.num_heads, self.num_kv_heads, self.head_dim = (config.num_attention_heads,
+                                                            config.num_key_value_heads, D)
+        self.scale = D ** -0.5
+        self.qkv_sizes = [self.num_heads * D, self.num_kv_heads * D, self.num_kv_heads * D]
+        self.qkv_proj = Linear(H, sum(self.qkv_sizes), bias=bias)   # rows: q | k | v
+        self.o_proj = Linear(self.num_heads * D, H, bias=bias)
+        self.q_norm = RMSNorm(D, config.rms_norm_eps)                   # QK-norm, per head, before RoPE
+        self.k_norm = RMSNorm(D, config.rms_norm_eps)
+        self.backend = backend
+
+    def forward(self, x, cos, sin, batch: StepBatch, key_cache, value_cache):
+        T = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split(self.qkv_sizes, dim=-1)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if cpu_kernels.fused_ok(qkv) and self.head_dim <= 512:  # same steps, one pass (float32, CPU)
+            q, k = cpu_kernels.qk_norm_rope(qkv, self.num_heads, self.num_kv_heads, self.head_dim,
+                                            self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin)
+        else:
+            q = self.q_norm(q.view(T, self.num_heads, self.head_dim))
+            k = self.k_norm(k.view(T, self.num_kv_heads, self.head_dim))
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        self.backend.write_kv(k, v, key_cache, value_cache, batch.slot_mapping)
+        if batch.is_decode:
+            o = self.backend.paged_decode(q, key_cache, value_cache, batch.block_tables,
+                                          batch.seq_lens, self.scale)
+        else:
+            o = self.backend.paged_prefill(q, key_cache, value_cache, batch.block_tables,
+                                           batch.seq_lens, batch.query_start_loc,
+                                           batch.max_query_len, self.scale)
+        return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        H, self.inter = config.hidden_size, config.intermediate_size
+        self.gate_up_proj = Linear(H, 2 * self.inter, bias=False)    # rows: gate | up
+        self.down_proj = Linear(self.inter, H, bias=False)
+
+    def forward(self, x):
+        gate_up = self.gate_up_proj(x)
+        if cpu_kernels.fused_ok(gate_up):                # same steps, one pass (float32, CPU)
+            return self.down_proj(cpu_kernels.silu_mul(gate_up, self.inter))
+        gate, up = gate_up.split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate).mul_(up))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+        super().__init__()
+        self.self_attn = Attention(config, backend)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, h, cos, sin, batch, key_cache, value_cache):
+        # residual + sublayer(h), added into the sublayer's fresh output
+        h = self.self_attn(self.input_layernorm(h), cos, sin, batch, key_cache, value_cache).add_(h)
+        return self.mlp(self.post_attention_layernorm(h)).add_(h)

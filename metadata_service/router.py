@@ -8,7 +8,11 @@ Overlap comes from a PrefixIndex per chain: the chained hashes of the full promp
 routed there, an LRU the size of the chain's pool. It predicts the chain's prefix cache from the
 routing decisions themselves (Dynamo's "approximate" mode), so a burst of requests sharing a system
 prompt all go where the first one went, before any of them has run. Load is counted in blocks:
-each unfinished sequence adds the blocks it will allocate beyond its cached prefix.
+each unfinished sequence adds the blocks it will allocate beyond its cached prefix. A chain whose
+batch slots (max_num_seqs x micro-batches) are all taken is chosen only when every chain's are: a
+sequence sent there waits for a whole request to finish while another chain could run it now (1024
+short requests over 4 chains of 256 slots, balanced by blocks alone, put 258 on two of them, and the
+2 left over decoded alone for 125 steps after the rest had finished).
 
 Policies: "prefix" (the above), "round_robin" and "least_loaded" (for comparison)."""
 from __future__ import annotations
@@ -64,6 +68,7 @@ class _ChainLoad:
     index: PrefixIndex
     blocks: float = 0.0
     sequences: int = 0
+    max_sequences: int = 0       # batch slots (max_num_seqs x micro-batches); 0: no limit
 
 
 class Router:
@@ -74,8 +79,8 @@ class Router:
         self._chains: dict[int, _ChainLoad] = {}
         self._rr = itertools.count()
 
-    def add_chain(self, chain_id: int, num_blocks: int) -> None:
-        self._chains[chain_id] = _ChainLoad(PrefixIndex(num_blocks))
+    def add_chain(self, chain_id: int, num_blocks: int, max_sequences: int = 0) -> None:
+        self._chains[chain_id] = _ChainLoad(PrefixIndex(num_blocks), max_sequences=max_sequences)
 
     def remove_chain(self, chain_id: int) -> None:
         self._chains.pop(chain_id, None)
@@ -95,9 +100,13 @@ class Router:
                 c = self._chains[cid]
                 ov = c.index.overlap(hashes) if hashes else 0
                 cost = score(ov, len(hashes), c.blocks) if self.policy == "prefix" else c.blocks
-                costs.append((cost, c.sequences, ov, cid))
+                # a chain whose batch slots are all taken makes the sequence wait for one to free up
+                # (a whole request's decode, while the other chains have room): chosen only when
+                # every chain is full
+                full = 0 < c.max_sequences <= c.sequences
+                costs.append((full, cost, c.sequences, ov, cid))
             rr = next(self._rr)  # ties go round the chains rather than all to the first
-            cost, _, overlap, best = min(costs, key=lambda t: (t[0], t[1], (t[3] - rr) % (1 << 30)))
+            _, cost, _, overlap, best = min(costs, key=lambda t: (t[0], t[1], t[2], (t[4] - rr) % (1 << 30)))
         c = self._chains[best]
         if hashes:
             c.index.insert(hashes)

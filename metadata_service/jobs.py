@@ -84,7 +84,7 @@ class JobManager:
         for idx, req in pending:
             seq = to_sequence(req, self.engine, sink=self._on_finish, tag=(job, idx))
             job.seqs[idx] = seq
-        for seq in job.seqs.values():
+        for seq in list(job.seqs.values()):       # a copy: the first ones may finish (and leave) meanwhile
             self.engine.add(seq)
         if job.state == "done":
             self.store.set_state(job_id, "done")

@@ -147,3 +147,27 @@ def test_deferred_writes_land_together_at_the_end_of_the_block(tmp_path):
     assert store.save_result("j", metadata_pb2.GenerationResult(index=1)) is False   # stored once
     state, total, results = store.job("j")
     assert (state, total, sorted(results)) == ("done", 2, [0, 1])
+
+
+def test_a_job_whose_first_requests_finish_while_the_rest_are_added():
+    """The engine may finish a request (another thread) before the job has added all of them."""
+    from metadata_service.jobs import JobManager
+    from metadata_service.sequence import SeqEvent
+    from minipaged import wire
+
+    class InstantEngine:                      # finishes every sequence as it is added
+        model_name = model_fingerprint = ""
+        eos_ids = ()
+
+        def add(self, seq):
+            seq.output_token_ids = [7]
+            seq.sink(seq, SeqEvent([7], [], finished=True, finish_reason="length"))
+
+        def decode(self, ids):
+            return ""
+
+    jobs = JobManager(InstantEngine(), JobStore())
+    reqs = [metadata_pb2.GenerateRequest(prompt_token_ids=wire.pack([1, 2, 3]), max_new_tokens=1) for _ in range(5)]
+    job_id = jobs.submit(reqs)
+    job = jobs.get(job_id)
+    assert job.state == "done" and sorted(job.results) == [0, 1, 2, 3, 4]

@@ -10,7 +10,10 @@ applied as they come: tokens appended, stop rules checked, sinks told.
 Threading: only this thread touches the Scheduler and its Sequences' progress. Other threads post
 to `events` (add, abort) and read `stats()` / `snapshot()` under `self.lock`. When a step fails
 because the chain's state is gone (a worker died, restarted or hung), the chain stops and hands every
-unfinished sequence back to the Engine, which recomputes them on another chain."""
+unfinished sequence back to the Engine, which recomputes them on another chain.
+
+Its settings and micro-batch count are chain_config.py's (ChainConfig and default_micro_batches are
+importable from here too); its figures (`stats()`, `snapshot()`, the invariants check) chain_stats.py's."""
 from __future__ import annotations
 
 import logging
@@ -18,17 +21,18 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 
 import grpc
 import numpy as np
 
-from minipaged.v1 import metadata_pb2, worker_pb2
-from minipaged.wire import INT32, pack, unpack
+from minipaged.v1 import worker_pb2
+from minipaged.wire import INT32, unpack
 
 from . import prompt_logprobs
 from .apply import apply_plain, apply_reply
 from .block_manager import KVBlockManager
+from .chain_config import ChainConfig, InflightStep, default_micro_batches
+from .chain_stats import ChainStats
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import SeqStatus, Sequence
 from .step_channel import ResultsChannel, StepChannel
@@ -42,45 +46,7 @@ BATCH_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL, grpc
                 grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
-@dataclass
-class ChainConfig:
-    block_size: int = 16
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256          # per micro-batch
-    micro_batches: int = 0           # 0: default_micro_batches(stages)
-    async_scheduling: bool = True
-    enable_prefix_caching: bool = True
-    full_block_tables: bool = False  # send whole tables every step (the pre-delta wire, to compare)
-    worker_token: str = ""
-    step_timeout_s: float = 120.0    # --step-timeout: the deadline's fixed part (0: no deadline)
-
-
-def default_micro_batches(stages: int, host_compute: bool = False) -> int:
-    """Micro-batches a chain keeps in flight. One stage: 1 (its two overlapped steps hide the host).
-    Stages that compute on the host's own cores (CPU workers): N, with async scheduling across the
-    pipeline. A GPU runs beside the host, so extra micro-batches hide the host's work; on a CPU the
-    cores that would hide it are the ones computing, and each extra micro-batch only makes every
-    one smaller (tiny model, 2 stages on 2 cores: 3 micro-batches 0.84-0.92x of one worker, 2 with
-    overlap 0.89-1.08x). GPU (and simulated) stages: N + N // 2. A micro-batch's round trip
-    crosses every stage's host path, so more than N must be in flight, but each one more makes every
-    micro-batch smaller (weights read per token go up). Measured on 2 cores with simulated H200
-    stages and the shared-memory data link: 2 stages 3 -> 96-98% busy (4: 95-98%, fewer tokens/s;
-    2 with overlap: 86-87%); 4 stages 5 / 6 / 8 / 12 -> 3.20 / 3.38 / 3.26 / 3.02x of one worker,
-    84 / 91 / 91 / 91% busy; 8 stages (9 processes on 2 cores: host-bound) 12 / 24 -> 2.56 / 2.70x.
-    `--micro-batches` overrides."""
-    if stages == 1:
-        return 1
-    return stages if host_compute else stages + stages // 2
-
-
-@dataclass
-class InflightStep:
-    batch: ScheduledBatch
-    step_id: int
-    sent_at: float
-
-
-class ChainRunner:
+class ChainRunner(ChainStats):
     def __init__(self, chain_id: int, stages: list, num_blocks: int, epoch: int, cfg: ChainConfig, engine,
                  group: str = ""):
         self.chain_id, self.stages, self.epoch, self.cfg, self.engine = chain_id, stages, epoch, cfg, engine
@@ -328,61 +294,6 @@ class ChainRunner:
             seqs = self.scheduler.drain()
             self.inflight.clear()
         self.engine.on_chain_lost(self, seqs, why)
-
-    def _check_invariants(self) -> None:
-        with self.lock:
-            ok = bool(self.manager.invariants_ok())
-        if not ok and self.invariants_checked:
-            log.error("chain %d: block manager invariants violated: %s", self.chain_id,
-                      "; ".join(self.manager.check_invariants()[:5]))
-        self.invariants_checked, self._invariants_dirty = ok, False
-
-    # ------------------------------------------------------------------ figures
-    def stats(self) -> dict:
-        with self.lock:
-            st = dict(self.manager.stats())
-            if self._invariants_dirty and not self.inflight and not self.scheduler.has_work():
-                self._check_invariants()      # idle since its last step: check the final state now
-            # else as of the chain's last idle moment (a busy chain's figure is from before its work)
-            st["invariants_ok"] = self.invariants_checked
-            st["running"], st["waiting"] = len(self.scheduler.running), len(self.scheduler.waiting)
-            st["preemptions"] = self.scheduler.num_preemptions
-        wall = max(time.monotonic() - self.started, 1e-9)
-        st.update(chain_id=self.chain_id, ready=self.alive, steps=self.steps, group=self.group,
-                  generated_tokens=self.generated_tokens, steps_per_second=self.steps / wall,
-                  tokens_per_second=self.generated_tokens / wall, cache_epoch=self.epoch,
-                  micro_batches=self.micro_batches, metadata_s=self.metadata_s, wire_bytes=self.wire_bytes,
-                  stages=[dict(address=w.address, layer_start=w.info.layer_start, layer_end=w.info.layer_end,
-                               busy_fraction=min(1.0, busy / 1e3 / wall),
-                               step_ms=busy / self.steps if self.steps else 0.0)
-                          for w, busy in zip(self.stages, self.stage_busy_ms)])
-        return st
-
-
-    def snapshot(self, max_blocks: int, max_sequences: int) -> metadata_pb2.ChainSnapshot:
-        """The pool as the seed's article draws it: every block's state (sampled with a stride when
-        the pool is larger than max_blocks), exact counts, and the first sequences' tables."""
-        with self.lock:
-            states = self.manager.pool.block_states()
-            refs = self.manager.pool.ref_count
-            running = list(self.scheduler.running[:max_sequences])
-            waiting = list(self.scheduler.waiting)[:max(0, max_sequences - len(running))]
-            seqs = []
-            for s, state in [(s, "running") for s in running] + [(s, "waiting") for s in waiting]:
-                table = (self.manager.sequences[s.seq_id].block_table[:64]
-                         if s.seq_id in self.manager.sequences else np.zeros(0, np.int32))
-                label = "stream" if s.tag is None else f"{s.tag[0].job_id[:8]}:{s.tag[1]}"
-                seqs.append(metadata_pb2.SequenceSnapshot(
-                    sequence_id=s.seq_id, state=state, length=s.num_computed_tokens, num_blocks=len(table),
-                    block_table=pack(table), num_cached_tokens=s.num_cached_tokens, label=label))
-            counts = np.bincount(states, minlength=4)
-            stride = max(1, -(-len(states) // max_blocks))
-            return metadata_pb2.ChainSnapshot(
-                chain_id=self.chain_id, num_blocks=len(states), block_size=self.cfg.block_size, stride=stride,
-                block_state=states[::stride].tobytes(), ref_counts=np.minimum(refs[::stride], 255).astype(np.uint8).tobytes(),
-                free_blocks=int(counts[0] + counts[3]), owned_blocks=int(counts[1]), shared_blocks=int(counts[2]),
-                cached_blocks=int(counts[3]), sequences=seqs, running=len(self.scheduler.running),
-                waiting=len(self.scheduler.waiting))
 
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}

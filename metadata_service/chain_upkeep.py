@@ -1,0 +1,162 @@
+"""The Engine's upkeep thread (a mixin): it keeps the replica chains.
+
+Workers whose lease ran out are dropped and their chains stopped; a chain whose stage re-registered
+(restarted) is stopped too. Free workers (new, standby, or the survivors of a lost chain) are formed
+into chains (metadata_service/workers.py), each initialised with a fresh cache epoch (last stage
+first) and started. The stages of a chain that missed its step deadline are quarantined until their
+Health says they compute nothing. Parked sequences are routed once a chain is ready; readiness and
+`not_ready_reason` follow the chains."""
+from __future__ import annotations
+
+import logging
+import queue
+import secrets
+import time
+
+import grpc
+
+from minipaged.units import kv_capacity
+from minipaged.v1 import worker_pb2
+
+from .backlog import waiting_reason
+from .chain import ChainRunner
+
+log = logging.getLogger("metadata_service.engine")
+
+
+class ChainUpkeep:
+    """Mixed into Engine: uses its registry, chains, route_lock, events and readiness fields."""
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._maintain()
+            except Exception:  # never let the upkeep thread die silently
+                log.exception("engine upkeep failed")
+                time.sleep(0.1)
+            self._wakeup.wait(0.05)
+            self._wakeup.clear()
+
+    def _maintain(self) -> None:
+        while True:
+            try:
+                kind, chain = self._events.get_nowait()
+            except queue.Empty:
+                break
+            chain.join(1.0)
+            self.registry.drop([w.worker_id for w in chain.stages if not self._alive(w)])
+            if chain.missed_deadline:  # which stage hangs is not known yet: none joins a chain until idle
+                self.registry.quarantine([w.worker_id for w in chain.stages], chain.lost_reason)
+        self._release_idle_quarantined()
+        expired = set(self.registry.expired())
+        if expired:
+            for c in list(self.chains.values()):
+                silent = [w.address for w in c.stages if w.worker_id in expired]
+                if silent:
+                    c.stop(f"worker {', '.join(silent)} missed its heartbeat lease "
+                           f"({self.registry.lease_s:.1f}s): hung or gone")
+            self.registry.drop(expired)
+        known = {w.worker_id for w in self.registry.workers.values()}
+        for c in list(self.chains.values()):  # a stage that re-registered (restarted) voids its chain
+            if c.alive and any(w.worker_id not in known for w in c.stages):
+                c.stop("a worker of the chain stopped (deregistered) or restarted")
+        busy = {w.worker_id for c in self.chains.values() for w in c.stages} | set(self.registry.quarantined)
+        for stages in self.registry.form_chains(busy):
+            self._start_chain(stages)
+        busy = {w.worker_id for c in self.chains.values() for w in c.stages} | set(self.registry.quarantined)
+        reason = "" if self.chains else "; ".join(
+            r for r in (self.registry.explain(busy) or "no chain is ready", self._waiting_note()) if r)
+        with self.route_lock:
+            self.not_ready_reason = reason
+            parked = list(self.parked) if self.chains else []
+            self.parked.clear() if parked else None
+        if parked:
+            self._route(parked)
+        self._refresh_ready()
+        self._fail_streams_if_waited_too_long()
+
+    def _waiting_note(self) -> str:
+        """Which model's pending job requests wait, and how to drop them (for not_ready_reason)."""
+        now = time.monotonic()
+        if now - self._backlog_note[0] >= 1.0:
+            self._backlog_note = (now, waiting_reason(self.backlog(), self.cancel_command))
+        return self._backlog_note[1]
+
+    def _start_chain(self, stages) -> None:
+        cap = min(w.capacity_blocks(self.block_size) for w in stages)
+        if self.num_blocks_cap:
+            cap = min(cap, self.num_blocks_cap)
+        label = " -> ".join(w.address for w in stages)
+        if cap < 1:
+            log.error("chain %s can hold no block of size %d", label, self.block_size)
+            return
+        epoch = secrets.randbits(62) + 1
+        try:
+            for i in reversed(range(len(stages))):
+                nxt = stages[i + 1] if i + 1 < len(stages) else None
+                data = (f"{nxt.address.rsplit(':', 1)[0]}:{nxt.info.data_port}"
+                        if nxt is not None and nxt.info.data_port else "")
+                reply = stages[i].connect(self.registry.channel_factory).InitCache(worker_pb2.InitCacheRequest(
+                    num_blocks=cap, block_size=self.block_size, next_stage_address=nxt.address if nxt else "",
+                    next_stage_token=self.worker_token or "", cache_epoch=epoch, next_stage_data_address=data),
+                    timeout=self.init_timeout_s, metadata=self._auth())
+            epoch = reply.cache_epoch  # stage 0's word is what Steps must carry
+        except grpc.RpcError as e:
+            log.warning("InitCache on chain %s failed: %s %s", label, e.code().name, e.details())
+            self.registry.drop([w.worker_id for w in stages if not self._alive(w)])
+            return
+        self._adopt_model(stages)
+        self.max_pool_blocks = max(cap, self.max_pool_blocks if self.chains else 0)
+        chain = ChainRunner(next(self._chain_ids), stages, cap, epoch, self.cfg, self, stages[0].info.replica_group)
+        with self.route_lock:
+            self.chains[chain.chain_id] = chain
+            self.router.add_chain(chain.chain_id, cap)
+        chain.start()
+        for cb in self.on_chain_started:
+            cb(chain)
+        kv_bytes = cap * sum(w.block_bytes(self.block_size) for w in stages)
+        log.info("chain %d ready: %s, KV cache %s (%d stage(s)), %d micro-batches, epoch %d", chain.chain_id,
+                 label, kv_capacity(cap, self.block_size, kv_bytes), len(stages), chain.micro_batches, epoch)
+
+    def _refresh_ready(self) -> None:
+        ready = any(c.alive for c in list(self.chains.values()))
+        if ready != self.ready_event.is_set():
+            (self.ready_event.set if ready else self.ready_event.clear)()
+            if not ready:
+                self.unready_since = time.monotonic()
+            for cb in self.on_ready_changed:
+                cb(ready)
+
+    def _auth(self):
+        return (("authorization", f"Bearer {self.worker_token}"),) if self.worker_token else None
+
+    def _release_idle_quarantined(self) -> None:
+        """A stage of a chain that missed its step deadline rejoins once its Health says it computes
+        nothing (busy_ms 0): the healthy stages of that chain at once, the hung one when (if ever) its
+        step ends. Polled at most once a second."""
+        now = time.monotonic()
+        if not self.registry.quarantined or now - self._quarantine_polled < 1.0:
+            return
+        self._quarantine_polled = now
+        for wid in list(self.registry.quarantined):
+            w = self.registry.workers.get(wid)
+            if w is None:
+                self.registry.quarantined.pop(wid, None)
+                continue
+            try:
+                busy_ms = w.connect(self.registry.channel_factory).Health(
+                    worker_pb2.WorkerHealthRequest(), timeout=1.0, metadata=self._auth()).busy_ms
+            except grpc.RpcError:
+                continue  # the lease decides about a worker that does not answer
+            if busy_ms == 0:
+                log.info("worker %s is idle again: it may join a chain", w.address)
+                self.registry.quarantined.pop(wid, None)
+
+    def _alive(self, w) -> bool:
+        try:
+            w.connect(self.registry.channel_factory).Health(worker_pb2.WorkerHealthRequest(), timeout=2,
+                                                            metadata=self._auth())
+            return True
+        except grpc.RpcError:
+            return False
+

@@ -1,0 +1,125 @@
+"""Where a sequence goes, from admission to its end (the Engine's routing half, a mixin).
+
+A new or re-routed sequence goes to a ready chain (the policy is router.py's; a beam group's beams
+stay on one chain, since beam.py forks their tables there), or is parked until a chain forms. A
+chain that is lost hands its unfinished sequences back here, and they recompute elsewhere from
+their tokens, exactly (sampling is a pure function of seed and position). `finish` ends a sequence
+exactly once, from whichever thread ends it, and tells its sink.
+
+Threading: `route_lock` guards `chains`, the router and `parked`; sinks are told outside it."""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from .sequence import SeqEvent, Sequence, SeqStatus
+
+if TYPE_CHECKING:
+    from .chain import ChainRunner
+
+
+class SequenceRouting:
+    """Mixed into Engine: uses its route_lock, chains, router, parked and callbacks."""
+
+    # ------------------------------------------------------------------ admission (any thread)
+    def add(self, seq: Sequence) -> None:
+        self.prompt_tokens += seq.num_prompt_tokens
+        seq.admitted_at = time.monotonic()
+        self._route([seq])
+
+    def abort(self, seq: Sequence) -> None:
+        if seq.group is not None:             # a request with several choices: all of them
+            for member in seq.group.abort():
+                self._abort_one(member)
+            return
+        self._abort_one(seq)
+
+    def _abort_one(self, seq: Sequence) -> None:
+        seq.abort_requested = True
+        with self.route_lock:
+            if seq in self.parked:
+                self.parked.remove(seq)
+                parked = True
+            else:
+                parked = False
+            chain = seq.chain
+        if parked:
+            self.finish(seq, "cancelled")
+        elif chain is not None:
+            chain.abort(seq)
+
+    # ------------------------------------------------------------------ sinks (any thread)
+    def stream_tokens(self, seq: Sequence, tokens: list[int], logprobs: list[float], top=()) -> None:
+        seq.sink(seq, SeqEvent(tokens, logprobs, new_top=list(top)))
+
+    def finish(self, seq: Sequence, reason: str, error: str = "", code: str = "UNAVAILABLE") -> None:
+        """Exactly once per sequence, from whichever thread ends it."""
+        with self.route_lock:
+            if seq.finish_reason:
+                return
+            seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
+            chain = seq.chain
+            if chain is not None:
+                self.router.done(chain.chain_id, seq.route_load)
+        for cb in self.on_sequence_finished:
+            cb(seq)
+        if seq.sink is not None:
+            if seq.tag is None and not seq.params.per_token_events and not error:   # final_only: all at once
+                new, lp, top = list(seq.output_token_ids), list(seq.output_logprobs), list(seq.output_top)
+            else:
+                new = seq.output_token_ids[-1:] if reason in ("stop", "length") and seq.tag is None else []
+                lp = seq.output_logprobs[-1:] if new and seq.output_logprobs else []
+                top = seq.output_top[-1:] if new and seq.output_top else []
+            seq.sink(seq, SeqEvent(new, lp, finished=True, finish_reason=reason, error=error,
+                                   error_code=code if error else "", new_top=top))
+
+    # ------------------------------------------------------------------ routing
+    def _route(self, seqs: list[Sequence]) -> None:
+        with self.route_lock:
+            live = [c for c in self.chains.values() if c.alive]
+            if not live:
+                self.parked.extend(s for s in seqs if not s.abort_requested)
+                cancelled = [s for s in seqs if s.abort_requested]
+            else:
+                cancelled = []
+                ids = [c.chain_id for c in live]
+                beam_chain: dict[int, int] = {}   # a beam group's beams stay on one chain (beam.py forks)
+                for s in seqs:
+                    g = s.group if s.group is not None and s.group.beam else None
+                    if g is not None and id(g) in beam_chain:
+                        cid, load = beam_chain[id(g)], 0.0
+                    else:
+                        cid, load = self.router.choose(ids, s.all_token_ids, s.params.max_new_tokens)
+                        if g is not None:
+                            beam_chain[id(g)] = cid
+                    s.chain, s.route_load = self.chains[cid], load
+                    s.chain.add(s)
+        for s in cancelled:
+            self.finish(s, "cancelled")
+
+    def on_chain_lost(self, chain: ChainRunner, seqs: list[Sequence], why: str) -> None:
+        """From the chain's thread: its sequences recompute elsewhere; upkeep re-forms chains."""
+        with self.route_lock:
+            self.chains.pop(chain.chain_id, None)
+            self.router.remove_chain(chain.chain_id)
+            for s in seqs:
+                s.chain = None
+        self._events.put(("lost", chain))
+        live = [s for s in seqs if s.status is not SeqStatus.FINISHED]
+        for s in live:
+            s.status = SeqStatus.WAITING
+        self._route(live)
+        self._refresh_ready()
+        self._wakeup.set()
+
+    def _fail_streams_if_waited_too_long(self) -> None:
+        """Interactive streams do not wait forever for a chain; jobs do (they are durable)."""
+        if self.ready or time.monotonic() - self.unready_since < self.worker_wait_s:
+            return
+        with self.route_lock:
+            doomed = [s for s in self.parked if s.tag is None]
+            for s in doomed:
+                self.parked.remove(s)
+        msg = f"no worker chain for {self.worker_wait_s:.0f}s: {self.not_ready_reason}"
+        for s in doomed:
+            self.finish(s, "error", error=msg)

@@ -5,6 +5,7 @@ normalised (prompt tokenized, seed chosen) so a stored job recomputes to the sam
 from __future__ import annotations
 
 import math
+import random
 import secrets
 
 import grpc
@@ -22,6 +23,7 @@ from . import prompt_logprobs
 from .sequence import SamplingParams, Sequence
 from .stop import StopChecker
 
+_SEEDS = random.Random(secrets.randbits(128))   # seeds for requests without one (stored with the job)
 
 MAX_CHOICES = 16          # n and best_of
 
@@ -50,7 +52,7 @@ def normalize(req: metadata_pb2.GenerateRequest, engine) -> metadata_pb2.Generat
     out.prompt_token_ids = pack(ids, INT32)
     out.prompt = ""
     if not out.HasField("seed"):
-        out.seed = secrets.randbits(63)
+        out.seed = _SEEDS.getrandbits(63)
     return out
 
 

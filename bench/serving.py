@@ -6,10 +6,12 @@ as 64 concurrent requests with token-id prompts, after a warm-up on other prompt
 times, alternating (vLLM's processes are stopped with SIGSTOP while ours run: its idle CPU worker
 polls on a whole core). Ours: LocalCluster(http=True) (metadata service + worker + gateway processes),
 with LocalCluster's default thread count and with cores - 1; vLLM: its OpenAI api_server from its
-own venv (--vllm-python; started once, its start-up not timed). The table gives completion tok/s
-(usage.completion_tokens over the wall time of the whole batch of requests) and the ratio.
+own venv (--vllm-python; started once, its start-up not timed), computing on the cores we use
+(--vllm-cores, VLLM_CPU_OMP_THREADS_BIND: "0-1" on this 2-core machine; "" for its default, which
+keeps a core for its engine). The table gives completion tok/s (usage.completion_tokens over the
+wall time of the whole batch of requests) and the ratio.
 
-    .venv/bin/python bench/serving.py --vllm-python /work/vllm-venv/bin/python [--repeat 2]
+    .venv/bin/python bench/serving.py --vllm-python /work/vllm-venv/bin/python [--repeat 2] [--vllm-cores 0-1]
 """
 from __future__ import annotations
 
@@ -77,6 +79,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--vllm-python", default="")
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--vllm-cores", default=f"0-{(os.cpu_count() or 1) - 1}",
+                    help="VLLM_CPU_OMP_THREADS_BIND for vLLM (default: every core, as ours use; '' = its default)")
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
     args = ap.parse_args()
@@ -92,6 +96,8 @@ def main():
             vllm_log = open(os.path.join(workdir, "vllm-serve.log"), "w")
             env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OMP_NUM_THREADS")}
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            if args.vllm_cores:
+                env["VLLM_CPU_OMP_THREADS_BIND"] = args.vllm_cores
             vllm = subprocess.Popen(
                 [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", ckpt,
                  "--served-model-name", "tiny", "--dtype", "float32", "--block-size", "32",
@@ -114,7 +120,8 @@ def main():
             if vllm is not None:
                 signal_group(vllm, signal.SIGCONT)
                 time.sleep(1.0)
-                runs.setdefault("vLLM OpenAI server (vllm-cpu 0.32)", []).append(
+                cores = f"cores {args.vllm_cores}" if args.vllm_cores else "its default cores"
+                runs.setdefault(f"vLLM OpenAI server (vllm-cpu 0.32, {cores})", []).append(
                     load(vllm_url, "tiny", prompts, args.new_tokens))
                 signal_group(vllm, signal.SIGSTOP)
     finally:

@@ -24,29 +24,28 @@ def apply_reply(chain, b: ScheduledBatch, reply: worker_pb2.StepReply) -> None:
     tokens = sampled.tolist()
     is_eos = eos_mask(sampled, chain.engine.eos_ids).tolist()
     rows = b.do_sample.nonzero()[0].tolist() if len(tokens) < len(b.seqs) else range(len(tokens))
-    seqs, gens = b.seqs, b.gens.tolist()
+    P, pr = chain.scheduler.progress, b.progress_rows
+    # still the same run of the same sequence (its Progress row not rebound, its gen not bumped)
+    same = ((P.owner[pr] == b.seq_ids) & (P.gen[pr] == b.gens)).tolist()
+    seqs = b.seqs
     finished_status, engine = SeqStatus.FINISHED, chain.engine
     special = b.special or logprobs is not None or top is not None
-    ended, fill, beams = [], [], []
-    kept = 0
+    ended, beams, kept_rows, kept_tokens = [], [], [], []
     now = 0.0
     for j, i in enumerate(rows):
         seq = seqs[i]
-        if seq.gen != gens[i] or seq.status is finished_status:  # preempted or ended while in flight
+        if not same[i] or seq.status is finished_status:  # preempted or ended while in flight
             continue
         if seq.group is not None and seq.group.beam:  # beam search: its group picks the tokens
             beams.append((seq, j))
             continue
         tok = tokens[j]
-        if seq.deferred:                # the step after this one already reads this token
-            fill.append(j)
-            seq.deferred = False
+        kept_rows.append(i)
+        kept_tokens.append(j)
         out = seq.output_token_ids
         if not out:
             seq.first_token_at = now = now or time.monotonic()
         out.append(tok)
-        seq.num_tokens += 1
-        kept += 1
         verdict = _extras(seq, tok, j, logprobs, top) if special else ""
         reason = _stop(seq, tok, verdict, is_eos[j])
         if reason:
@@ -54,11 +53,18 @@ def apply_reply(chain, b: ScheduledBatch, reply: worker_pb2.StepReply) -> None:
         elif seq.sink is not None and seq.tag is None and seq.params.per_token_events:  # streams hear every token
             engine.stream_tokens(seq, [tok], [logprobs[j]] if logprobs else [],
                                  seq.output_top[-1:] if seq.params.top_logprobs else [])
+    kept = len(kept_rows)
+    fill = []
+    if kept:
+        live = pr[kept_rows]
+        P.num_tokens[live] += 1
+        deferred = P.deferred[live]                   # the step after this one already reads the token
+        P.deferred[live] = False
+        fill = np.asarray(kept_tokens)[deferred]
     if beams:
         kept += on_beam_rows(chain, beams, top)
-    if fill:
-        where = np.asarray(fill)
-        chain.manager.fill_tokens(b.seq_ids[b.do_sample.astype(bool)][where], sampled[where])
+    if len(fill):
+        chain.manager.fill_tokens(b.seq_ids[b.do_sample.astype(bool)][fill], sampled[fill])
     chain.generated_tokens += kept        # tokens requests kept (not one computed and dropped)
     _end(chain, ended)
 

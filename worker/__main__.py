@@ -203,4 +203,10 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Everything is stopped and flushed by now; skip the interpreter's teardown, where a native
+    # thread of gRPC or torch still running has been seen to abort a clean stop (SIGABRT, -6)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -47,11 +47,15 @@ class JobRpcs:
             return job.proto(with_results=True)
 
     def CancelJob(self, request, context):
-        job = self.jobs.cancel(request.job_id)
+        return self._answer(self.jobs.cancel(request.job_id), request.job_id, context, with_results=True)
+
+    @staticmethod
+    def _answer(job, job_id: str, context, with_results: bool):
+        """The job as it is now, or NOT_FOUND."""
         if job is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown job id {clip(request.job_id)}")
+            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown job id {clip(job_id)}")
         with job.cond:
-            return job.proto(with_results=True)
+            return job.proto(with_results=with_results)
 
     def ListJobs(self, request, context):
         if request.limit < 0 or request.limit > 10000:
@@ -73,11 +77,7 @@ class JobRpcs:
         return metadata_pb2.PurgeJobsReply(jobs=self.jobs.purge(age))
 
     def DeleteJob(self, request, context):
-        job = self.jobs.delete(request.job_id)
-        if job is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown job id {clip(request.job_id)}")
-        with job.cond:
-            return job.proto(with_results=False)
+        return self._answer(self.jobs.delete(request.job_id), request.job_id, context, with_results=False)
 
     def WatchJob(self, request, context):
         job = self._job(request.job_id, context)

@@ -40,10 +40,6 @@ class Progress:
         self._free.extend(range(capacity - 1, old - 1, -1))   # lowest row handed out first
         self.capacity = capacity
 
-    @property
-    def bound(self) -> int:
-        return self.capacity - len(self._free)
-
     def bind(self, seq) -> int:
         """Give `seq` a row holding its current counters; from now on they live here."""
         if seq._progress is self:

@@ -123,3 +123,34 @@ def test_plain_decode_steps_match_the_general_path(overlap):
     assert sorted(a.engine.finished) == sorted(b.engine.finished) and len(a.engine.finished) == 24
     assert a.generated_tokens == b.generated_tokens
     assert a.manager.num_free_blocks == b.manager.num_free_blocks
+
+
+@pytest.mark.parametrize("plain", [True, False])
+def test_a_reply_for_a_row_rebound_to_another_sequence_is_ignored(plain):
+    """A sequence leaves while its step is in flight and a new one takes its Progress row: the old
+    reply must not give the newcomer a token (the row's owner id says whose step it was)."""
+    from metadata_service.sequence import SamplingParams, Sequence
+    from minipaged.v1 import worker_pb2
+    from minipaged.wire import pack
+    r = _runner(overlap=False)
+    sch = r.scheduler
+    old = Sequence([5, 6, 7], SamplingParams(max_new_tokens=8, ignore_eos=True), seq_id=1)
+    sch.add(old)
+    sch.step_done(first := sch.schedule())                 # the prefill
+    r._apply(first, worker_pb2.StepReply(sampled_token_ids=pack([9])))
+    b = sch.schedule()                                      # old's decode, in flight
+    row = old._row
+    sch.remove(old)                                         # it ends meanwhile (an abort)
+    new = Sequence([5, 6], SamplingParams(max_new_tokens=8, ignore_eos=True), seq_id=2)
+    sch.add(new)
+    sch.schedule()                                          # new admitted: it takes the freed row
+    assert new._row == row
+    before = (list(new.output_token_ids), new.num_tokens, new.inflight)
+    if plain:
+        assert b.plain
+        r._apply_plain(b, np.array([4], dtype=np.int32))
+    else:
+        sch.step_done(b)
+        r._apply(b, worker_pb2.StepReply(sampled_token_ids=pack([4])))
+    assert (list(new.output_token_ids), new.num_tokens, new.inflight) == before
+    assert old.output_token_ids == [9] and r.generated_tokens == 1

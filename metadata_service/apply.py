@@ -25,8 +25,7 @@ def apply_reply(chain, b: ScheduledBatch, reply: worker_pb2.StepReply) -> None:
     is_eos = eos_mask(sampled, chain.engine.eos_ids).tolist()
     rows = b.do_sample.nonzero()[0].tolist() if len(tokens) < len(b.seqs) else range(len(tokens))
     P, pr = chain.scheduler.progress, b.progress_rows
-    # still the same run of the same sequence (its Progress row not rebound, its gen not bumped)
-    same = ((P.owner[pr] == b.seq_ids) & (P.gen[pr] == b.gens)).tolist()
+    same = P.same_run(pr, b.seq_ids, b.gens).tolist()   # step_done already took them out of flight
     seqs = b.seqs
     finished_status, engine = SeqStatus.FINISHED, chain.engine
     special = b.special or logprobs is not None or top is not None
@@ -133,10 +132,7 @@ def _plain_rows(P, b, tokens: np.ndarray, eos_ids) -> tuple[list, np.ndarray, in
     in it appends its token and is one step less in flight (the step_done of the general path).
     Returns (finished [(seq, reason)], indexes of tokens an in-flight step read as -1, tokens kept)."""
     pr = b.progress_rows
-    # still the same run of the same sequence: its row not rebound, its gen not bumped (preempted)
-    same = (P.owner[pr] == b.seq_ids) & (P.gen[pr] == b.gens)
-    live = pr[same]
-    P.inflight[live] -= P.inflight[live] > 0
+    same = P.step_back(pr, b.seq_ids, b.gens)          # what the general path's step_done does
     seqs, toks = b.seqs, tokens.tolist()
     finished_status = SeqStatus.FINISHED
     if same.all():

@@ -68,6 +68,18 @@ class Progress:
         self.owner[row] = -1
         self._free.append(row)
 
+    def same_run(self, rows: np.ndarray, ids: np.ndarray, gens: np.ndarray) -> np.ndarray:
+        """Which of a step's rows still hold the run it was sent for: the same sequence (owner) and
+        no preemption since (gen). The others' results are void."""
+        return (self.owner[rows] == ids) & (self.gen[rows] == gens)
+
+    def step_back(self, rows: np.ndarray, ids: np.ndarray, gens: np.ndarray) -> np.ndarray:
+        """A step came back: its live rows are one step less in flight. Returns same_run's mask."""
+        same = self.same_run(rows, ids, gens)
+        live = rows[same]
+        self.inflight[live] -= self.inflight[live] > 0
+        return same
+
     def rows_of(self, seqs) -> np.ndarray:
         """Rows of bound sequences, in order."""
         return np.fromiter((s._row for s in seqs), dtype=np.int64, count=len(seqs))

@@ -268,6 +268,4 @@ class Scheduler(DecodePicking, BatchPacking):
 
     def step_done(self, batch: ScheduledBatch) -> None:
         """The step came back (applied or failed): its sequences are one step less in flight."""
-        P, pr = self.progress, batch.progress_rows
-        live = pr[(P.owner[pr] == batch.seq_ids) & (P.gen[pr] == batch.gens)]   # not ended nor preempted since
-        P.inflight[live] -= P.inflight[live] > 0
+        self.progress.step_back(batch.progress_rows, batch.seq_ids, batch.gens)

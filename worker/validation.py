@@ -4,8 +4,9 @@ A worker cannot trust the metadata plane blindly: one bad slot would silently ov
 sequence's K/V. Every check is vectorized numpy over the whole batch (no per-token Python loops),
 and every failure raises StepValidationError naming the field and the limit; the server turns it
 into INVALID_ARGUMENT with the cache untouched. What the step assumes the stage remembers (delta
-block tables, placeholder input ids; worker/step_state.py) is checked against the stage's
-SequenceStore without changing it: a mismatch raises StepPrecondition (FAILED_PRECONDITION).
+block tables, -1 inputs for tokens still being sampled; worker/step_state.py) is checked against
+the stage's SequenceStore without changing it: a mismatch raises StepPrecondition
+(FAILED_PRECONDITION).
 
 This module checks the batch's shape, its token inputs and positions, and assembles StepArrays;
 worker/validate_cache.py checks where the step reads and writes K/V (tables, slots, copies),

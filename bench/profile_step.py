@@ -135,7 +135,7 @@ def service_shell(num_blocks: int, block_size: int):
     cfg = ChainConfig(block_size=block_size)
     svc = ChainRunner.__new__(ChainRunner)
     svc.cfg, svc.epoch, svc.next_step_id, svc.wire_bytes, svc.generated_tokens = cfg, 1, 1, 0, 0
-    svc.direct = False                                      # one stage: the reply comes back on the Step
+    svc.tokens_to_first = False                             # one stage: it knows its own tokens
     svc.engine, svc.manager = Engine(), KVBlockManager(num_blocks, block_size)
     svc.scheduler = Scheduler(svc.manager, cfg.max_num_batched_tokens, cfg.max_num_seqs, full_tables=True)
     return svc

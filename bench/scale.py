@@ -237,7 +237,7 @@ def bench_wire(args):
             m = KVBlockManager(B * (ctx // bs + 8), bs)
             runner = ChainRunner.__new__(ChainRunner)       # only its packing and apply paths
             runner.cfg, runner.epoch, runner.next_step_id, runner.wire_bytes = ChainConfig(), 1, 1, 0
-            runner.direct = False
+            runner.tokens_to_first = False
             runner.engine, runner.manager, runner.generated_tokens = FakeEngine(), m, 0
             sch = runner.scheduler = Scheduler(m, 1 << 20, B, full_tables=full)
             seqs = [Sequence([7] * ctx, SamplingParams(max_new_tokens=1 << 20), seq_id=i) for i in range(B)]

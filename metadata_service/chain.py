@@ -54,14 +54,14 @@ class ChainRunner(ChainStats):
         n = len(stages)
         host_compute = all(w.info.device == "cpu" and not w.info.simulate for w in stages)
         self.micro_batches = cfg.micro_batches or default_micro_batches(n, host_compute)
-        # With no more micro-batches than stages, a stage would wait for each micro-batch's tokens
-        # to come back: async scheduling sends its next step first (inputs -1). Stage 0 fills those
-        # in, so it must see the sampled tokens: replies then come back up the chain through it.
-        # With more micro-batches than stages, the last stage answers directly (StepResults).
+        # One protocol for every chain: steps go down the StepStream to stage 0 and on; the last
+        # stage answers on StepResults. With no more micro-batches than stages a micro-batch would
+        # wait for its own tokens, so async scheduling sends its next step first (inputs -1): stage
+        # 0 embeds them once the last stage has sent it their tokens (the SampledTokens stream).
         overlap = cfg.async_scheduling and self.micro_batches <= n
         self.slot_cap = 2 if overlap else 1            # steps in flight per micro-batch
         self.depth = self.micro_batches * self.slot_cap
-        self.direct = n > 1 and not overlap
+        self.tokens_to_first = overlap and n > 1       # one stage samples and embeds: it knows them
         self.manager = KVBlockManager(num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.manager, cfg.max_num_batched_tokens, cfg.max_num_seqs,
                                    self.micro_batches, overlap, cfg.full_block_tables)
@@ -122,9 +122,8 @@ class ChainRunner(ChainStats):
                                    self.events)
         self.results = None
         try:
-            if self.direct:
-                self.results = ResultsChannel(self.stages[-1].connect(self.engine.registry.channel_factory),
-                                              self.epoch, metadata, self.events)
+            self.results = ResultsChannel(self.stages[-1].connect(self.engine.registry.channel_factory),
+                                          self.epoch, metadata, self.events)
             while self.alive:
                 self._fill_pipeline()
                 self._check_deadline()
@@ -216,7 +215,7 @@ class ChainRunner(ChainStats):
     def _step_request(self, b: ScheduledBatch, release: list[int]) -> worker_pb2.StepRequest:
         step_id, self.next_step_id = self.next_step_id, self.next_step_id + 1
         vocab = self.stages[-1].info.vocab_size if b.special else 0    # grammar bitmasks only
-        req = build_step_request(b, release, step_id, self.epoch, self.direct, vocab)
+        req = build_step_request(b, release, step_id, self.epoch, self.tokens_to_first, vocab)
         self.wire_bytes += req.ByteSize()
         return req
 
@@ -297,3 +296,4 @@ class ChainRunner(ChainStats):
 
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
+

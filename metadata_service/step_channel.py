@@ -1,6 +1,7 @@
-"""The metadata service's end of one chain's StepStream: requests go out in order, replies come
-back in order on a reader thread and are posted to the chain's event queue, as is the end of the
-stream (a dead or cancelled stage)."""
+"""The metadata service's ends of one chain: its StepStream to stage 0 (steps go out in order; what
+comes back is errors) and the last stage's StepResults (every step's reply, in order). A reader
+thread on each posts what arrives to the chain's event queue, as it does the end of a stream (a dead
+or cancelled stage)."""
 from __future__ import annotations
 
 import queue
@@ -48,7 +49,7 @@ class StepChannel:
 
 
 class ResultsChannel:
-    """The last stage's StepResults stream (multi-stage chains: replies skip the way back up)."""
+    """The last stage's StepResults stream: every step's reply, whatever the chain's length."""
 
     def __init__(self, stub, epoch: int, metadata, events: queue.SimpleQueue, timeout_s: float = 30.0):
         self._events = events

@@ -15,7 +15,7 @@ from .step_batch import ScheduledBatch
 from .sequence import Sequence
 
 
-def build_step_request(b: ScheduledBatch, release: list[int], step_id: int, epoch: int, direct: bool,
+def build_step_request(b: ScheduledBatch, release: list[int], step_id: int, epoch: int, first_gets_tokens: bool,
                        vocab_size: int) -> worker_pb2.StepRequest:
     """The Step of a ScheduledBatch (vocab_size: for grammar bitmasks)."""
     seqs = b.seqs
@@ -29,7 +29,8 @@ def build_step_request(b: ScheduledBatch, release: list[int], step_id: int, epoc
         temperature=rows["temperature"].tobytes(), top_p=rows["top_p"].tobytes(),
         top_k=rows["top_k"].tobytes(), seeds=rows["seed"].tobytes(),
         sample_offsets=pack(b.sample_offsets, INT32),
-        return_logprobs=b.special and any(s.params.return_logprobs for s in seqs), reply_direct=direct)
+        return_logprobs=b.special and any(s.params.return_logprobs for s in seqs),
+        first_gets_tokens=first_gets_tokens)
     if b.block_tables is not None:
         req.block_tables, req.max_blocks_per_seq = pack(b.block_tables), b.block_tables.shape[1]
     else:

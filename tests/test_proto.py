@@ -31,7 +31,7 @@ def test_package_is_versioned():
         "ForkSequence", "ReleaseSequence", "GetBlockTables", "RegisterWorker", "Heartbeat", "ListJobs", "DeleteJob",
         "PoolSnapshot"}
     assert set(worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].methods_by_name) == {
-        "Info", "InitCache", "Step", "StepStream", "StepResults", "Health"}
+        "Info", "InitCache", "Step", "StepStream", "StepResults", "SampledTokenStream", "Health"}
 
 
 def test_integer_arrays_are_packed_bytes_not_repeated():

@@ -73,7 +73,7 @@ def _runner(overlap: bool):
 
     m = KVBlockManager(512, 4)
     r = ChainRunner.__new__(ChainRunner)
-    r.cfg, r.epoch, r.next_step_id, r.wire_bytes, r.direct = ChainConfig(), 1, 1, 0, False
+    r.cfg, r.epoch, r.next_step_id, r.wire_bytes, r.tokens_to_first = ChainConfig(), 1, 1, 0, False
     r.engine, r.manager, r.generated_tokens = Engine(), m, 0
     r.engine.finished = []
     r.scheduler = Scheduler(m, 1 << 20, 64, overlap=overlap)

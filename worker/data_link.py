@@ -148,7 +148,7 @@ class DataServer:
 
 
 class TcpStageLink:
-    """The sending side; the interface of StageLink (send, close, cancel, relayed replies)."""
+    """The sending side; the interface of StageLink (send, close, cancel, relayed errors)."""
 
     def __init__(self, address: str, token: str, epoch: int, on_reply, on_failed, timeout_s: float = 30.0):
         host, port = address.rsplit(":", 1)
@@ -179,20 +179,13 @@ class TcpStageLink:
         self.sock.settimeout(None)
         self._on_reply, self._on_failed = on_reply, on_failed
         self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._outstanding: list[int] = []
-        self._direct_sent, self._closed, self._broken = False, False, False
-        self._lock = threading.Lock()
+        self._sent, self._closed, self._broken = False, False, False
         threading.Thread(target=self._write, name="data-link-send", daemon=True).start()
         self._reader = threading.Thread(target=self._read, name="data-link-recv", daemon=True)
         self._reader.start()
 
-    def send(self, request: pb.StepRequest, ready_at: float = 0.0, track: bool = True,
-             hidden: bytes | None = None) -> None:
-        with self._lock:
-            if track:
-                self._outstanding.append(request.step_id)
-            else:
-                self._direct_sent = True
+    def send(self, request: pb.StepRequest, ready_at: float = 0.0, hidden: bytes | None = None) -> None:
+        self._sent = True
         self._q.put((request, ready_at, hidden))
 
     def _write(self) -> None:
@@ -225,20 +218,12 @@ class TcpStageLink:
         try:
             while True:
                 (n,) = _REPLY.unpack(_recv_exact(self.sock, _REPLY.size))
-                reply = pb.StepReply.FromString(bytes(_recv_exact(self.sock, n)))
-                with self._lock:
-                    if reply.step_id in self._outstanding:
-                        self._outstanding.remove(reply.step_id)
-                self._on_reply(reply)
+                self._on_reply(pb.StepReply.FromString(bytes(_recv_exact(self.sock, n))))   # an error
         except (OSError, ConnectionError, struct.error):
             broke = not self._closed
         self._broken = True               # a writer waiting for ring space gives up
-        with self._lock:
-            lost, self._outstanding = self._outstanding, []
-            if broke and self._direct_sent:
-                lost.append(0)   # steps whose replies go direct were lost too: 0 = "the chain broke"
-        for step_id in lost:
-            self._on_failed(step_id, grpc.StatusCode.UNAVAILABLE, f"next stage {self.address}: data link closed")
+        if broke and self._sent:          # 0: "the chain broke", the steps down there are lost
+            self._on_failed(0, grpc.StatusCode.UNAVAILABLE, f"next stage {self.address}: data link closed")
 
     def close(self, wait_s: float = 0.0) -> None:
         self._closed = True

@@ -23,6 +23,7 @@ import threading
 from concurrent import futures
 
 import grpc
+import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -33,6 +34,7 @@ from minipaged.tls import add_port
 from minipaged.v1 import worker_pb2 as pb
 from minipaged.v1 import worker_pb2_grpc as pb_grpc
 from worker.busy_clock import BusyClock
+from worker.first_stage import FirstStageLink
 from worker.next_stage import GRPC_OPTIONS, NextStage, insecure_channel
 from worker.step_execution import StepExecution
 from worker.step_rpcs import StepRpcs
@@ -69,6 +71,8 @@ class WorkerServicer(StepExecution, StepRpcs, pb_grpc.WorkerServiceServicer):
         self.limits: StepLimits | None = None
         self.store = SequenceStore()  # remembered tables and sampled tokens, per cache epoch
         self.next_stage = NextStage(rpc_timeout_s)
+        self.first_stage = FirstStageLink()   # the last stage of a pipeline: tokens back to stage 0
+        self.awaiting: dict[int, np.ndarray] = {}   # stage 0: step id -> sequences whose tokens it awaits
         # how to reach the next stage: plain by default, TLS when the worker was given a CA
         self.channel_factory = insecure_channel
         self.streams: set = set()     # live StepStreams (InitCache ends them: their epoch is over)
@@ -130,6 +134,9 @@ class WorkerServicer(StepExecution, StepRpcs, pb_grpc.WorkerServiceServicer):
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"allocating {nb} blocks of {bs}: {e}")
             self.next_stage.connect(request.next_stage_address, request.next_stage_token, request.cache_epoch,
                                     request.next_stage_data_address, self.channel_factory)
+            self.first_stage.connect(request.first_stage_address, request.next_stage_token, self.channel_factory,
+                                     GRPC_OPTIONS)
+            self.awaiting.clear()
             self.num_blocks, self.block_size = nb, bs
             self.limits = StepLimits(self.cfg.vocab_size, self.cfg.hidden_size, self.cfg.max_position_embeddings,
                                      nb, bs, self.runner.is_first)
@@ -142,6 +149,7 @@ class WorkerServicer(StepExecution, StepRpcs, pb_grpc.WorkerServiceServicer):
         for stream in list(self.streams):
             stream.cancel()
         self.next_stage.close()
+        self.first_stage.close()
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):

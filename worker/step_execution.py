@@ -99,15 +99,14 @@ class StepExecution:
         sampled = a.seq_ids[a.do_sample] if a.seq_ids.size else a.seq_ids
         self.steps_served += 1
         if self.runner.is_last:
-            out.timings.extend(request.upstream_timings)   # empty unless the reply goes direct
+            out.timings.extend(request.upstream_timings)   # the stages before this one
             out.timings.append(timing)
             out.cache_epoch = self.epoch
             if self.runner.is_first and sampled.size and out.sampled_token_ids:
                 self.store.record_sampled(sampled, wire.unpack(out.sampled_token_ids), forwarded=False)
             return StepOutcome(out, None, timing, sampled, ready_at)
         out.cache_epoch = self.next_stage.pin_epoch()
-        if request.reply_direct:
-            out.upstream_timings.append(timing)
+        out.upstream_timings.append(timing)
         return StepOutcome(None, out, timing, sampled, ready_at, payload)
 
     def _compute(self, request, a):

@@ -1,14 +1,17 @@
-"""The three RPCs that carry Steps; each runs the one step function (`_process`,
+"""The RPCs that carry Steps and what they produce; each step runs the one step function (`_process`,
 worker/step_execution.py):
 - `StepStream` (the metadata service's path): Steps arrive in order on one stream, several in
   flight. A StepPipe (worker/step_stream.py) runs them one after another (so micro-batches keep their
   order on every stage, which is what makes freeing and reusing blocks between micro-batches safe)
-  and hands each to the next stage without waiting for it; replies come back in order. Errors are
-  in-band (StepReply.error_code) so one bad step does not end the stream.
-- `StepResults`: the last stage's replies to reply_direct steps, straight to the caller.
+  and hands each to the next stage without waiting for it. What comes back on it is errors, in-band
+  (StepReply.error_code), so one bad step does not end the stream.
+- `StepResults`: the last stage's replies to the StepStream's steps, straight to the metadata
+  service (the one way back, whatever the chain's length).
+- `SampledTokenStream`: stage 0's end of the last stage's tokens (worker/first_stage.py), for the
+  -1 inputs of the steps sent after first_gets_tokens steps.
 - `Step` (unary, for tools and tests): one step, forwarded with a unary call.
 
-A mixin of WorkerServicer (worker/server.py): it reads `runner`, `epoch`, `store`, `next_stage`,
+A mixin of WorkerServicer (worker/server.py): it reads `runner`, `epoch`, `store`, `next_stage`, `awaiting`,
 `streams` and `results`."""
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import queue
 import threading
 
 import grpc
+import numpy as np
 
 from minipaged import wire
 from minipaged.v1 import worker_pb2 as pb
@@ -35,7 +39,7 @@ class StepRpcs:
             return o.reply
         first = self.runner.is_first and o.sampled_ids.size > 0
         if first:
-            self.store.note_forwarded(o.sampled_ids)
+            self.store.note_forwarded(o.sampled_ids)   # a unary chain relays the tokens back through us
         if o.hidden is not None:  # unary steps always carry the bytes inside the message
             o.forward.hidden_states = payload_bytes(o.hidden)
         try:
@@ -46,10 +50,10 @@ class StepRpcs:
             context.abort(upstream_code(e.code()), f"next stage {self.next_stage.address}: {e.details()}")
         if first:
             self.store.record_sampled(o.sampled_ids, wire.unpack(down.sampled_token_ids), forwarded=True)
-        return relayed(down, o.timing, request.step_id, self.epoch)
+        return relayed(down, request.step_id, self.epoch)
 
     def StepResults(self, request, context):
-        """The last stage's replies to reply_direct steps of this epoch, in order."""
+        """The last stage's replies to the steps of this epoch, in order."""
         if not self.runner.is_last or self.epoch == 0 or request.cache_epoch != self.epoch:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"StepResults needs the last stage at the chain's epoch (this stage serves "
@@ -67,6 +71,29 @@ class StepRpcs:
             reply, ready_at = item
             wait_until(ready_at)
             yield reply
+
+    def SampledTokenStream(self, request_iterator, context):
+        for t in request_iterator:
+            if t.cache_epoch == self.epoch and t.token_ids:
+                self.tokens_arrived(t.step_id, wire.unpack(t.token_ids))
+        return pb.SampledTokensReply()
+
+    def await_tokens(self, step_id: int, sampled_ids: np.ndarray) -> None:
+        """Stage 0 forwarded a first_gets_tokens step: a later -1 input of these sequences waits."""
+        self.awaiting[step_id] = sampled_ids
+        self.store.note_forwarded(sampled_ids)
+
+    def tokens_arrived(self, step_id: int, tokens: np.ndarray | None) -> None:
+        """A step's tokens (from the last stage), or None: it failed, none is coming (step id 0:
+        the chain broke, for every step awaited)."""
+        if step_id == 0 and tokens is None:
+            steps = list(self.awaiting)
+        else:
+            steps = [step_id] if step_id in self.awaiting else []
+        for sid in steps:
+            ids = self.awaiting.pop(sid, None)
+            if ids is not None and (tokens is None or tokens.size == ids.size):
+                self.store.record_sampled(ids, tokens, forwarded=True)
 
     def StepStream(self, request_iterator, context):
         stream = StepPipe(self)

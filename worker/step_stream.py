@@ -1,8 +1,11 @@
 """The ordered step pipe behind StepStream (and the TCP data link): a stage runs the steps of one
-stream one after another, hands each forward without waiting for it, and keeps the replies in
-order. A pump thread runs the steps; `out` holds (reply, ready_at) pairs for whoever answers the
-caller; a link to the next stage (gRPC stream, or the TCP data link when both stages offer it)
-carries the steps on and relays what comes back."""
+stream one after another and hands each forward without waiting for it. The last stage's replies go
+to its StepResults subscriber (the metadata service); `out` holds what goes back up this stream,
+which is errors only (this stage's, or relayed from further down), as (reply, ready_at) pairs.
+
+Stage 0 of a pipeline that sends first_gets_tokens steps waits for their tokens, which the last
+stage sends it (worker/first_stage.py); an error for such a step coming back up through stage 0
+says no token is coming, so a later -1 input fails at once instead of waiting."""
 from __future__ import annotations
 
 import logging
@@ -12,7 +15,6 @@ import time
 
 import grpc
 
-from minipaged import wire
 from minipaged.v1 import worker_pb2 as pb
 
 log = logging.getLogger("worker.step_stream")
@@ -38,13 +40,11 @@ def upstream_code(code: grpc.StatusCode) -> grpc.StatusCode:
                                                    grpc.StatusCode.CANCELLED) else code
 
 
-def relayed(down: pb.StepReply, timing: pb.StageTiming, step_id: int, epoch: int) -> pb.StepReply:
-    # every field of the reply (sampled tokens, logprobs, prompt logprobs, ...) travels up as it came
+def relayed(down: pb.StepReply, step_id: int, epoch: int) -> pb.StepReply:
+    """The next stage's reply as this stage's (unary Step): every field travels up as it came."""
     out = pb.StepReply()
     out.CopyFrom(down)
     out.step_id, out.cache_epoch = step_id, epoch
-    del out.timings[:]
-    out.timings.extend([timing, *down.timings])
     return out
 
 
@@ -59,7 +59,6 @@ class StepPipe:
         self.s = servicer
         self.out: queue.SimpleQueue = queue.SimpleQueue()
         self.link = None
-        self.sent: dict[int, tuple[pb.StageTiming, list[int]]] = {}   # forwarded step -> (timing, sampled)
         self.cancelled = threading.Event()
 
     def pump(self, requests) -> None:
@@ -77,7 +76,7 @@ class StepPipe:
             log.exception("step stream failed")
         finally:
             if self.link is not None:
-                self.link.close(wait_s=self.s.rpc_timeout_s)  # relay what is still down the chain
+                self.link.close(wait_s=self.s.rpc_timeout_s)  # relay the errors still down the chain
             self.out.put(None)
 
     def _one(self, request, hidden=None) -> None:
@@ -87,17 +86,16 @@ class StepPipe:
         except StepError as e:
             self.out.put((error_reply(request.step_id, e.code, e.message, s.epoch), 0.0))
             return
-        if o.reply is not None:
-            if request.reply_direct and not s.runner.is_first:
-                results = s.results
-                if results is not None:
-                    results.put((o.reply, o.ready_at))
-                else:
-                    self.out.put((error_reply(request.step_id, grpc.StatusCode.FAILED_PRECONDITION,
-                                              "the last stage has no StepResults subscriber for this epoch",
-                                              s.epoch), 0.0))
-                return
-            self.out.put((o.reply, o.ready_at))
+        if o.reply is not None:          # the last stage: straight to the metadata service
+            if request.first_gets_tokens and o.sampled_ids.size:
+                s.first_stage.send(request.step_id, s.epoch, o.sampled_ids.tobytes(), o.reply.sampled_token_ids,
+                                   o.ready_at)
+            if s.results is not None:
+                s.results.put((o.reply, o.ready_at))
+            else:
+                self.out.put((error_reply(request.step_id, grpc.StatusCode.FAILED_PRECONDITION,
+                                          "the last stage has no StepResults subscriber for this epoch",
+                                          s.epoch), 0.0))
             return
         if self.link is None:
             try:
@@ -105,28 +103,20 @@ class StepPipe:
             except StepError as e:
                 self.out.put((error_reply(request.step_id, e.code, e.message, s.epoch), 0.0))
                 return
-        first = s.runner.is_first and o.sampled_ids.size > 0
-        self.sent[request.step_id] = (o.timing, o.sampled_ids if first else None)
-        if first:
-            s.store.note_forwarded(o.sampled_ids)
-        self.link.send(o.forward, o.ready_at, track=not request.reply_direct, hidden=o.hidden)
+        if request.first_gets_tokens and s.runner.is_first and o.sampled_ids.size:
+            s.await_tokens(request.step_id, o.sampled_ids)
+        self.link.send(o.forward, o.ready_at, hidden=o.hidden)
 
     def _relay(self, down: pb.StepReply) -> None:
-        timing, sampled = self.sent.pop(down.step_id, (pb.StageTiming(), None))
-        if sampled is not None:
-            toks = wire.unpack(down.sampled_token_ids) if not down.error_code else None
-            self.s.store.record_sampled(sampled, toks, forwarded=True)
-        self.out.put((relayed(down, timing, down.step_id, self.s.epoch), 0.0))
+        """An error from further down the chain: no token of that step is coming; up it goes."""
+        self.s.tokens_arrived(down.step_id, None)
+        self.out.put((relayed(down, down.step_id, self.s.epoch), 0.0))
 
     def _failed(self, step_id: int, code: grpc.StatusCode, message: str) -> None:
-        _, sampled = self.sent.pop(step_id, (None, []))
-        if sampled:
-            self.s.store.record_sampled(sampled, None, forwarded=True)
+        self.s.tokens_arrived(step_id, None)      # 0: the chain broke, none is coming
         self.out.put((error_reply(step_id, code, message, self.s.epoch), 0.0))
 
     def cancel(self) -> None:
         self.cancelled.set()
         if self.link is not None:
             self.link.cancel()
-
-

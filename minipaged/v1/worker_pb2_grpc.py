@@ -59,6 +59,11 @@ class WorkerServiceStub:
                 request_serializer=minipaged_dot_v1_dot_worker__pb2.StepResultsRequest.SerializeToString,
                 response_deserializer=minipaged_dot_v1_dot_worker__pb2.StepReply.FromString,
                 _registered_method=True)
+        self.SampledTokenStream = channel.stream_unary(
+                '/minipaged.v1.WorkerService/SampledTokenStream',
+                request_serializer=minipaged_dot_v1_dot_worker__pb2.SampledTokens.SerializeToString,
+                response_deserializer=minipaged_dot_v1_dot_worker__pb2.SampledTokensReply.FromString,
+                _registered_method=True)
         self.Health = channel.unary_unary(
                 '/minipaged.v1.WorkerService/Health',
                 request_serializer=minipaged_dot_v1_dot_worker__pb2.WorkerHealthRequest.SerializeToString,
@@ -97,8 +102,14 @@ class WorkerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def StepResults(self, request, context):
-        """The last stage's replies to steps sent with reply_direct, in order (one subscriber per epoch).
+        """The last stage's replies to the steps of its epoch, in order (one subscriber per epoch).
         """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SampledTokenStream(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -136,6 +147,11 @@ def add_WorkerServiceServicer_to_server(servicer, server):
                     servicer.StepResults,
                     request_deserializer=minipaged_dot_v1_dot_worker__pb2.StepResultsRequest.FromString,
                     response_serializer=minipaged_dot_v1_dot_worker__pb2.StepReply.SerializeToString,
+            ),
+            'SampledTokenStream': grpc.stream_unary_rpc_method_handler(
+                    servicer.SampledTokenStream,
+                    request_deserializer=minipaged_dot_v1_dot_worker__pb2.SampledTokens.FromString,
+                    response_serializer=minipaged_dot_v1_dot_worker__pb2.SampledTokensReply.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
@@ -278,6 +294,33 @@ class WorkerService:
             '/minipaged.v1.WorkerService/StepResults',
             minipaged_dot_v1_dot_worker__pb2.StepResultsRequest.SerializeToString,
             minipaged_dot_v1_dot_worker__pb2.StepReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SampledTokenStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/minipaged.v1.WorkerService/SampledTokenStream',
+            minipaged_dot_v1_dot_worker__pb2.SampledTokens.SerializeToString,
+            minipaged_dot_v1_dot_worker__pb2.SampledTokensReply.FromString,
             options,
             channel_credentials,
             insecure,

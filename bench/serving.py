@@ -8,8 +8,10 @@ polls on a whole core). Ours: LocalCluster(http=True) (metadata service + worker
 with LocalCluster's default thread count and with cores - 1; vLLM: its OpenAI api_server from its
 own venv (--vllm-python; started once, its start-up not timed), computing on the cores we use
 (--vllm-cores, VLLM_CPU_OMP_THREADS_BIND: "0-1" on this 2-core machine; "" for its default, which
-keeps a core for its engine). The table gives completion tok/s (usage.completion_tokens over the
-wall time of the whole batch of requests) and the ratio.
+keeps a core for its engine). Every round sends new prompts (the same to both servers): vLLM's server
+keeps its prefix cache between rounds. The table gives completion tok/s (usage.completion_tokens over
+the wall time of the whole batch of requests), the ratio, and our processes' CPU microseconds per
+completion token (from /proc: the metadata service, the worker, the gateway).
 
     .venv/bin/python bench/serving.py --vllm-python /work/vllm-venv/bin/python [--repeat 2] [--vllm-cores 0-1]
 """
@@ -34,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from client import LocalCluster  # noqa: E402
 from client.cluster import free_port  # noqa: E402
 from e2e import hf_model, save_checkpoint, workload  # noqa: E402
+from scale import proc_cpu_s  # noqa: E402
 from worker.model_runner import cpu_compute_threads  # noqa: E402
 
 
@@ -84,7 +87,6 @@ def main():
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
     args = ap.parse_args()
-    prompts = workload(args.prompts)
     warm = workload(4, seed=1)
     workdir = tempfile.mkdtemp(prefix="minipaged-serving-")
     ckpt = save_checkpoint(hf_model(), os.path.join(workdir, "tiny-qwen3"))
@@ -108,7 +110,10 @@ def main():
             wait_http(f"{vllm_url}/health", vllm)
             load(vllm_url, "tiny", warm, 4)
             signal_group(vllm, signal.SIGSTOP)
-        for _ in range(args.repeat):
+        for rep in range(args.repeat):
+            # new prompts every round (both servers get the same ones): vLLM's server keeps its prefix
+            # cache between rounds, and a repeated batch would skip most of its prefill
+            prompts = workload(args.prompts, seed=10 + rep)
             for label, threads in (("minipaged gateway, 1 worker", None),
                                    (f"minipaged gateway, 1 worker, {cpu_compute_threads()} thread(s)",
                                     cpu_compute_threads())):
@@ -116,7 +121,10 @@ def main():
                 with LocalCluster(model=ckpt, workers=1, dtype="float32", http=True, **kw) as c:
                     model = json.loads(urllib.request.urlopen(f"{c.http_url}/v1/models").read())["data"][0]["id"]
                     load(c.http_url, model, warm, 4)
-                    runs.setdefault(label, []).append(load(c.http_url, model, prompts, args.new_tokens))
+                    cpu0 = [proc_cpu_s(p.pid) for p in c.processes]
+                    r = load(c.http_url, model, prompts, args.new_tokens)
+                    r["cpu_us"] = [1e6 * (proc_cpu_s(p.pid) - x) / r["tokens"] for p, x in zip(c.processes, cpu0)]
+                    runs.setdefault(label, []).append(r)
             if vllm is not None:
                 signal_group(vllm, signal.SIGCONT)
                 time.sleep(1.0)
@@ -139,12 +147,13 @@ def main():
     ref = next((mean[k] for k in mean if k.startswith("vLLM")), None)
     print(f"\n{args.prompts} concurrent /v1/completions requests, token-id prompts of 16-512, {args.new_tokens} "
           f"new tokens each, greedy, ignore_eos; load average {os.getloadavg()[0]:.1f} at the end\n")
-    print("| server | completion tok/s (mean) | each run | x vLLM server |")
-    print("|---|---|---|---|")
+    print("| server | completion tok/s (mean) | each run | x vLLM server | CPU us/token: service, worker, gateway |")
+    print("|---|---|---|---|---|")
     for k in runs:
         each = ", ".join(f"{x:.0f}" for x in tps[k])
-        print(f"| {k} | {mean[k]:.0f} | {each} | {mean[k] / ref:.2f} |" if ref else
-              f"| {k} | {mean[k]:.0f} | {each} | - |")
+        cpu = [r["cpu_us"] for r in runs[k] if "cpu_us" in r]
+        per = ", ".join(f"{sum(c[i] for c in cpu) / len(cpu):.0f}" for i in range(len(cpu[0]))) if cpu else "-"
+        print(f"| {k} | {mean[k]:.0f} | {each} | {f'{mean[k] / ref:.2f}' if ref else '-'} | {per} |")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import itertools
 import os
 import socket
 import sqlite3
@@ -125,8 +126,8 @@ class JobStore:
             if ops:
                 with self._lock:
                     self._db.execute("BEGIN")
-                    for sql, args in ops:
-                        self._db.execute(sql, args)
+                    for sql, group in itertools.groupby(ops, key=lambda op: op[0]):   # runs of one statement
+                        self._db.executemany(sql, [args for _, args in group])
                     self._db.execute("COMMIT")
 
     def _write(self, sql: str, args: tuple):

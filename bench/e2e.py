@@ -38,17 +38,15 @@ Installing the vLLM anchor (a separate venv, outside the repo; see README "Bench
 from __future__ import annotations
 
 import argparse
-import atexit
-import json
 import os
 import random
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -59,6 +57,11 @@ from client import LocalCluster  # noqa: E402
 from minipaged.config import TINY_CONFIG, load_model_config  # noqa: E402
 from worker.model_runner import cpu_compute_threads  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+# split out so that this file stays a readable size; re-exported (bench/beam.py imports VllmAnchor from here)
+from e2e_report import identical, print_report, print_table, tps  # noqa: E402,F401
+from hf_anchors import run_hf_generate_batch, run_hf_padded, run_hf_per_prompt, run_hf_rows  # noqa: E402,F401
+from vllm_anchor import VllmAnchor  # noqa: E402
 
 
 # name -> (prompts, shortest, longest prompt, new tokens): the tiny rows of issues 4/12, and the
@@ -135,168 +138,26 @@ def run_system(model_path, prompts, new_tokens, kv_bytes=None, **cluster):
                     util=sum(util) / len(util) if util else float("nan"), meta_ms=meta_ms)
 
 
-# ------------------------------------------------------------------------------ vLLM anchor
+# ------------------------------------------------------------------------------ the run
 
-class VllmAnchor:
-    """bench/vllm_offline.py in vLLM's venv: started once, one `run` per repetition."""
-
-    def __init__(self, python: str, model_path: str, prompts, new_tokens: int, block_size: int, workdir: str,
-                 env_extra: dict | None = None, tag: str = "vllm"):
-        self.log_path, self.workdir = os.path.join(workdir, f"{tag}.log"), workdir
-        prompts_file = self.prompts_file(prompts)
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OMP_NUM_THREADS")}
-        env.update(env_extra or {})
-        t0 = time.perf_counter()
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(
-            [python, os.path.join(ROOT, "bench", "vllm_offline.py"), model_path, prompts_file,
-             str(new_tokens), str(block_size)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, cwd=workdir, env=env,
-            start_new_session=True)   # its own process group: paused, resumed and killed as one
-        atexit.register(self.kill)
-        ready = self._read()
-        self.startup_s, self.version = time.perf_counter() - t0, ready["version"]  # incl. its warm-up
-
-    def prompts_file(self, prompts) -> str:
-        path = os.path.join(self.workdir, f"prompts-{abs(hash(json.dumps(prompts)))}.json")
-        with open(path, "w") as f:
-            json.dump(prompts, f)
-        return path
-
-    def _read(self) -> dict:
-        for line in self.proc.stdout:
-            if line.startswith("@@ "):
-                msg = json.loads(line[3:])
-                if "error" in msg:
-                    raise RuntimeError(f"vLLM runner: {msg['error']}")
-                return msg
-        raise RuntimeError(f"vLLM runner exited (code {self.proc.wait()}); its log: {self.log_path}\n"
-                           + open(self.log_path).read()[-3000:])
-
-    def _signal(self, sig) -> None:
-        try:
-            os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:
-            pass
-
-    def pause(self) -> None:
-        """Stop vLLM's processes while other rows run: its idle CPU worker polls its message queue
-        on a whole core (measured: 100% CPU between runs), which would take a core from them."""
-        self._signal(signal.SIGSTOP)
-
-    def kill(self) -> None:
-        """Every process of the runner's group (vLLM's engine and worker outlive a killed parent)."""
-        self._signal(signal.SIGCONT)
-        self._signal(signal.SIGKILL)
-
-    def run(self, prompts=None, new_tokens: int = 0) -> dict:
-        self._signal(signal.SIGCONT)
-        cmd = f"run {self.prompts_file(prompts)} {new_tokens}\n" if prompts is not None else "run\n"
-        self.proc.stdin.write(cmd)
-        self.proc.stdin.flush()
-        r = self._read()
-        return dict(wall=r["wall"], tokens=r["tokens"], util=float("nan"), meta_ms=None,
-                    startup=self.startup_s, rss=r.get("rss", {}))
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write("quit\n")
-                self.proc.stdin.flush()
-                self.proc.wait(timeout=60)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
-        self.kill()
-        self.log.close()
+@dataclass
+class Plan:
+    """What one invocation runs, fixed before anything is timed: the checkpoint, the workloads, our
+    rows and the vLLM anchors (so the functions below share it instead of a dozen arguments)."""
+    tiny: bool
+    model: object            # the HF model (tiny only: the HF rows), else None
+    ckpt: str                # the checkpoint directory every system loads
+    loads: dict              # workload name -> (prompts, new tokens)
+    ours: dict               # our row name -> LocalCluster arguments
+    anchors: list            # [(vLLM row name, extra environment)], equal cores first
+    repeat: int
+    kv_gib: float
+    kv_bytes: int
+    workdir: str
 
 
-# ------------------------------------------------------------------------------ HF anchors
-
-def run_hf_per_prompt(model, prompts, new_tokens):
-    t0 = time.perf_counter()
-    tokens = []
-    with torch.inference_mode():
-        for p in prompts:
-            out = model.generate(torch.tensor([p]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                 do_sample=False, pad_token_id=0)
-            tokens.append(out[0, len(p):].tolist())
-    return dict(wall=time.perf_counter() - t0, tokens=tokens, util=1.0, meta_ms=None)
-
-
-def run_hf_padded(model, prompts, new_tokens):
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):  # left padding, as decoder-only generation wants
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             do_sample=False, pad_token_id=0)
-    wall = time.perf_counter() - t0
-    used = sum(len(p) + new_tokens for p in prompts)
-    return dict(wall=wall, tokens=out[:, width:].tolist(), util=used / (len(prompts) * (width + new_tokens)),
-                meta_ms=None)
-
-
-def run_hf_generate_batch(model, prompts, new_tokens):
-    from transformers import GenerationConfig
-    cfg = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                           eos_token_id=None, pad_token_id=0)
-    t0 = time.perf_counter()
-    out = model.generate_batch(inputs=prompts, generation_config=cfg)  # it manages no_grad itself
-    wall = time.perf_counter() - t0
-    ordered = [out[k].generated_tokens for k in sorted(out, key=lambda k: int(str(k).rsplit("_", 1)[-1]))] \
-        if all(str(k).rsplit("_", 1)[-1].isdigit() for k in out) else None
-    return dict(wall=wall, tokens=ordered, n_tokens=sum(len(o.generated_tokens) for o in out.values()),
-                util=float("nan"), meta_ms=None)
-
-
-# ------------------------------------------------------------------------------ table
-
-def identical(a, b) -> str:
-    if a is None or b is None:
-        return "-"
-    return f"{sum(x == y for x, y in zip(a, b))}/{len(b)}"
-
-
-def tps(r):
-    n = r.get("n_tokens") or sum(len(t) for t in r["tokens"])
-    return n / r["wall"]
-
-
-def print_table(title, runs, ref_key, alt_key):
-    """One workload's rows: tok/s, ratios to the equal-cores vLLM row (ref) and its default (alt)."""
-    mean = {k: sum(tps(r) for r in v) / len(v) for k, v in runs.items()}
-    ref, alt = mean.get(ref_key), mean.get(alt_key)
-    ref_tokens = runs[ref_key][-1]["tokens"] if ref_key in runs else None
-    hf_tokens = runs["HF generate, per prompt"][0]["tokens"] if "HF generate, per prompt" in runs else None
-    print(f"\n### {title}\n")
-    print("| system | tok/s (mean) | each run | x vLLM equal cores | x vLLM default | same tokens as vLLM "
-          "(equal cores) | same as HF greedy | start-up to ready s | peak RSS MB per process | KV util |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for k, v in runs.items():
-        each = ", ".join(f"{tps(r):.1f}" for r in v)
-        rv = f"{mean[k] / ref:.2f}" if ref else "-"
-        ra = f"{mean[k] / alt:.2f}" if alt else "-"
-        same_v = ", ".join(identical(r["tokens"], ref_tokens) for r in v) if ref_tokens else "-"
-        same_hf = ", ".join(identical(r["tokens"], hf_tokens) for r in v)
-        ups = [r["startup"] for r in v if r.get("startup") is not None]
-        up = f"{sum(ups) / len(ups):.1f}" if ups else "-"
-        rss: dict = {}
-        for r in v:  # the largest peak seen per process name (pids stripped)
-            for name, mb in r.get("rss", {}).items():
-                key = name.split(" ", 1)[-1]
-                rss[key] = max(rss.get(key, 0.0), mb)
-        rss_s = ", ".join(f"{n} {mb:.0f}" for n, mb in rss.items()) or "-"
-        util = sum(r["util"] for r in v) / len(v)
-        print(f"| {k} | {mean[k]:.1f} | {each} | {rv} | {ra} | {same_v} | {same_hf} | {up} | {rss_s} | {util:.3f} |")
-
-
-def main():
-    from shapes import SHAPES, ensure_checkpoint
+def parse_args():
+    from shapes import SHAPES
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="tiny", help=f"tiny, a checkpoint directory, or {', '.join(SHAPES)}")
     ap.add_argument("--workloads", default="", help=f"comma list of {', '.join(WORKLOADS)} "
@@ -318,16 +179,20 @@ def main():
     ap.add_argument("--skip-two-workers", action="store_true", help="no 2-stage / 2-replica rows")
     ap.add_argument("--skip-hf", action="store_true", help="no transformers rows at all")
     ap.add_argument("--skip-hf-per-prompt", action="store_true")
-    args = ap.parse_args()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that atexit stops vLLM's processes too
-    torch.manual_seed(0)
-    workdir = tempfile.mkdtemp(prefix="minipaged-e2e-")
-    tiny = args.model == "tiny"
-    if tiny:
+    return ap.parse_args()
+
+
+def checkpoint(args, workdir: str):
+    """(HF model or None, checkpoint directory): tiny is saved here, a shape comes from shapes.py's cache."""
+    from shapes import SHAPES, ensure_checkpoint
+    if args.model == "tiny":
         model = hf_model()
-        ckpt = save_checkpoint(model, os.path.join(workdir, "tiny-qwen3"))
-    else:
-        model, ckpt = None, ensure_checkpoint(args.model) if args.model in SHAPES else args.model
+        return model, save_checkpoint(model, os.path.join(workdir, "tiny-qwen3"))
+    return None, ensure_checkpoint(args.model) if args.model in SHAPES else args.model
+
+
+def build_loads(args, tiny: bool, ckpt: str) -> dict:
+    """Workload name -> (prompts, new tokens); the tiny workload keeps ids below 256 at any shape."""
     vocab = 256 if tiny else load_model_config(ckpt).vocab_size
     names = [w for w in (args.workloads or ("tiny" if tiny else "prefill,decode")).split(",") if w]
     loads = {}
@@ -335,83 +200,99 @@ def main():
         n, lo, hi, new = WORKLOADS[w]
         n, new = (2, 2) if args.quick else (args.prompts or n, args.new_tokens or new)
         loads[w] = (workload(n, 0, lo, hi, vocab if w != "tiny" else 256), new)
-    repeat = 1 if args.quick else args.repeat
-    kv_gib = args.kv_gib or (1.0 if tiny else 2.0)
-    kv_bytes = int(kv_gib * 2 ** 30)
+    return loads
+
+
+def our_rows(args, tiny: bool) -> dict:
+    """Our row name -> LocalCluster arguments (the tiny model adds thread-count and two-worker rows)."""
     thr = dict(threads=args.threads) if args.threads else {}
     ours = {"minipaged, 1 worker": dict(workers=1, **thr)}
     if tiny:
         ours[f"minipaged, 1 worker, {cpu_compute_threads()} thread(s)"] = dict(workers=1, threads=cpu_compute_threads())
         if not args.skip_two_workers:
             ours.update({"minipaged, 2 stages": dict(workers=2), "minipaged, 2 replicas": dict(workers=1, replicas=2)})
+    return ours
+
+
+def anchor_rows(args) -> list:
+    """The vLLM rows to run, each with its own process (its thread binding is fixed at start)."""
     anchors = []
     if args.vllm_python:  # equal cores first: it is the row the goals compare with
         anchors.append((f"vLLM-CPU, {args.vllm_cores} (equal cores)", {"VLLM_CPU_OMP_THREADS_BIND": args.vllm_cores}))
         if not args.skip_vllm_default:
             anchors.append(("vLLM-CPU, its default threads", {}))
-    runs: dict[str, dict[str, list[dict]]] = {w: {} for w in loads}
-    version = ""
+    return anchors
 
-    def report(final: bool):
-        ref_key = next((f"{a} {version}" for a, _ in anchors if "equal" in a), None)
-        alt_key = next((f"{a} {version}" for a, _ in anchors if "default" in a), None)
-        print(f"\n{'' if final else '(partial, so far) '}model {args.model} ({ckpt}), float32 compute, greedy, "
-              f"ignore_eos; {os.cpu_count()} CPUs; K/V space {kv_gib:g} GiB for us and vLLM; load average "
-              f"{os.getloadavg()[0]:.1f} now; start-up: ours = processes spawned to cluster ready (weights "
-              f"loaded), vLLM = LLM() + its warm-up", flush=True)
-        for w, (prompts, new) in loads.items():
-            lens = [len(p) for p in prompts]
-            print_table(f"{w}: {len(prompts)} prompts of {min(lens)}-{max(lens)} ids ({sum(lens)} in all), "
-                        f"{new} new tokens each", runs[w], ref_key, alt_key)
-        sys.stdout.flush()
 
-    def note(w, name, r):  # each run as it ends: a long run that is cut short still says something
-        runs[w].setdefault(name, []).append(r)
-        print(f"[{time.strftime('%H:%M:%S')}] {w}: {name}: {tps(r):.2f} tok/s, start-up "
-              f"{r.get('startup') or 0:.0f} s, load average {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
+def make_plan(args) -> Plan:
+    """Everything the run needs before the first timed row: checkpoint on disk, prompts drawn."""
+    workdir = tempfile.mkdtemp(prefix="minipaged-e2e-")
+    tiny = args.model == "tiny"
+    model, ckpt = checkpoint(args, workdir)
+    loads = build_loads(args, tiny, ckpt)
+    kv_gib = args.kv_gib or (1.0 if tiny else 2.0)
+    return Plan(tiny=tiny, model=model, ckpt=ckpt, loads=loads, ours=our_rows(args, tiny),
+                anchors=anchor_rows(args), repeat=1 if args.quick else args.repeat, kv_gib=kv_gib,
+                kv_bytes=int(kv_gib * 2 ** 30), workdir=workdir)
 
-    if args.ours_first:  # no vLLM process alive while ours run: the memory of only one system at a time
-        for w, (prompts, new) in loads.items():
-            for _ in range(repeat):
-                for name, cluster in ours.items():
-                    note(w, name, run_system(ckpt, prompts, new, kv_bytes=kv_bytes, **cluster))
-    for i, (aname, env) in enumerate(anchors or [(None, None)]):
-        anchor = None
-        try:
-            if aname:
-                first = next(iter(loads.values()))
-                anchor = VllmAnchor(args.vllm_python, ckpt, first[0], first[1], args.vllm_block_size, workdir,
-                                    {"VLLM_CPU_KVCACHE_SPACE": f"{kv_gib:g}", **env}, tag=f"vllm{i}")
-                version = anchor.version
-            for w, (prompts, new) in loads.items():
-                for _ in range(repeat):
-                    if i == 0 and not args.ours_first:  # ours alternate with the first (equal-cores) anchor's runs
-                        if anchor is not None:
-                            anchor.pause()
-                        for name, cluster in ours.items():
-                            note(w, name, run_system(ckpt, prompts, new, kv_bytes=kv_bytes, **cluster))
+
+def note(runs, w, name, r):
+    """Each run as it ends: a long run that is cut short still says something."""
+    runs[w].setdefault(name, []).append(r)
+    print(f"[{time.strftime('%H:%M:%S')}] {w}: {name}: {tps(r):.2f} tok/s, start-up "
+          f"{r.get('startup') or 0:.0f} s, load average {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
+
+
+def run_our_rows(plan: Plan, runs, w, prompts, new) -> None:
+    """One repetition of each of our rows on workload w, each on a fresh cluster (a cold prefix cache)."""
+    for name, cluster in plan.ours.items():
+        note(runs, w, name, run_system(plan.ckpt, prompts, new, kv_bytes=plan.kv_bytes, **cluster))
+
+
+def run_with_anchor(args, plan: Plan, runs, i: int, aname, env) -> str:
+    """Every workload's repetitions with the i-th vLLM anchor (none: `aname` is None), ours among
+    them on the first; returns vLLM's version ("" without an anchor)."""
+    anchor, version = None, ""
+    try:
+        if aname:
+            first = next(iter(plan.loads.values()))
+            anchor = VllmAnchor(args.vllm_python, plan.ckpt, first[0], first[1], args.vllm_block_size, plan.workdir,
+                                {"VLLM_CPU_KVCACHE_SPACE": f"{plan.kv_gib:g}", **env}, tag=f"vllm{i}")
+            version = anchor.version
+        for w, (prompts, new) in plan.loads.items():
+            for _ in range(plan.repeat):
+                if i == 0 and not args.ours_first:  # ours alternate with the first (equal-cores) anchor's runs
                     if anchor is not None:
-                        note(w, f"{aname} {version}", anchor.run(prompts, new))
-        finally:
-            if anchor is not None:
-                anchor.close()
-        if i < len(anchors) - 1:
-            report(final=False)
-    if tiny and not args.skip_hf and "tiny" in loads:
-        # HF on one core fewer than the machine has, as vLLM's compute (and ours with the
-        # recommended setting): the other serves the host side
-        torch.set_num_threads(cpu_compute_threads())
-        prompts, new = loads["tiny"]
-        if not args.skip_hf_per_prompt:
-            runs["tiny"]["HF generate, per prompt"] = [run_hf_per_prompt(model, prompts, new)]
-        runs["tiny"]["HF generate, padded batch"] = [run_hf_padded(model, prompts, new)]
-        try:
-            runs["tiny"]["HF generate_batch (paged)"] = [run_hf_generate_batch(model, prompts, new)]
-        except Exception as e:  # report, don't hide: the table says it failed
-            print(f"generate_batch failed: {type(e).__name__}: {e}", file=sys.stderr)
-    shutil.rmtree(workdir, ignore_errors=True)
+                        anchor.pause()
+                    run_our_rows(plan, runs, w, prompts, new)
+                if anchor is not None:
+                    note(runs, w, f"{aname} {version}", anchor.run(prompts, new))
+    finally:
+        if anchor is not None:
+            anchor.close()
+    return version
 
-    report(final=True)
+
+def main():
+    args = parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that atexit stops vLLM's processes too
+    torch.manual_seed(0)
+    plan = make_plan(args)
+    runs: dict[str, dict[str, list[dict]]] = {w: {} for w in plan.loads}
+    version = ""
+    if args.ours_first:  # no vLLM process alive while ours run: the memory of only one system at a time
+        for w, (prompts, new) in plan.loads.items():
+            for _ in range(plan.repeat):
+                run_our_rows(plan, runs, w, prompts, new)
+    for i, (aname, env) in enumerate(plan.anchors or [(None, None)]):
+        version = run_with_anchor(args, plan, runs, i, aname, env)
+        if i < len(plan.anchors) - 1:
+            print_report(args, plan, runs, version, final=False)
+    if plan.tiny and not args.skip_hf and "tiny" in plan.loads:
+        run_hf_rows(args, plan, runs)
+    shutil.rmtree(plan.workdir, ignore_errors=True)
+
+    print_report(args, plan, runs, version, final=True)
     print("\nthe metadata service's per-step path on its own: bench/scale.py (wire section)")
 
 

@@ -24,9 +24,7 @@ the `forward, untimed` row of Part 1 is the same forward with no timer at all, f
 from __future__ import annotations
 
 import argparse
-import collections
 import os
-import re
 import sys
 import threading
 import time
@@ -38,79 +36,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+import step_timers  # noqa: E402
 from e2e import WORKLOADS, workload  # noqa: E402
+from profile_cluster import cluster_run, print_cluster  # noqa: E402
+from profile_tables import print_replay  # noqa: E402
 from shapes import SHAPES, resolve_model  # noqa: E402
-
-
-CLOCK = time.perf_counter   # --cpu-time: time.thread_time (this thread's CPU time)
-
-
-class Timers:
-    """Nested timers: `with timers("name"):` adds the block's time to `name` and takes it off the
-    enclosing timer's own time, so the rows of one step add up to the step."""
-
-    def __init__(self):
-        self.own = collections.Counter()     # name -> exclusive seconds
-        self.calls = collections.Counter()
-        self._stack: list[list] = []         # [name, start, seconds spent in children]
-
-    def __call__(self, name: str):
-        return _Span(self, name)
-
-    def push(self, name):
-        self._stack.append([name, CLOCK(), 0.0])
-
-    def pop(self):
-        name, start, children = self._stack.pop()
-        dt = CLOCK() - start
-        self.own[name] += dt - children
-        self.calls[name] += 1
-        if self._stack:
-            self._stack[-1][2] += dt
-
-    def snapshot(self):
-        return collections.Counter(self.own)
-
-
-class _Span:
-    def __init__(self, timers, name):
-        self.timers, self.name = timers, name
-
-    def __enter__(self):
-        self.timers.push(self.name)
-
-    def __exit__(self, *exc):
-        self.timers.pop()
-
-
-def instrument(stage: torch.nn.Module, backend, timers: Timers):
-    """Time every submodule (layer indices folded into `*`) and every attention-backend call.
-    Returns a function that takes the timers out again."""
-    handles = []
-    for name, module in stage.named_modules():
-        if not name:
-            continue
-        label = "fwd: " + re.sub(r"\.\d+\.", ".*.", name + ".").rstrip(".")
-        handles.append(module.register_forward_pre_hook(lambda m, a, label=label: timers.push(label)))
-        handles.append(module.register_forward_hook(lambda m, a, o: timers.pop()))
-    patched = []
-    for method in ("write_kv", "paged_decode", "paged_prefill"):
-        fn = getattr(backend, method, None)
-        if fn is None:
-            continue
-
-        def timed(*a, _fn=fn, _label=f"attn backend: {method}", **k):
-            with timers(_label):
-                return _fn(*a, **k)
-        setattr(backend, method, timed)
-        patched.append(method)
-
-    def undo():
-        for h in handles:
-            h.remove()
-        for method in patched:
-            delattr(backend, method)  # the instance attribute: the class's method shows again
-    return undo
+from step_timers import Timers, instrument  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------ part 1
@@ -149,14 +80,11 @@ def pool_blocks(runner, prompts, args) -> int:
     return max(need, 256 * 1024 * 1024 // runner.kv_bytes_per_block(bs))
 
 
-def replay(args, prompts):
-    """The whole workload through both planes' code in one process, one timer per phase."""
-    from metadata_service.sequence import SamplingParams, Sequence
-    from minipaged import wire
-    from minipaged.v1 import worker_pb2
+def replay_setup(args, prompts):
+    """The worker's ModelRunner with its K/V pool, the limits it validates against, and the service shell."""
     from worker.__main__ import keep_freed_memory
     from worker.model_runner import ModelRunner
-    from worker.validation import StepLimits, validate_step
+    from worker.validation import StepLimits
 
     keep_freed_memory()  # as the worker process does at start (re-faulting pages would dominate)
     runner = ModelRunner(args.model, 0, None, args.dtype, "cpu")
@@ -165,12 +93,22 @@ def replay(args, prompts):
     runner.init_cache(num_blocks, args.block_size)
     limits = StepLimits(cfg.vocab_size, cfg.hidden_size, cfg.max_position_embeddings, num_blocks,
                         args.block_size, True)
-    timers = Timers()
-    svc = service_shell(num_blocks, args.block_size)
+    return runner, limits, service_shell(num_blocks, args.block_size)
 
-    def add_all(ps, new_tokens):
-        for p in ps:
-            svc.scheduler.add(Sequence(list(p), SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)))
+
+def add_all(svc, ps, new_tokens):
+    """Queue the prompts as the e2e workload runs them: greedy, exactly new_tokens each (EOS ignored)."""
+    from metadata_service.sequence import SamplingParams, Sequence
+    for p in ps:
+        svc.scheduler.add(Sequence(list(p), SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)))
+
+
+def step_function(svc, runner, limits):
+    """One step through both planes in the wire's order, a timer per phase: `run_step(timers)`.
+    Its imports are done here, once, so that no step pays for them."""
+    from minipaged import wire
+    from minipaged.v1 import worker_pb2
+    from worker.validation import validate_step
 
     def run_step(t: Timers):
         with t("svc: schedule"):
@@ -199,12 +137,11 @@ def replay(args, prompts):
             svc.scheduler.step_done(b)
             svc._apply(b, reply)
         return batch.is_decode, batch.num_tokens
+    return run_step
 
-    # warm-up on other prompts (first-call allocations), as bench/e2e.py does
-    add_all(workload(4, seed=1), 4)
-    while svc.scheduler.has_work():
-        run_step(Timers())
-    # the forward's and the sampler's insides get their own timers from here on
+
+def time_insides(runner, timers: Timers):
+    """Timers on the forward's modules, attention backend, sampler and logits; returns their undo."""
     undo = instrument(runner.stage, runner.stage.backend, timers)
     import worker.sampler as sampler_mod
     real_sample = sampler_mod.sample
@@ -220,23 +157,45 @@ def replay(args, prompts):
             return real_logits(*a, **k)
     runner.stage.compute_logits = timed_logits
 
-    add_all(prompts, args.new_tokens)
+    def restore():
+        sampler_mod.sample = real_sample
+        runner.stage.compute_logits = real_logits
+        undo()
+    return restore
+
+
+def timed_steps(svc, run_step, timers: Timers):
+    """Every step until the scheduler runs dry: (is_decode, tokens, wall, timer deltas) each, and the total."""
     per_step = []
-    t_all = CLOCK()
+    t_all = step_timers.CLOCK()
     while svc.scheduler.has_work():
         before = timers.snapshot()
-        t0 = CLOCK()
+        t0 = step_timers.CLOCK()
         is_decode, ntok = run_step(timers)
-        wall = CLOCK() - t0
+        wall = step_timers.CLOCK() - t0
         per_step.append((is_decode, ntok, wall, timers.snapshot() - before))
-    total = CLOCK() - t_all
-    sampler_mod.sample = real_sample
-    runner.stage.compute_logits = real_logits
-    undo()
+    total = step_timers.CLOCK() - t_all
+    return per_step, total
+
+
+def replay(args, prompts):
+    """The whole workload through both planes' code in one process, one timer per phase."""
+    runner, limits, svc = replay_setup(args, prompts)
+    timers = Timers()
+    run_step = step_function(svc, runner, limits)
+    # warm-up on other prompts (first-call allocations), as bench/e2e.py does
+    add_all(svc, workload(4, seed=1), 4)
+    while svc.scheduler.has_work():
+        run_step(Timers())
+    # the forward's and the sampler's insides get their own timers from here on
+    restore = time_insides(runner, timers)
+    add_all(svc, prompts, args.new_tokens)
+    per_step, total = timed_steps(svc, run_step, timers)
+    restore()
 
     untimed = None
     if any(d for d, *_ in per_step):  # the same decode forward once more with no timer (reference)
-        untimed = untimed_decode_ms(runner, cfg, prompts, args)
+        untimed = untimed_decode_ms(runner, runner.config, prompts, args)
     torch_table = torch_profile(runner, prompts, args) if args.torch_profile else None
     return dict(per_step=per_step, total=total, untimed=untimed, torch_table=torch_table,
                 tokens=args.new_tokens * len(prompts))
@@ -278,10 +237,10 @@ def untimed_decode_ms(runner, cfg, prompts, args, reps=15):
     times = []
     for r in range(reps + 3):
         batch, qsl = decode_batch(clean, prompts, args, args.new_tokens // 2 + r)
-        t0 = CLOCK()
+        t0 = step_timers.CLOCK()
         h = clean.execute(batch)
         clean.sample(h, qsl, ones, zeros, ones, zeros, zeros, zeros)
-        times.append(CLOCK() - t0)
+        times.append(step_timers.CLOCK() - t0)
     return 1000 * float(np.median(times[3:]))
 
 
@@ -295,81 +254,7 @@ def torch_profile(runner, prompts, args, steps=5):
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
 
 
-GROUPS = [  # display order of phase prefixes
-    "svc: schedule", "svc: build StepRequest", "svc: serialize", "worker: parse", "worker: validate",
-    "worker: make_batch", "worker: forward (glue)", "fwd:", "attn backend:", "lm_head + logits",
-    "sampler", "worker: sample (glue)", "worker: build + serialize reply", "svc: parse reply", "svc: apply"]
-
-
-def order_key(name):
-    for i, g in enumerate(GROUPS):
-        if name.startswith(g):
-            return (i, name)
-    return (len(GROUPS), name)
-
-
-def breakdown_table(per_step, want_decode: bool) -> tuple[str, float, int]:
-    rows = [s for s in per_step if s[0] == want_decode]
-    if not rows:
-        return "(no such steps)\n", 0.0, 0
-    n = len(rows)
-    acc = collections.Counter()
-    for *_, c in rows:
-        acc.update(c)
-    step_ms = 1000 * sum(r[2] for r in rows) / n
-    tokens = sum(r[1] for r in rows) / n
-    lines = [f"| phase | ms/step | % of step |", "|---|---|---|"]
-    for name in sorted(acc, key=order_key):
-        ms = 1000 * acc[name] / n
-        lines.append(f"| {name} | {ms:.3f} | {100 * ms / step_ms:.1f}% |")
-    timed = 1000 * sum(acc.values()) / n
-    lines.append(f"| (outside any timer) | {step_ms - timed:.3f} | {100 * (step_ms - timed) / step_ms:.1f}% |")
-    lines.append(f"| **step** ({n} steps, {tokens:.0f} tokens/step on average) | **{step_ms:.3f}** | 100% |")
-    return "\n".join(lines) + "\n", step_ms, n
-
-
-def summary_rows(per_step):
-    """Service / worker / (in-process) totals per step type."""
-    out = {}
-    for label, sel in (("decode", True), ("prefill/mixed", False)):
-        rows = [s for s in per_step if s[0] == sel]
-        if not rows:
-            continue
-        svc = sum(v for *_, c in rows for k, v in c.items() if k.startswith("svc:"))
-        wall = sum(r[2] for r in rows)
-        out[label] = dict(n=len(rows), wall=wall, svc=svc, worker=wall - svc)
-    return out
-
-
-# ------------------------------------------------------------------------------------ part 3
-
-def cluster_run(args, prompts):
-    """The workload through LocalCluster; the service's Stats split its wall time per step into the
-    worker's compute (each stage's StageTiming, summed by the chain) and the rest."""
-    from client import LocalCluster
-
-    def chain_busy_ms(st):
-        return sum(float(s["step_ms"]) * int(c["steps"]) for c in st.chains for s in c["stages"])
-
-    kw = dict(threads=args.threads) if args.threads else {}
-    with LocalCluster(model=args.model, workers=args.workers, dtype=args.dtype,
-                      block_size=args.block_size, **kw) as c:
-        warm = workload(4, seed=1)
-        c.client.wait(c.client.submit([{"prompt_token_ids": p, "max_new_tokens": 4} for p in warm]))
-        base = c.client.stats()
-        t0 = time.perf_counter()
-        job = c.client.submit([{"prompt_token_ids": p, "max_new_tokens": args.new_tokens, "ignore_eos": True}
-                               for p in prompts])
-        c.client.wait(job)
-        wall = time.perf_counter() - t0
-        st = c.client.stats()
-    steps = sum(int(ch["steps"]) for ch in st.chains) - sum(int(ch["steps"]) for ch in base.chains)
-    meta_s = (st.metadata_ms_per_step * st.steps - base.metadata_ms_per_step * base.steps) / 1000
-    busy_s = (chain_busy_ms(st) - chain_busy_ms(base)) / 1000
-    return dict(wall=wall, steps=steps, meta_s=meta_s, busy_s=busy_s)
-
-
-def main():
+def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="tiny", help=f"tiny, a checkpoint directory, or a named shape "
                     f"({', '.join(SHAPES)}: random weights, made once into bench/shapes.py's cache)")
@@ -389,14 +274,17 @@ def main():
     ap.add_argument("--cpu-time", action="store_true",
                     help="time Part 1 with this thread's CPU time instead of wall time: steadier on a busy "
                          "machine, but only meaningful with 1 torch thread (other threads' work is not counted)")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main():
+    args = parse_args()
     n, shortest, longest, new = WORKLOADS[args.workload]
     args.prompts = 4 if args.quick else (args.prompts or n)
     args.new_tokens = 4 if args.quick else (args.new_tokens or new)
     args.model = resolve_model(args.model)
     if args.cpu_time:
-        global CLOCK
-        CLOCK = time.thread_time
+        step_timers.CLOCK = time.thread_time   # the Timers and this file's timings read it at each call
     from worker.model_runner import cpu_compute_threads
     torch.set_num_threads(args.threads or cpu_compute_threads())
     from minipaged.config import load_model_config
@@ -407,45 +295,9 @@ def main():
           f"{'CPU' if args.cpu_time else 'wall'} time in Part 1, load average {os.getloadavg()[0]:.1f}\n")
 
     r = in_worker_thread(replay, args, prompts)
-    print("## In-process replay (both planes' code, no wire)\n")
-    print(f"whole workload: {r['total']:.2f} s, {len(r['per_step'])} steps, "
-          f"{r['tokens'] / r['total']:.0f} tok/s in process\n")
-    for label, want in (("Steady decode step", True), ("Prefill / mixed step", False)):
-        table, step_ms, n = breakdown_table(r["per_step"], want)
-        print(f"### {label}\n")
-        print(table)
-    if r["untimed"] is not None:
-        print(f"decode step forward + sample with no timers (same batch shape at mid-generation): "
-              f"{r['untimed']:.3f} ms\n")
-    sums = summary_rows(r["per_step"])
-    print("| step type | steps | total s | service s | worker s | worker share |")
-    print("|---|---|---|---|---|---|")
-    for label, v in sums.items():
-        print(f"| {label} | {v['n']} | {v['wall']:.3f} | {v['svc']:.3f} | {v['worker']:.3f} | "
-              f"{100 * v['worker'] / v['wall']:.1f}% |")
-    if r["torch_table"]:
-        print("\n### torch.profiler, steady decode forward (5 steps)\n\n```\n" + r["torch_table"] + "```\n")
-
+    print_replay(r)
     if not args.skip_cluster:
-        c = cluster_run(args, prompts)
-        inproc, n = r["total"], len(r["per_step"])
-        per = lambda x: 1000 * x / max(c["steps"], 1)  # noqa: E731
-        print(f"\n## Distributed path (LocalCluster, {args.workers} worker(s), gRPC on loopback, "
-              f"{'%d threads' % args.threads if args.threads else 'its default threads'})\n")
-        print(f"{c['steps']} steps in {c['wall']:.3f} s: {r['tokens'] / c['wall']:.0f} tok/s "
-              f"(in-process replay above: {r['tokens'] / inproc:.0f} tok/s over {n} steps"
-              f"{', CPU time' if args.cpu_time else ''})\n")
-        print("| per step (Stats) | ms | % of step |")
-        print("|---|---|---|")
-        wall_ms = per(c["wall"])
-        for label, v in (("worker compute (stages' StageTiming, summed)", per(c["busy_s"])),
-                         ("metadata service: schedule + build + apply (overlaps compute with async "
-                          "scheduling)", per(c["meta_s"]))):
-            print(f"| {label} | {v:.2f} | {100 * v / wall_ms:.1f}% |")
-        rest = wall_ms - per(c["busy_s"])
-        print(f"| wall minus worker compute: wire, hand-offs, service work not overlapped | {rest:.2f} | "
-              f"{100 * rest / wall_ms:.1f}% |")
-        print(f"| **step** | **{wall_ms:.2f}** | 100% |")
+        print_cluster(args, r, cluster_run(args, prompts))
 
 
 if __name__ == "__main__":

@@ -78,7 +78,7 @@ def wait_http(url: str, proc, timeout: float = 600) -> None:
     raise TimeoutError(url)
 
 
-def main():
+def parse_args():
     ap = argparse.ArgumentParser()
     ap.add_argument("--vllm-python", default="")
     ap.add_argument("--repeat", type=int, default=2)
@@ -86,62 +86,63 @@ def main():
                     help="VLLM_CPU_OMP_THREADS_BIND for vLLM (default: every core, as ours use; '' = its default)")
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
-    args = ap.parse_args()
-    warm = workload(4, seed=1)
-    workdir = tempfile.mkdtemp(prefix="minipaged-serving-")
-    ckpt = save_checkpoint(hf_model(), os.path.join(workdir, "tiny-qwen3"))
-    runs: dict[str, list[dict]] = {}
-    vllm = vllm_log = None
+    return ap.parse_args()
+
+
+def spawn_vllm(args, ckpt: str, workdir: str):
+    """vLLM's OpenAI server from its own venv: (process, its log file, base URL). Not waited for here,
+    so that the caller holds the process (and stops it) even if it never becomes ready."""
+    port = free_port()
+    vllm_log = open(os.path.join(workdir, "vllm-serve.log"), "w")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OMP_NUM_THREADS")}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if args.vllm_cores:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = args.vllm_cores
+    vllm = subprocess.Popen(
+        [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", ckpt,
+         "--served-model-name", "tiny", "--dtype", "float32", "--block-size", "32",
+         "--max-model-len", "4096", "--skip-tokenizer-init", "--port", str(port), "--host", "127.0.0.1"],
+        stdout=vllm_log, stderr=subprocess.STDOUT, cwd=workdir, env=env,
+        start_new_session=True)   # its own process group: paused, resumed and stopped as one
+    return vllm, vllm_log, f"http://127.0.0.1:{port}"
+
+
+def stop_vllm(vllm, vllm_log) -> None:
+    signal_group(vllm, signal.SIGCONT)
+    signal_group(vllm, signal.SIGTERM)
     try:
-        if args.vllm_python:
-            port = free_port()
-            vllm_log = open(os.path.join(workdir, "vllm-serve.log"), "w")
-            env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OMP_NUM_THREADS")}
-            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-            if args.vllm_cores:
-                env["VLLM_CPU_OMP_THREADS_BIND"] = args.vllm_cores
-            vllm = subprocess.Popen(
-                [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", ckpt,
-                 "--served-model-name", "tiny", "--dtype", "float32", "--block-size", "32",
-                 "--max-model-len", "4096", "--skip-tokenizer-init", "--port", str(port), "--host", "127.0.0.1"],
-                stdout=vllm_log, stderr=subprocess.STDOUT, cwd=workdir, env=env,
-                start_new_session=True)   # its own process group: paused, resumed and stopped as one
-            vllm_url = f"http://127.0.0.1:{port}"
-            wait_http(f"{vllm_url}/health", vllm)
-            load(vllm_url, "tiny", warm, 4)
-            signal_group(vllm, signal.SIGSTOP)
-        for rep in range(args.repeat):
-            # new prompts every round (both servers get the same ones): vLLM's server keeps its prefix
-            # cache between rounds, and a repeated batch would skip most of its prefill
-            prompts = workload(args.prompts, seed=10 + rep)
-            for label, threads in (("minipaged gateway, 1 worker", None),
-                                   (f"minipaged gateway, 1 worker, {cpu_compute_threads()} thread(s)",
-                                    cpu_compute_threads())):
-                kw = dict(threads=threads) if threads else {}
-                with LocalCluster(model=ckpt, workers=1, dtype="float32", http=True, **kw) as c:
-                    model = json.loads(urllib.request.urlopen(f"{c.http_url}/v1/models").read())["data"][0]["id"]
-                    load(c.http_url, model, warm, 4)
-                    cpu0 = [proc_cpu_s(p.pid) for p in c.processes]
-                    r = load(c.http_url, model, prompts, args.new_tokens)
-                    r["cpu_us"] = [1e6 * (proc_cpu_s(p.pid) - x) / r["tokens"] for p, x in zip(c.processes, cpu0)]
-                    runs.setdefault(label, []).append(r)
-            if vllm is not None:
-                signal_group(vllm, signal.SIGCONT)
-                time.sleep(1.0)
-                cores = f"cores {args.vllm_cores}" if args.vllm_cores else "its default cores"
-                runs.setdefault(f"vLLM OpenAI server (vllm-cpu 0.32, {cores})", []).append(
-                    load(vllm_url, "tiny", prompts, args.new_tokens))
-                signal_group(vllm, signal.SIGSTOP)
-    finally:
-        if vllm is not None:
-            signal_group(vllm, signal.SIGCONT)
-            signal_group(vllm, signal.SIGTERM)
-            try:
-                vllm.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                signal_group(vllm, signal.SIGKILL)
-            vllm_log.close()
-        shutil.rmtree(workdir, ignore_errors=True)
+        vllm.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        signal_group(vllm, signal.SIGKILL)
+    vllm_log.close()
+
+
+def run_our_gateways(ckpt: str, warm, prompts, new_tokens: int, runs) -> None:
+    """One round of each of our rows, each on a fresh cluster, with our processes' CPU per token."""
+    for label, threads in (("minipaged gateway, 1 worker", None),
+                           (f"minipaged gateway, 1 worker, {cpu_compute_threads()} thread(s)",
+                            cpu_compute_threads())):
+        kw = dict(threads=threads) if threads else {}
+        with LocalCluster(model=ckpt, workers=1, dtype="float32", http=True, **kw) as c:
+            model = json.loads(urllib.request.urlopen(f"{c.http_url}/v1/models").read())["data"][0]["id"]
+            load(c.http_url, model, warm, 4)
+            cpu0 = [proc_cpu_s(p.pid) for p in c.processes]
+            r = load(c.http_url, model, prompts, new_tokens)
+            r["cpu_us"] = [1e6 * (proc_cpu_s(p.pid) - x) / r["tokens"] for p, x in zip(c.processes, cpu0)]
+            runs.setdefault(label, []).append(r)
+
+
+def run_vllm_round(vllm, vllm_url: str, args, prompts, runs) -> None:
+    """One round of vLLM's server, resumed only for it (stopped again while ours run)."""
+    signal_group(vllm, signal.SIGCONT)
+    time.sleep(1.0)
+    cores = f"cores {args.vllm_cores}" if args.vllm_cores else "its default cores"
+    runs.setdefault(f"vLLM OpenAI server (vllm-cpu 0.32, {cores})", []).append(
+        load(vllm_url, "tiny", prompts, args.new_tokens))
+    signal_group(vllm, signal.SIGSTOP)
+
+
+def print_table(args, runs) -> None:
     tps = {k: [r["tokens"] / r["wall"] for r in v] for k, v in runs.items()}
     mean = {k: sum(v) / len(v) for k, v in tps.items()}
     ref = next((mean[k] for k in mean if k.startswith("vLLM")), None)
@@ -154,6 +155,33 @@ def main():
         cpu = [r["cpu_us"] for r in runs[k] if "cpu_us" in r]
         per = ", ".join(f"{sum(c[i] for c in cpu) / len(cpu):.0f}" for i in range(len(cpu[0]))) if cpu else "-"
         print(f"| {k} | {mean[k]:.0f} | {each} | {f'{mean[k] / ref:.2f}' if ref else '-'} | {per} |")
+
+
+def main():
+    args = parse_args()
+    warm = workload(4, seed=1)
+    workdir = tempfile.mkdtemp(prefix="minipaged-serving-")
+    ckpt = save_checkpoint(hf_model(), os.path.join(workdir, "tiny-qwen3"))
+    runs: dict[str, list[dict]] = {}
+    vllm = vllm_log = None
+    try:
+        if args.vllm_python:
+            vllm, vllm_log, vllm_url = spawn_vllm(args, ckpt, workdir)
+            wait_http(f"{vllm_url}/health", vllm)
+            load(vllm_url, "tiny", warm, 4)
+            signal_group(vllm, signal.SIGSTOP)
+        for rep in range(args.repeat):
+            # new prompts every round (both servers get the same ones): vLLM's server keeps its prefix
+            # cache between rounds, and a repeated batch would skip most of its prefill
+            prompts = workload(args.prompts, seed=10 + rep)
+            run_our_gateways(ckpt, warm, prompts, args.new_tokens, runs)
+            if vllm is not None:
+                run_vllm_round(vllm, vllm_url, args, prompts, runs)
+    finally:
+        if vllm is not None:
+            stop_vllm(vllm, vllm_log)
+        shutil.rmtree(workdir, ignore_errors=True)
+    print_table(args, runs)
 
 
 if __name__ == "__main__":

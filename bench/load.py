@@ -117,7 +117,7 @@ def pct(values, q) -> str:
     return f"{np.percentile(values, q) * 1e3:9.1f}" if values else "      n/a"
 
 
-def main(argv=None) -> int:
+def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--seconds", type=float, default=20.0)
@@ -126,51 +126,61 @@ def main(argv=None) -> int:
     ap.add_argument("--num-blocks", type=int, default=None, help="worker --num-blocks (default: its own sizing)")
     ap.add_argument("--rss-every", type=float, default=2.0, help="RSS sampling period (s)")
     ap.add_argument("--drain-timeout", type=float, default=120.0)
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
-    print(f"starting LocalCluster(tiny, 1 worker, float32, --max-waiting {args.max_waiting}) ...", flush=True)
-    with LocalCluster(model="tiny", workers=1, dtype="float32", num_blocks=args.num_blocks,
-                      extra_service_args=["--max-waiting", str(args.max_waiting)]) as cluster:
-        pids = {"metadata_service": cluster.processes[0].pid, "worker0": cluster.processes[1].pid}
-        names = list(pids)
-        rss_start = {n: rss_mb(p) for n, p in pids.items()}
-        series: list[tuple[float, dict]] = []
-        stop = threading.Event()
-        t_begin = time.monotonic()
 
-        def sampler():
-            while True:
-                series.append((time.monotonic() - t_begin, {n: rss_mb(p) for n, p in pids.items()}))
-                if stop.wait(args.rss_every):
-                    return
+def sample_rss(pids: dict, series: list, stop: threading.Event, every: float, t_begin: float) -> None:
+    """Every process's RSS every `every` seconds until stopped: the series a leak shows up in."""
+    while True:
+        series.append((time.monotonic() - t_begin, {n: rss_mb(p) for n, p in pids.items()}))
+        if stop.wait(every):
+            return
 
-        totals = Totals()
-        deadline = time.monotonic() + args.seconds
-        threads = [threading.Thread(target=client_loop, args=(i, cluster.address, args.seed, deadline, totals),
-                                    daemon=True, name=f"client{i}") for i in range(args.clients)]
-        sampler_thread = threading.Thread(target=sampler, daemon=True)
-        sampler_thread.start()
-        for t in threads:
-            t.start()
-        for t in threads:  # every in-flight request is bounded by REQUEST_TIMEOUT_S
-            t.join(timeout=max(1.0, deadline - time.monotonic()) + REQUEST_TIMEOUT_S + 10)
-        hung = sum(t.is_alive() for t in threads)
-        load_s = time.monotonic() - t_begin
 
-        # drain: nothing running or waiting, then the pool must be whole
-        ctl = Client(cluster.address)
-        end = time.monotonic() + args.drain_timeout
+def drain(address: str, timeout: float):
+    """Stats once nothing is running or waiting and the pool is whole again (or at the timeout)."""
+    ctl = Client(address)
+    end = time.monotonic() + timeout
+    st = ctl.stats(timeout=10)
+    while (st.running or st.waiting or st.free_blocks != st.num_blocks) and time.monotonic() < end:
+        time.sleep(0.2)
         st = ctl.stats(timeout=10)
-        while (st.running or st.waiting or st.free_blocks != st.num_blocks) and time.monotonic() < end:
-            time.sleep(0.2)
-            st = ctl.stats(timeout=10)
-        ctl.close()
-        stop.set()
-        sampler_thread.join()
-        rss_end = {n: rss_mb(p) for n, p in pids.items()}
-        alive = all(p.poll() is None for p in cluster.processes)
+    ctl.close()
+    return st
 
-    # ---------------------------------------------------------------- report
+
+def run_load(cluster, args) -> dict:
+    """The clients for --seconds, the RSS sampler beside them, then the drain; what the report needs."""
+    pids = {"metadata_service": cluster.processes[0].pid, "worker0": cluster.processes[1].pid}
+    rss_start = {n: rss_mb(p) for n, p in pids.items()}
+    series: list[tuple[float, dict]] = []
+    stop = threading.Event()
+    t_begin = time.monotonic()
+    totals = Totals()
+    deadline = time.monotonic() + args.seconds
+    threads = [threading.Thread(target=client_loop, args=(i, cluster.address, args.seed, deadline, totals),
+                                daemon=True, name=f"client{i}") for i in range(args.clients)]
+    sampler_thread = threading.Thread(target=sample_rss, args=(pids, series, stop, args.rss_every, t_begin),
+                                      daemon=True)
+    sampler_thread.start()
+    for t in threads:
+        t.start()
+    for t in threads:  # every in-flight request is bounded by REQUEST_TIMEOUT_S
+        t.join(timeout=max(1.0, deadline - time.monotonic()) + REQUEST_TIMEOUT_S + 10)
+    hung = sum(t.is_alive() for t in threads)
+    load_s = time.monotonic() - t_begin
+
+    # drain: nothing running or waiting, then the pool must be whole
+    st = drain(cluster.address, args.drain_timeout)
+    stop.set()
+    sampler_thread.join()
+    rss_end = {n: rss_mb(p) for n, p in pids.items()}
+    alive = all(p.poll() is None for p in cluster.processes)
+    return dict(names=list(pids), rss_start=rss_start, rss_end=rss_end, series=series, totals=totals,
+                hung=hung, load_s=load_s, st=st, alive=alive)
+
+
+def print_requests(args, totals: Totals, load_s: float) -> None:
     total = totals.ok + totals.rejected + totals.failed
     print()
     print(f"load: {args.clients} streaming clients, {args.seconds:.0f} s, --max-waiting {args.max_waiting}, "
@@ -186,6 +196,11 @@ def main(argv=None) -> int:
     print(f"{'  time to first token':32s} {pct(totals.ttft, 50)} {pct(totals.ttft, 99)} {len(totals.ttft):8d}")
     print(f"{'  inter-token latency':32s} {pct(totals.itl, 50)} {pct(totals.itl, 99)} {len(totals.itl):8d}")
     print()
+
+
+def print_rss(names, series, rss_start, rss_end) -> list:
+    """Start / end / max RSS per process and the sampled series; returns the processes whose RSS
+    keeps growing."""
     print(f"{'RSS (MB)':32s} {'start':>9s} {'end':>9s} {'max':>9s}")
     growing = []
     for n in names:
@@ -199,6 +214,12 @@ def main(argv=None) -> int:
     for t, s in series:
         print(f"  {t:6.1f}: " + ", ".join(f"{s[n]:.1f}" for n in names))
     print()
+    return growing
+
+
+def print_verdict(m: dict, growing: list) -> int:
+    """After the drain: the pool, the processes, the RSS trend, the failures; 1 if anything is wrong."""
+    st, totals, alive, hung = m["st"], m["totals"], m["alive"], m["hung"]
     blocks_ok = st.free_blocks == st.num_blocks and st.invariants_ok and not st.running and not st.waiting
     print(f"after drain: running={st.running} waiting={st.waiting} free_blocks={st.free_blocks}/{st.num_blocks} "
           f"(cached {st.cached_blocks}) invariants_ok={st.invariants_ok} preemptions={st.preemptions} "
@@ -210,6 +231,19 @@ def main(argv=None) -> int:
         print(f"  failure x{n}: {why}")
     bad = totals.failed or not blocks_ok or not alive or hung or growing
     return 1 if bad else 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    print(f"starting LocalCluster(tiny, 1 worker, float32, --max-waiting {args.max_waiting}) ...", flush=True)
+    with LocalCluster(model="tiny", workers=1, dtype="float32", num_blocks=args.num_blocks,
+                      extra_service_args=["--max-waiting", str(args.max_waiting)]) as cluster:
+        m = run_load(cluster, args)
+
+    # ---------------------------------------------------------------- report
+    print_requests(args, m["totals"], m["load_s"])
+    growing = print_rss(m["names"], m["series"], m["rss_start"], m["rss_end"])
+    return print_verdict(m, growing)
 
 
 if __name__ == "__main__":

@@ -296,4 +296,3 @@ class ChainRunner(ChainStats):
 
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
-

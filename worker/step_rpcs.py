@@ -74,8 +74,12 @@ class StepRpcs:
 
     def SampledTokenStream(self, request_iterator, context):
         for t in request_iterator:
-            if t.cache_epoch == self.epoch and t.token_ids:
-                self.tokens_arrived(t.step_id, wire.unpack(t.token_ids))
+            if t.cache_epoch == self.epoch:
+                try:
+                    tokens = wire.unpack(t.token_ids, name="token_ids")
+                except wire.WireError:
+                    tokens = None                 # unreadable: the -1 waiting on them fails now
+                self.tokens_arrived(t.step_id, tokens)
         return pb.SampledTokensReply()
 
     def await_tokens(self, step_id: int, sampled_ids: np.ndarray) -> None:
@@ -92,8 +96,9 @@ class StepRpcs:
             steps = [step_id] if step_id in self.awaiting else []
         for sid in steps:
             ids = self.awaiting.pop(sid, None)
-            if ids is not None and (tokens is None or tokens.size == ids.size):
-                self.store.record_sampled(ids, tokens, forwarded=True)
+            if ids is not None:   # a count that does not match is no token either: fail, not wait
+                ok = tokens is not None and tokens.size == ids.size
+                self.store.record_sampled(ids, tokens if ok else None, forwarded=True)
 
     def StepStream(self, request_iterator, context):
         stream = StepPipe(self)

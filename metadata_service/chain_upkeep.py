@@ -63,9 +63,7 @@ class ChainUpkeep:
         busy = {w.worker_id for c in self.chains.values() for w in c.stages} | set(self.registry.quarantined)
         for stages in self.registry.form_chains(busy):
             self._start_chain(stages)
-        busy = {w.worker_id for c in self.chains.values() for w in c.stages} | set(self.registry.quarantined)
-        reason = "" if self.chains else "; ".join(
-            r for r in (self.registry.explain(busy) or "no chain is ready", self._waiting_note()) if r)
+        reason = self._unready_reason()
         with self.route_lock:
             self.not_ready_reason = reason
             parked = list(self.parked) if self.chains else []
@@ -74,6 +72,14 @@ class ChainUpkeep:
             self._route(parked)
         self._refresh_ready()
         self._fail_streams_if_waited_too_long()
+
+    def _unready_reason(self) -> str:
+        """Why no chain serves ("" while one does); upkeep and a lost chain both set it from here."""
+        chains = [c for c in list(self.chains.values()) if c.alive]
+        if chains:
+            return ""
+        busy = set(self.registry.quarantined)
+        return "; ".join(r for r in (self.registry.explain(busy) or "no chain is ready", self._waiting_note()) if r)
 
     def _waiting_note(self) -> str:
         """Which model's pending job requests wait, and how to drop them (for not_ready_reason)."""

@@ -109,6 +109,9 @@ class SequenceRouting:
         for s in live:
             s.status = SeqStatus.WAITING
         self._route(live)
+        reason = self._unready_reason()   # at once, not at the next upkeep: Stats must not say "not ready" for no reason
+        with self.route_lock:
+            self.not_ready_reason = reason
         self._refresh_ready()
         self._wakeup.set()
 

@@ -12,7 +12,7 @@ from worker import cpu_gemm
 pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="needs AVX2 + FMA and the CPU kernels")
 
 
-@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 48, 100])
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 15, 16, 17, 48, 100])   # AVX2 tiles of 6 rows, AVX-512 of 16
 @pytest.mark.parametrize("n,k", [(16, 8), (40, 33), (257, 64)])
 def test_matches_float32_linear(m, n, k):
     g = torch.Generator().manual_seed(m * 1000 + n)

@@ -12,8 +12,8 @@ from worker import cpu_gemm
 pytestmark = pytest.mark.skipif(not cpu_gemm.available(), reason="needs AVX2 + FMA and the CPU kernels")
 
 
-@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 15, 16, 17, 48, 100])   # AVX2 tiles of 6 rows, AVX-512 of 16
-@pytest.mark.parametrize("n,k", [(16, 8), (40, 33), (257, 64)])
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 14, 15, 16, 17, 29, 48, 100])   # AVX2 tiles of 6 rows, AVX-512 of 16 (14 on panel pairs)
+@pytest.mark.parametrize("n,k", [(16, 8), (24, 8), (40, 33), (64, 17), (257, 64)])   # odd panel counts, a partial panel in a pair
 def test_matches_float32_linear(m, n, k):
     g = torch.Generator().manual_seed(m * 1000 + n)
     w = torch.randn(n, k, generator=g).bfloat16()

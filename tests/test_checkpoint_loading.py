@@ -94,6 +94,28 @@ def test_sharded_bf16_checkpoint_matches_transformers_in_float32(bf16_sharded, c
         assert greedy_ours(runner, prompt, 8) == ref
 
 
+def test_float32_compute_of_bf16_weights_matches_transformers(bf16_sharded):
+    """--dtype float32 on a bfloat16 checkpoint: the layers run from their bfloat16 copies (the
+    packed kernel for small batches; with AMX, larger ones from pack_vnni and no float32 copy),
+    and greedy tokens are transformers' float32 ones; a 40-token prompt takes the large-batch path."""
+    from transformers import Qwen3ForCausalLM
+    from worker import cpu_gemm
+    hf = Qwen3ForCausalLM.from_pretrained(bf16_sharded, dtype=torch.float32).eval()
+    runner = ModelRunner(bf16_sharded, 0, None, "float32", "cpu")
+    down = runner.stage.layers[0].mlp.down_proj
+    if cpu_gemm.available():
+        assert down.packed is not None
+        assert (down.vnni is not None and down.weight.numel() == 0) == cpu_gemm.amx_available()
+    rng = np.random.default_rng(4)
+    for length in (5, 40):
+        prompt = rng.integers(0, VOCAB, length).tolist()
+        ref = list(prompt)
+        with torch.no_grad():          # plain greedy (generate's min_new_tokens would suppress EOS)
+            for _ in range(6):
+                ref.append(int(hf(torch.tensor([ref])).logits[0, -1].argmax()))
+        assert greedy_ours(runner, prompt, 6) == ref[length:]
+
+
 def test_load_streams_without_a_second_copy(bf16_sharded, monkeypatch):
     """Tensors reach load_weights one at a time: the loader never builds the whole state dict."""
     import worker.weights as weights

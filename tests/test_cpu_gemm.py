@@ -96,3 +96,32 @@ def test_stage_uses_it_only_for_bf16_values_in_float32():
     f64 = Qwen3Stage(cfg, 0, cfg.num_hidden_layers, torch.float64, "cpu")
     f64.load_weights({k: v.bfloat16().float() for k, v in sd.items()})
     assert not f64.use_bf16_weights()                 # the parity mode keeps its own GEMMs
+
+
+amx = pytest.mark.skipif(not cpu_gemm.amx_available(), reason="needs AMX (AMX-BF16 and the kernel's grant)")
+
+
+def test_pack_vnni_layout():
+    w = torch.randn(40, 33).bfloat16()
+    v = cpu_gemm.pack_vnni(w.float()).view(torch.bfloat16)
+    assert v.shape == (4, 32, 16, 2)           # 40 columns -> 4 panels (an even count), K 33 -> 64
+    for n, k in ((0, 0), (39, 32), (17, 5), (16, 31)):
+        assert v[n // 16, k // 2, n % 16, k % 2] == w[n, k]
+    assert v[2, :, 8:].abs().sum() == 0 and v[3].abs().sum() == 0 and v[:, 17:].abs().sum() == 0 and v[:, 16, :, 1].abs().sum() == 0   # padding
+
+
+@amx
+@pytest.mark.parametrize("m", [1, 7, 8, 31, 32, 33, 100, 300])
+@pytest.mark.parametrize("n,k", [(16, 8), (40, 33), (257, 64), (64, 200)])
+def test_amx_matches_float32_linear(m, n, k):
+    """x split exactly into three bfloat16 parts: the float32 product to float32 rounding."""
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x = torch.randn(m, k, generator=g) * torch.logspace(-3, 3, k)   # magnitudes a bfloat16 x would lose
+    bias = torch.randn(n, generator=g)
+    vnni = cpu_gemm.pack_vnni(w.float())
+    want = F.linear(x.double(), w.double(), bias.double())
+    for packed in (None, cpu_gemm.pack(w.float())):      # alone, and beside the small-batch kernel
+        got = cpu_gemm.linear(x, packed, n, bias, vnni=vnni)
+        assert got.dtype == torch.float32 and got.shape == (m, n)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))

@@ -19,6 +19,9 @@
 #include <cstring>
 
 #if defined(__AVX2__) && defined(__FMA__)
+// GCC 12's AVX-512 headers trip its own -Wmaybe-uninitialized (_mm512_undefined_epi32 inside
+// _mm512_cvtepu16_epi32): a false positive about the headers, not this code.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 
 namespace {

@@ -30,6 +30,7 @@ from worker.cpu_kernels import load_library
 
 PANEL = 16                  # output columns per packed panel (the kernel's register tile width)
 SMALL_BATCH_ROWS = 48       # at most this many rows: the packed kernel; more: the float32 GEMM
+AMX_MIN_ROWS = 8            # with AMX (pack_vnni) from this many rows on: the AMX kernel
 
 
 def available() -> bool:
@@ -38,6 +39,14 @@ def available() -> bool:
         return False
     lib = load_library()
     return lib is not None and bool(lib.minipaged_bf16w_available())
+
+
+def amx_available() -> bool:
+    """Large batches can take the AMX kernel (worker/cpu_gemm_amx.cpp): built for this CPU, the
+    kernel granted AMX state, and not switched off (MINIPAGED_AMX=0)."""
+    if os.environ.get("MINIPAGED_AMX", "1") == "0" or not available():
+        return False
+    return bool(load_library().minipaged_amx_available())
 
 
 def exactly_bf16(weight: torch.Tensor) -> bool:
@@ -62,21 +71,46 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return out.view(torch.int16)
 
 
+def pack_vnni(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] weight -> AMX's pair-interleaved panels [P, Kp/2, 16, 2] bfloat16 bits (int16):
+    vnni[p, k // 2, j, k % 2] = W[16 p + j, k]; Kp = K rounded up to 32, P = panels rounded up to
+    even, the padding zeros."""
+    n, k = weight.shape
+    kp, panels = (k + 31) // 32 * 32, (n + 31) // 32 * 2
+    out = torch.zeros(panels, kp // 2, PANEL, 2, dtype=torch.bfloat16)
+    for p0 in range(0, panels, 256):     # a slice at a time: no second full-size temporary
+        p1 = min(panels, p0 + 256)
+        rows = weight.detach()[p0 * PANEL:p1 * PANEL].to(torch.bfloat16)
+        w = torch.zeros((p1 - p0) * PANEL, kp, dtype=torch.bfloat16)
+        w[:rows.shape[0], :k] = rows
+        out[p0:p1] = w.view(p1 - p0, PANEL, kp // 2, 2).transpose(1, 2)
+    return out.view(torch.int16)
+
+
 def rows_of(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of the [N, K] matrix that pack() packed, as bfloat16 [len(ids), K]: the embedding
     lookup of a tied lm_head, read from its panels (so no second copy of the table is kept)."""
     return packed.view(torch.bfloat16)[ids // PANEL, :, ids % PANEL]
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] float32 @ W^T (+ bias) -> [..., n] float32, W given as pack(W)."""
+def linear(x: torch.Tensor, packed: torch.Tensor | None, n: int, bias: torch.Tensor | None = None,
+           vnni: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] float32 @ W^T (+ bias) -> [..., n] float32, W given as pack(W); with vnni
+    (pack_vnni(W)), batches of at least AMX_MIN_ROWS rows (every batch, without packed) take the
+    AMX kernel: 16 x 1024 x 6144 streamed from memory 1.3x, 128 rows 2.8x, 1024 rows 2.1x the
+    packed kernel on this project's Xeon."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m, k = x2.shape
     y = torch.empty(m, n, dtype=torch.float32)
-    if m:
+    if m and vnni is not None and (packed is None or m >= AMX_MIN_ROWS):
+        if load_library().minipaged_linear_amx_f32(
+                x2.data_ptr(), x2.stride(0), m, k, vnni.data_ptr(), n,
+                bias.data_ptr() if bias is not None else None, y.data_ptr(), y.stride(0), torch.get_num_threads()):
+            raise RuntimeError("AMX is not available to this process (vnni weights need amx_available())")
+    elif m:
         load_library().minipaged_linear_bf16w_f32(
             x2.data_ptr(), x2.stride(0), m, k, packed.data_ptr(), n,
             bias.data_ptr() if bias is not None else None, y.data_ptr(), y.stride(0), torch.get_num_threads())

@@ -26,7 +26,7 @@ from minipaged.paths import build_dir
 log = logging.getLogger("worker.cpu_kernels")
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = [os.path.join(_HERE, "cpu_kernels.cpp"), os.path.join(_HERE, "cpu_gemm.cpp")]
+SOURCES = [os.path.join(_HERE, name) for name in ("cpu_kernels.cpp", "cpu_gemm.cpp", "cpu_gemm_amx.cpp")]
 BUILD_DIR = os.environ.get("MINIPAGED_CPU_KERNEL_DIR", build_dir("cpu_kernels"))  # not site-packages
 CXX = os.environ.get("CXX", "g++")
 FLAGS = ["-x", "c++", "-std=c++17", "-O3", "-march=native", "-fopenmp", "-fno-trapping-math",
@@ -97,10 +97,12 @@ def load_library() -> ctypes.CDLL | None:
             fn.restype = ctypes.c_int
         lib.minipaged_qk_norm_rope_f32.argtypes = [P, I, I, I, I, I, P, P, ctypes.c_float, P, P, P, P, I]
         lib.minipaged_silu_mul_f32.argtypes = [P, I, I, I, P, I]
-        lib.minipaged_linear_bf16w_f32.argtypes = [P, ctypes.c_int64, I, I, P, I, P, P, ctypes.c_int64, I]
+        for fn in (lib.minipaged_linear_bf16w_f32, lib.minipaged_linear_amx_f32):
+            fn.argtypes = [P, ctypes.c_int64, I, I, P, I, P, P, ctypes.c_int64, I]
         for fn in (lib.minipaged_qk_norm_rope_f32, lib.minipaged_silu_mul_f32, lib.minipaged_linear_bf16w_f32):
             fn.restype = None
-        lib.minipaged_bf16w_available.restype = I
+        for fn in (lib.minipaged_bf16w_available, lib.minipaged_amx_available, lib.minipaged_linear_amx_f32):
+            fn.restype = I
         L = ctypes.c_int64
         lib.minipaged_write_kv.argtypes = [P, L, P, L, P, I, P, P, L, I, I, I, I]
         lib.minipaged_write_kv.restype = I

@@ -64,14 +64,17 @@ class Linear(nn.Linear):
     """nn.Linear whose float32 CPU GEMM is oneDNN's when available (see _onednn_fp32_gemm);
     float64 (the parity mode) and other devices use F.linear. With `packed` (worker/cpu_gemm.py:
     the same weights as bfloat16 panels), batches of at most `packed_rows` rows run the
-    bfloat16-weight kernel instead."""
+    bfloat16-weight kernel instead; with `vnni` too (AMX), every batch runs from the bfloat16
+    copies and the float32 weight is gone."""
 
     packed: torch.Tensor | None = None
     packed_rows: int = 0               # the most rows that take the packed path (all: a large number)
+    vnni: torch.Tensor | None = None   # cpu_gemm.pack_vnni(weight): larger batches on AMX
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.dtype == torch.float32 and x.numel() <= self.packed_rows * x.shape[-1]:
-            return cpu_gemm.linear(x, self.packed, self.out_features, self.bias)
+        if self.packed is not None and x.dtype == torch.float32 and (
+                self.vnni is not None or x.numel() <= self.packed_rows * x.shape[-1]):
+            return cpu_gemm.linear(x, self.packed, self.out_features, self.bias, self.vnni)
         if ONEDNN_FP32_GEMM and x.dtype == torch.float32 and x.device.type == "cpu":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

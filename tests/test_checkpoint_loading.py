@@ -13,6 +13,7 @@ import torch
 from minipaged.config import load_model_config
 from tests.checkpoints import make_checkpoint
 from tests.test_model_parity import Pager
+from worker import cpu_gemm
 from worker.dtype_choice import checkpoint_dtype, cpu_has_bf16, resolve_dtype
 from worker.model_runner import ModelRunner
 
@@ -47,14 +48,15 @@ def test_dtype_auto_picks_what_the_readme_says(bf16_sharded, tmp_path):
     no_bf16, bf16 = fake_cpuinfo(tmp_path, "avx512f avx512bw"), fake_cpuinfo(tmp_path / "..", "avx512_bf16")
     assert not cpu_has_bf16(no_bf16) and cpu_has_bf16(bf16)
     assert resolve_dtype("auto", cfg, "cpu", no_bf16) == "float32"      # AVX-512 alone: float32
-    assert resolve_dtype("auto", cfg, "cpu", bf16) == "bfloat16"
+    assert resolve_dtype("auto", cfg, "cpu", bf16, bf16_weight_kernels=True) == "float32"   # faster there too
+    assert resolve_dtype("auto", cfg, "cpu", bf16, bf16_weight_kernels=False) == "bfloat16"
     assert resolve_dtype("auto", cfg, "cuda") == "bfloat16"
     assert resolve_dtype("float64", cfg, "cpu", bf16) == "float64"       # explicit wins
     tiny = load_model_config("tiny")                                     # no dtype in its config
     assert resolve_dtype("auto", tiny, "cpu", bf16) == "float32" and resolve_dtype(None, tiny, "cuda") == "bfloat16"
     from worker.__main__ import resolve_args
     a = resolve_args(["--model", bf16_sharded])                          # the default is auto
-    assert a.dtype == ("bfloat16" if cpu_has_bf16() else "float32")
+    assert a.dtype == ("bfloat16" if cpu_has_bf16() and not cpu_gemm.available() else "float32")
 
 
 def greedy_ours(runner, prompt, n):
@@ -76,15 +78,19 @@ def test_sharded_bf16_checkpoint_matches_transformers_in_float32(bf16_sharded, c
     hf = Qwen3ForCausalLM.from_pretrained(bf16_sharded, dtype=torch.float32).eval()
     with caplog.at_level(logging.INFO):
         runner = ModelRunner(bf16_sharded, 0, None, "auto", "cpu")
-    if not cpu_has_bf16():
+    if not cpu_has_bf16() or cpu_gemm.available():
         assert runner.dtype == torch.float32
     assert any("weights loaded" in r.getMessage() for r in caplog.records)   # load time logged
     assert any("ready" in r.getMessage() and "weights in" in r.getMessage() for r in caplog.records)
     # the values are the checkpoint's bfloat16 ones, exactly (bfloat16 -> float32 is exact)
     sd = hf.state_dict()
-    qkv = runner.stage.layers[2].self_attn.qkv_proj.weight
     want = torch.cat([sd[f"model.layers.2.self_attn.{n}_proj.weight"] for n in "qkv"])
-    assert torch.equal(qkv.to(torch.float32), want)
+    qkv = runner.stage.layers[2].self_attn.qkv_proj
+    if qkv.weight.numel() == 0:        # with AMX only the bfloat16 copies remain (cpu_gemm.py)
+        got = cpu_gemm.rows_of(qkv.packed, torch.arange(want.shape[0]))
+    else:
+        got = qkv.weight
+    assert torch.equal(got.to(torch.float32), want)
     rng = np.random.default_rng(3)
     for length in (7, 13):
         prompt = rng.integers(0, VOCAB, length).tolist()

@@ -4,11 +4,16 @@ Decision: the checkpoint's own dtype (`torch_dtype`, or `dtype` as newer transfo
 config.json) where the device computes it well, float32 where it does not:
   - CUDA: the checkpoint's dtype (bfloat16 for the released Qwen3 checkpoints; float32 stays
     float32; bfloat16 when config.json says nothing);
-  - CPU: bfloat16 only for a bfloat16 checkpoint on a CPU with bfloat16 instructions
-    (AVX512_BF16 or AMX-BF16 in /proc/cpuinfo); float32 everywhere else. Without those
-    instructions every bfloat16 op converts to float32 and back, and this worker's compiled CPU
-    kernels are float32/float64 only, so float32 is both faster and exact to the checkpoint's values
-    (a bfloat16 value is exactly representable in float32). float64 stays an explicit parity mode.
+  - CPU: float32. A bfloat16 checkpoint computed in float32 keeps its weights as bfloat16
+    (worker/cpu_gemm.py: packed panels, and AMX's layout where the CPU has AMX), so its GEMMs read
+    2-byte weights and give the float32 product of the checkpoint's exact values; this worker's
+    compiled attention kernels are float32/float64 only. Measured on a Xeon with AMX-BF16
+    (Qwen3-0.6B shape, 2 threads): float32 90 tok/s decode-heavy, 34 prefill-heavy; bfloat16
+    compute (oneDNN's AMX GEMMs, torch attention) 58 and 28. The cost: K/V in float32 takes twice
+    the bytes per token. bfloat16 only for a bfloat16 checkpoint on a CPU with bfloat16
+    instructions (AVX512_BF16 or AMX-BF16 in /proc/cpuinfo) when those kernels are not built
+    (no compiler, MINIPAGED_CPU_KERNELS=0 or MINIPAGED_BF16_WEIGHTS=0). float64 stays an explicit
+    parity mode.
 """
 from __future__ import annotations
 
@@ -38,13 +43,17 @@ def cpu_has_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
 
 
 def resolve_dtype(requested: str | None, config: ModelConfig, device: str,
-                  cpuinfo: str = "/proc/cpuinfo") -> str:
-    """A concrete dtype name for `requested` ("auto", None or a dtype name) on `device`."""
+                  cpuinfo: str = "/proc/cpuinfo", bf16_weight_kernels: bool | None = None) -> str:
+    """A concrete dtype name for `requested` ("auto", None or a dtype name) on `device`
+    (`bf16_weight_kernels`: whether worker/cpu_gemm.py runs here; None: ask it)."""
     if requested not in (None, "auto"):
         return requested
     ckpt = checkpoint_dtype(config)
     if device.startswith("cuda"):
         return ckpt if ckpt in ("bfloat16", "float16", "float32") else "bfloat16"
     if ckpt == "bfloat16" and cpu_has_bf16(cpuinfo):
-        return "bfloat16"
+        if bf16_weight_kernels is None:
+            from worker import cpu_gemm
+            bf16_weight_kernels = cpu_gemm.available()
+        return "float32" if bf16_weight_kernels else "bfloat16"
     return "float32"

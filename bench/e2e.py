@@ -106,8 +106,8 @@ def peak_rss_mb(pid: int) -> float:
 def run_system(model_path, prompts, new_tokens, kv_bytes=None, **cluster):
     extra = ["--kv-cache-bytes", str(kv_bytes)] if kv_bytes else []
     t_start = time.perf_counter()
-    with LocalCluster(model=model_path, dtype=os.environ.get("BENCH_DTYPE", "float32"), block_size=16, extra_worker_args=extra,
-                      startup_timeout=900, **cluster) as c:
+    with LocalCluster(model=model_path, dtype=os.environ.get("BENCH_DTYPE", "float32"), block_size=16,
+                      extra_worker_args=extra, startup_timeout=900, **cluster) as c:
         startup = time.perf_counter() - t_start   # processes spawned -> every chain ready
         # warm-up on other prompts (no prefix-cache help): first-call allocations, thread pools
         warm = workload(4, seed=1)

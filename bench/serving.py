@@ -14,6 +14,11 @@ the wall time of the whole batch of requests), the ratio, and our processes' CPU
 completion token (from /proc: the metadata service, the worker, the gateway).
 
     .venv/bin/python bench/serving.py --vllm-python /work/vllm-venv/bin/python [--repeat 2] [--vllm-cores 0-1]
+        [--model tiny|qwen3-0.6b|qwen3-1.7b|PATH] [--prompts 64] [--new-tokens 64]
+
+`--model` other than tiny (bench/shapes.py's cached random-weight shapes, or a checkpoint): prompts of
+16-64 ids over its whole vocabulary (e2e's decode-heavy lengths), 2 GiB of K/V for each server, both
+computing in float32 (what our `--dtype auto` picks on a CPU).
 """
 from __future__ import annotations
 
@@ -86,6 +91,7 @@ def parse_args():
                     help="VLLM_CPU_OMP_THREADS_BIND for vLLM (default: every core, as ours use; '' = its default)")
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--model", default="tiny", help="tiny, a named shape (bench/shapes.py) or a checkpoint")
     return ap.parse_args()
 
 
@@ -95,7 +101,7 @@ def spawn_vllm(args, ckpt: str, workdir: str):
     port = free_port()
     vllm_log = open(os.path.join(workdir, "vllm-serve.log"), "w")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OMP_NUM_THREADS")}
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1" if args.model == "tiny" else "2")
     if args.vllm_cores:
         env["VLLM_CPU_OMP_THREADS_BIND"] = args.vllm_cores
     vllm = subprocess.Popen(
@@ -117,13 +123,15 @@ def stop_vllm(vllm, vllm_log) -> None:
     vllm_log.close()
 
 
-def run_our_gateways(ckpt: str, warm, prompts, new_tokens: int, runs) -> None:
+def run_our_gateways(ckpt: str, warm, prompts, new_tokens: int, runs, kv_bytes: int = 0) -> None:
     """One round of each of our rows, each on a fresh cluster, with our processes' CPU per token."""
     for label, threads in (("minipaged gateway, 1 worker", None),
                            (f"minipaged gateway, 1 worker, {cpu_compute_threads()} thread(s)",
                             cpu_compute_threads())):
         kw = dict(threads=threads) if threads else {}
-        with LocalCluster(model=ckpt, workers=1, dtype="float32", http=True, **kw) as c:
+        extra = ["--kv-cache-bytes", str(kv_bytes)] if kv_bytes else []
+        with LocalCluster(model=ckpt, workers=1, dtype="float32", http=True, extra_worker_args=extra,
+                          startup_timeout=900, **kw) as c:
             model = json.loads(urllib.request.urlopen(f"{c.http_url}/v1/models").read())["data"][0]["id"]
             load(c.http_url, model, warm, 4)
             cpu0 = [proc_cpu_s(p.pid) for p in c.processes]
@@ -146,7 +154,9 @@ def print_table(args, runs) -> None:
     tps = {k: [r["tokens"] / r["wall"] for r in v] for k, v in runs.items()}
     mean = {k: sum(v) / len(v) for k, v in tps.items()}
     ref = next((mean[k] for k in mean if k.startswith("vLLM")), None)
-    print(f"\n{args.prompts} concurrent /v1/completions requests, token-id prompts of 16-512, {args.new_tokens} "
+    lens = "16-512" if args.model == "tiny" else "16-64"
+    print(f"\nmodel {args.model}: {args.prompts} concurrent /v1/completions requests, token-id prompts of {lens}, "
+          f"{args.new_tokens} "
           f"new tokens each, greedy, ignore_eos; load average {os.getloadavg()[0]:.1f} at the end\n")
     print("| server | completion tok/s (mean) | each run | x vLLM server | CPU us/token: service, worker, gateway |")
     print("|---|---|---|---|---|")
@@ -157,11 +167,23 @@ def print_table(args, runs) -> None:
         print(f"| {k} | {mean[k]:.0f} | {each} | {f'{mean[k] / ref:.2f}' if ref else '-'} | {per} |")
 
 
+def prompts_for(args, ckpt: str, n: int, seed: int):
+    if args.model == "tiny":
+        return workload(n, seed=seed)
+    from minipaged.config import load_model_config
+    return workload(n, seed, 16, 64, load_model_config(ckpt).vocab_size)
+
+
 def main():
     args = parse_args()
-    warm = workload(4, seed=1)
     workdir = tempfile.mkdtemp(prefix="minipaged-serving-")
-    ckpt = save_checkpoint(hf_model(), os.path.join(workdir, "tiny-qwen3"))
+    if args.model == "tiny":
+        ckpt = save_checkpoint(hf_model(), os.path.join(workdir, "tiny-qwen3"))
+    else:
+        from shapes import SHAPES, ensure_checkpoint
+        ckpt = ensure_checkpoint(args.model) if args.model in SHAPES else args.model
+    warm = prompts_for(args, ckpt, 4, 1)
+    kv_bytes = 0 if args.model == "tiny" else 2 << 30
     runs: dict[str, list[dict]] = {}
     vllm = vllm_log = None
     try:
@@ -173,8 +195,8 @@ def main():
         for rep in range(args.repeat):
             # new prompts every round (both servers get the same ones): vLLM's server keeps its prefix
             # cache between rounds, and a repeated batch would skip most of its prefill
-            prompts = workload(args.prompts, seed=10 + rep)
-            run_our_gateways(ckpt, warm, prompts, args.new_tokens, runs)
+            prompts = prompts_for(args, ckpt, args.prompts, 10 + rep)
+            run_our_gateways(ckpt, warm, prompts, args.new_tokens, runs, kv_bytes)
             if vllm is not None:
                 run_vllm_round(vllm, vllm_url, args, prompts, runs)
     finally:

@@ -1,24 +1,29 @@
-"""bfloat16 weights, float32 compute, on CPUs without bfloat16 instructions (worker/cpu_gemm.cpp).
+"""bfloat16 weights, float32 compute on the CPU (worker/cpu_gemm.cpp, worker/cpu_gemm_amx.cpp).
 
-A released Qwen3 checkpoint is bfloat16. On a CPU without AVX512_BF16/AMX the worker computes in
-float32 (worker/dtype_choice.py), which stores every weight in 4 bytes. A decode step reads all of
+A released Qwen3 checkpoint is bfloat16; on a CPU the worker computes in float32
+(worker/dtype_choice.py), which would store every weight in 4 bytes. A decode step reads all of
 them for a few rows, so its time is the weights' bytes: the lm_head alone is 622 MB in float32 at
-the Qwen3-0.6B shape. The kernel here reads the same exact values from 2 bytes each and widens them
-in registers, so the result is the float32 product of the checkpoint's own numbers (to float32
-rounding of a different summation order than oneDNN's, ~1e-6 relative), from half the bytes.
+the Qwen3-0.6B shape. The kernels here read the same exact values from 2 bytes each, so the result
+is the float32 product of the checkpoint's own numbers (to float32 rounding of a different
+summation order than oneDNN's, ~1e-6 relative), from half the bytes:
+  - pack() + linear(): panels of 16 columns, each weight widened in a register (AVX2 or AVX-512
+    FMA tiles);
+  - pack_vnni() + linear(vnni=...): AMX's pair-interleaved layout, x split exactly into three
+    bfloat16 parts so that AMX's bfloat16 products, summed in float32, are the float32 product.
 
 Policy (Qwen3Stage.use_bf16_weights):
-  - every matrix of a layer keeps its float32 copy for large batches (prefill chunks, where
-    oneDNN's blocked GEMM is ~15% faster than this kernel) and gains a packed bfloat16 copy for
-    batches of at most SMALL_BATCH_ROWS rows (decode steps), where this kernel is 1.3-2.6x faster
-    on this project's CPU (bench/results/profile-*.md has the table);
-  - the lm_head keeps only its packed bfloat16 copy: its input is one row per sampling sequence, a
-    small batch, and dropping its float32 copy pays for half the layers' second copy in memory; a
-    tied embedding on the same stage reads its rows from those panels (rows_of), another stage's
-    embedding is kept as a bfloat16 table;
+  - every matrix of a layer gains a panel copy for batches of at most SMALL_BATCH_ROWS rows (decode
+    steps), where it is 1.3-2.6x faster than oneDNN's float32 GEMM (bench/results/profile-*.md);
+  - with AMX (amx_available()) it also gains the AMX copy, which batches of AMX_MIN_ROWS or more
+    take, and loses its float32 copy; without, it keeps its float32 copy for large batches
+    (prefill chunks, where oneDNN's blocked GEMM is ~15% faster than the panels on AVX2);
+  - the lm_head keeps only its panels: its input is one row per sampling sequence, a small batch,
+    and dropping its float32 copy pays for half the layers' second copy in memory; a tied embedding
+    on the same stage reads its rows from those panels (rows_of), another stage's embedding is kept
+    as a bfloat16 table;
   - only when the checkpoint's values are exactly bfloat16 (a bfloat16 checkpoint computed in
-    float32) and the CPU has AVX2 + FMA; MINIPAGED_BF16_WEIGHTS=0 switches it off. float64 (the
-    parity mode) never uses it.
+    float32) and the CPU has AVX2 + FMA; MINIPAGED_BF16_WEIGHTS=0 switches it all off,
+    MINIPAGED_AMX=0 the AMX part. float64 (the parity mode) never uses it.
 """
 from __future__ import annotations
 

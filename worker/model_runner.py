@@ -72,9 +72,16 @@ class ModelRunner:
         n_bytes = sum(t.numel() * t.element_size() for t in self.stage.weight_tensors())
         log.info("model %s layers [%d, %d) ready: %.0f MB of %s weights in %.1f s%s", model, layer_start,
                  layer_end, n_bytes / 1e6, str(self.dtype).removeprefix("torch."), time.monotonic() - t0,
-                 " (bfloat16 copies for small batches; the lm_head in bfloat16 only)" if self.bf16_weights else "")
+                 self._bf16_note())
         self.stage.eval()
         self.kv_cache: PagedKVCache | None = None
+
+    def _bf16_note(self) -> str:
+        if not self.bf16_weights:
+            return ""
+        from worker import cpu_gemm
+        return (" (bfloat16 copies: AMX for 8+ rows, panels below; the lm_head in bfloat16 only)"
+                if cpu_gemm.amx_available() else " (bfloat16 copies for small batches; the lm_head in bfloat16 only)")
 
     @property
     def is_first(self) -> bool:

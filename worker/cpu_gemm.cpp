@@ -58,22 +58,6 @@ inline void tile(const float* x, int64_t ldx, int K, const uint16_t* panel, floa
   for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + r * ldy, keep, _mm512_add_ps(acc[r], b));
 }
 
-template <int MR>
-inline void tail(const float* x, int64_t ldx, int K, const uint16_t* panel, float* y, int64_t ldy,
-                 int ncols, const float* bias, int left) {
-  if constexpr (MR > 0) {
-    if (left == MR) tile<MR>(x, ldx, K, panel, y, ldy, ncols, bias);
-    else tail<MR - 1>(x, ldx, K, panel, y, ldy, ncols, bias, left);
-  }
-}
-
-void rows(const float* x, int64_t ldx, int M, int K, const uint16_t* panel, float* y, int64_t ldy,
-          int ncols, const float* bias) {
-  int m = 0;
-  for (; m + kMR <= M; m += kMR) tile<kMR>(x + m * ldx, ldx, K, panel, y + m * ldy, ldy, ncols, bias);
-  tail<kMR - 1>(x + m * ldx, ldx, K, panel, y + m * ldy, ldy, ncols, bias, M - m);
-}
-
 // Two adjacent panels at once (32 columns, 14 rows: 28 accumulators): each broadcast of x feeds two
 // FMAs, so a k step issues 16 loads for 28 FMAs instead of 17 for 16. 16 x 1024 x 6144 on this
 // project's Xeon, 2 threads: 200 -> 257 GFLOP/s in cache; 28 such matrices streamed from memory
@@ -108,20 +92,16 @@ inline void tile2(const float* x, int64_t ldx, int K, const uint16_t* panel, flo
   }
 }
 
-template <int MR>
-inline void tail2(const float* x, int64_t ldx, int K, const uint16_t* panel, float* y, int64_t ldy,
-                  int ncols, const float* bias, int left) {
-  if constexpr (MR > 0) {
-    if (left == MR) tile2<MR>(x, ldx, K, panel, y, ldy, ncols, bias);
-    else tail2<MR - 1>(x, ldx, K, panel, y, ldy, ncols, bias, left);
-  }
-}
+struct Two {
+  template <int MR, class... A> static void run(A... a) { tile2<MR>(a...); }
+};
+template <class Tile, int kRows>
+void over_rows(const float* x, int64_t ldx, int M, int K, const uint16_t* panel, float* y, int64_t ldy,
+               int ncols, const float* bias);
 
 void rows2(const float* x, int64_t ldx, int M, int K, const uint16_t* panel, float* y, int64_t ldy,
            int ncols, const float* bias) {
-  int m = 0;
-  for (; m + kMR2 <= M; m += kMR2) tile2<kMR2>(x + m * ldx, ldx, K, panel, y + m * ldy, ldy, ncols, bias);
-  tail2<kMR2 - 1>(x + m * ldx, ldx, K, panel, y + m * ldy, ldy, ncols, bias, M - m);
+  over_rows<Two, kMR2>(x, ldx, M, K, panel, y, ldy, ncols, bias);
 }
 constexpr bool kPairs = true;
 
@@ -160,24 +140,38 @@ inline void tile(const float* x, int64_t ldx, int K, const uint16_t* panel, floa
   }
 }
 
-void rows(const float* x, int64_t ldx, int M, int K, const uint16_t* panel, float* y, int64_t ldy,
-          int ncols, const float* bias) {
-  int m = 0;
-  for (; m + kMR <= M; m += kMR) tile<kMR>(x + m * ldx, ldx, K, panel, y + m * ldy, ldy, ncols, bias);
-  const float* xr = x + m * ldx;
-  float* yr = y + m * ldy;
-  switch (M - m) {
-    case 5: tile<5>(xr, ldx, K, panel, yr, ldy, ncols, bias); break;
-    case 4: tile<4>(xr, ldx, K, panel, yr, ldy, ncols, bias); break;
-    case 3: tile<3>(xr, ldx, K, panel, yr, ldy, ncols, bias); break;
-    case 2: tile<2>(xr, ldx, K, panel, yr, ldy, ncols, bias); break;
-    case 1: tile<1>(xr, ldx, K, panel, yr, ldy, ncols, bias); break;
-    default: break;
-  }
-}
 constexpr bool kPairs = false;
 void rows2(const float*, int64_t, int, int, const uint16_t*, float*, int64_t, int, const float*) {}
 #endif
+
+// Whole tiles of kRows rows, then one tile of the rows left (its row count picked at run time
+// among the compiled ones). Tile: One (one panel) or, on AVX-512, Two (two adjacent panels).
+struct One {
+  template <int MR, class... A> static void run(A... a) { tile<MR>(a...); }
+};
+
+template <class Tile, int MR>
+inline void tail(const float* x, int64_t ldx, int K, const uint16_t* panel, float* y, int64_t ldy,
+                 int ncols, const float* bias, int left) {
+  if constexpr (MR > 0) {
+    if (left == MR) Tile::template run<MR>(x, ldx, K, panel, y, ldy, ncols, bias);
+    else tail<Tile, MR - 1>(x, ldx, K, panel, y, ldy, ncols, bias, left);
+  }
+}
+
+template <class Tile, int kRows>
+void over_rows(const float* x, int64_t ldx, int M, int K, const uint16_t* panel, float* y, int64_t ldy,
+               int ncols, const float* bias) {
+  int m = 0;
+  for (; m + kRows <= M; m += kRows)
+    Tile::template run<kRows>(x + m * ldx, ldx, K, panel, y + m * ldy, ldy, ncols, bias);
+  tail<Tile, kRows - 1>(x + m * ldx, ldx, K, panel, y + m * ldy, ldy, ncols, bias, M - m);
+}
+
+void rows(const float* x, int64_t ldx, int M, int K, const uint16_t* panel, float* y, int64_t ldy,
+          int ncols, const float* bias) {
+  over_rows<One, kMR>(x, ldx, M, K, panel, y, ldy, ncols, bias);
+}
 
 }  // namespace
 

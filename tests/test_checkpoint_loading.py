@@ -100,12 +100,15 @@ def test_sharded_bf16_checkpoint_matches_transformers_in_float32(bf16_sharded, c
         assert greedy_ours(runner, prompt, 8) == ref
 
 
-def test_float32_compute_of_bf16_weights_matches_transformers(bf16_sharded):
+@pytest.mark.parametrize("amx", [True, False], ids=["amx-if-present", "amx-off"])
+def test_float32_compute_of_bf16_weights_matches_transformers(bf16_sharded, amx, monkeypatch):
     """--dtype float32 on a bfloat16 checkpoint: the layers run from their bfloat16 copies (the
-    packed kernel for small batches; with AMX, larger ones from pack_vnni and no float32 copy),
-    and greedy tokens are transformers' float32 ones; a 40-token prompt takes the large-batch path."""
+    packed kernel for small batches; with AMX, larger ones from pack_vnni and no float32 copy;
+    without, oneDNN's float32 GEMM), and greedy tokens are transformers' float32 ones; a 40-token
+    prompt takes the large-batch path."""
     from transformers import Qwen3ForCausalLM
-    from worker import cpu_gemm
+    if not amx:
+        monkeypatch.setattr(cpu_gemm, "amx_available", lambda: False)
     hf = Qwen3ForCausalLM.from_pretrained(bf16_sharded, dtype=torch.float32).eval()
     runner = ModelRunner(bf16_sharded, 0, None, "float32", "cpu")
     down = runner.stage.layers[0].mlp.down_proj

@@ -103,11 +103,11 @@ def peak_rss_mb(pid: int) -> float:
         return float("nan")
 
 
-def run_system(model_path, prompts, new_tokens, kv_bytes=None, **cluster):
+def run_system(model_path, prompts, new_tokens, kv_bytes=None, dtype="float32", **cluster):
     extra = ["--kv-cache-bytes", str(kv_bytes)] if kv_bytes else []
     t_start = time.perf_counter()
-    with LocalCluster(model=model_path, dtype=os.environ.get("BENCH_DTYPE", "float32"), block_size=16,
-                      extra_worker_args=extra, startup_timeout=900, **cluster) as c:
+    with LocalCluster(model=model_path, dtype=dtype, block_size=16, extra_worker_args=extra,
+                      startup_timeout=900, **cluster) as c:
         startup = time.perf_counter() - t_start   # processes spawned -> every chain ready
         # warm-up on other prompts (no prefix-cache help): first-call allocations, thread pools
         warm = workload(4, seed=1)
@@ -218,16 +218,19 @@ def our_rows(args, tiny: bool) -> dict:
         ours[f"minipaged, 1 worker, {cpu_compute_threads()} thread(s)"] = dict(workers=1, threads=cpu_compute_threads())
         if not args.skip_two_workers:
             ours.update({"minipaged, 2 stages": dict(workers=2), "minipaged, 2 replicas": dict(workers=1, replicas=2)})
+    for row in ours.values():
+        row["dtype"] = args.dtype
     return ours
 
 
 def anchor_rows(args) -> list:
     """The vLLM rows to run, each with its own process (its thread binding is fixed at start)."""
-    anchors = []
+    anchors, dtype = [], {"BENCH_VLLM_DTYPE": args.vllm_dtype or args.dtype}   # vllm_offline.py reads it
     if args.vllm_python:  # equal cores first: it is the row the goals compare with
-        anchors.append((f"vLLM-CPU, {args.vllm_cores} (equal cores)", {"VLLM_CPU_OMP_THREADS_BIND": args.vllm_cores}))
+        anchors.append((f"vLLM-CPU, {args.vllm_cores} (equal cores)",
+                        {"VLLM_CPU_OMP_THREADS_BIND": args.vllm_cores, **dtype}))
         if not args.skip_vllm_default:
-            anchors.append(("vLLM-CPU, its default threads", {}))
+            anchors.append(("vLLM-CPU, its default threads", dtype))
     return anchors
 
 
@@ -282,8 +285,6 @@ def run_with_anchor(args, plan: Plan, runs, i: int, aname, env) -> str:
 
 def main():
     args = parse_args()
-    os.environ["BENCH_DTYPE"] = args.dtype          # both systems' compute dtype (vllm_offline.py reads it)
-    os.environ["BENCH_VLLM_DTYPE"] = args.vllm_dtype or args.dtype
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that atexit stops vLLM's processes too
     torch.manual_seed(0)
     plan = make_plan(args)

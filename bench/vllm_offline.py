@@ -59,8 +59,8 @@ def main() -> None:
 
     with open(prompts_file) as f:
         prompts = json.load(f)
-    llm = LLM(model=path, dtype=os.environ.get("BENCH_VLLM_DTYPE", "float32"), block_size=block_size, skip_tokenizer_init=True, seed=0,
-              max_model_len=4096)
+    llm = LLM(model=path, dtype=os.environ.get("BENCH_VLLM_DTYPE", "float32"), block_size=block_size,
+              skip_tokenizer_init=True, seed=0, max_model_len=4096)
     warm = [TokensPrompt(prompt_token_ids=[(7 * i + j) % 200 for j in range(64 + 32 * i)]) for i in range(4)]
     llm.generate(warm, SamplingParams(max_tokens=4, temperature=0.0, detokenize=False), use_tqdm=False)
     say({"ready": True, "startup_s": time.perf_counter() - t0, "version": vllm.__version__})

@@ -140,6 +140,5 @@ class Engine(SequenceRouting, ChainUpkeep, ServedModel):
                   num_workers=len(self.registry), ready=self.ready, num_chains=len(chains),
                   cache_epoch=chains[0]["cache_epoch"] if chains else 0, chains=chains,
                   standby_workers=len(self.registry) - sum(len(c["stages"]) for c in chains),
-                  not_ready_reason="" if chains else (self.not_ready_reason or self._unready_reason()),
-                  prompt_tokens=self.prompt_tokens)
+                  not_ready_reason="" if chains else self.not_ready_reason, prompt_tokens=self.prompt_tokens)
         return st

@@ -62,16 +62,26 @@ def exactly_bf16(weight: torch.Tensor) -> bool:
                for i in range(0, flat.numel(), step))
 
 
+def _padded_slices(weight: torch.Tensor, panels: int, kp: int):
+    """(p0, p1, rows): panels [p0, p1) of the [N, K] weight as bfloat16 [16 (p1 - p0), kp], zero
+    padded; a slice at a time, so no second full-size temporary."""
+    n, k = weight.shape
+    for p0 in range(0, panels, 256):
+        p1 = min(panels, p0 + 256)
+        rows = weight.detach()[p0 * PANEL:p1 * PANEL].to(torch.bfloat16)
+        if rows.shape != ((p1 - p0) * PANEL, kp):
+            padded = torch.zeros((p1 - p0) * PANEL, kp, dtype=torch.bfloat16)
+            padded[:rows.shape[0], :k] = rows
+            rows = padded
+        yield p0, p1, rows
+
+
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] weight -> [ceil(N/16), K, 16] bfloat16 panels (zero rows pad N), as int16 bits."""
     n, k = weight.shape
     panels = (n + PANEL - 1) // PANEL
     out = torch.empty(panels, k, PANEL, dtype=torch.bfloat16)
-    for p0 in range(0, panels, 256):     # a slice at a time: no second full-size temporary
-        p1 = min(panels, p0 + 256)
-        rows = weight.detach()[p0 * PANEL:p1 * PANEL].to(torch.bfloat16)
-        if rows.shape[0] < (p1 - p0) * PANEL:
-            rows = torch.cat([rows, rows.new_zeros((p1 - p0) * PANEL - rows.shape[0], k)])
+    for p0, p1, rows in _padded_slices(weight, panels, k):
         out[p0:p1] = rows.view(p1 - p0, PANEL, k).transpose(1, 2)
     return out.view(torch.int16)
 
@@ -82,13 +92,9 @@ def pack_vnni(weight: torch.Tensor) -> torch.Tensor:
     even, the padding zeros."""
     n, k = weight.shape
     kp, panels = (k + 31) // 32 * 32, (n + 31) // 32 * 2
-    out = torch.zeros(panels, kp // 2, PANEL, 2, dtype=torch.bfloat16)
-    for p0 in range(0, panels, 256):     # a slice at a time: no second full-size temporary
-        p1 = min(panels, p0 + 256)
-        rows = weight.detach()[p0 * PANEL:p1 * PANEL].to(torch.bfloat16)
-        w = torch.zeros((p1 - p0) * PANEL, kp, dtype=torch.bfloat16)
-        w[:rows.shape[0], :k] = rows
-        out[p0:p1] = w.view(p1 - p0, PANEL, kp // 2, 2).transpose(1, 2)
+    out = torch.empty(panels, kp // 2, PANEL, 2, dtype=torch.bfloat16)
+    for p0, p1, rows in _padded_slices(weight, panels, kp):
+        out[p0:p1] = rows.view(p1 - p0, PANEL, kp // 2, 2).transpose(1, 2)
     return out.view(torch.int16)
 
 

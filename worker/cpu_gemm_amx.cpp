@@ -69,28 +69,22 @@ inline float from_bf16(uint16_t h) {
   return f;
 }
 
-// Rows [0, mc) of x into parts[3][rows][Kp] (zero padded to `rows` x Kp).
-void split_rows(const float* x, int64_t ldx, int mc, int rows, int K, int Kp, uint16_t* parts,
-                int r0, int r1) {
+// Row r of the chunk into parts[3][rows][Kp] (a row at or past mc, and k >= K, are zero padding).
+void split_row(const float* x, int64_t ldx, int mc, int rows, int K, int Kp, uint16_t* parts, int r) {
   const int64_t part = int64_t(rows) * Kp;
-  for (int r = r0; r < r1; ++r) {
-    uint16_t* hi = parts + int64_t(r) * Kp;
-    uint16_t* mid = hi + part;
-    uint16_t* lo = mid + part;
-    if (r >= mc) {
-      std::fill(hi, hi + Kp, 0), std::fill(mid, mid + Kp, 0), std::fill(lo, lo + Kp, 0);
-      continue;
-    }
-    const float* xr = x + int64_t(r) * ldx;
-    for (int k = 0; k < K; ++k) {
-      const float v = xr[k];
-      const uint16_t h = to_bf16(v);
-      const float r1_ = v - from_bf16(h);   // exact: the part hi does not hold
-      const uint16_t m = to_bf16(r1_);
-      hi[k] = h, mid[k] = m, lo[k] = to_bf16(r1_ - from_bf16(m));
-    }
-    for (int k = K; k < Kp; ++k) hi[k] = mid[k] = lo[k] = 0;
+  uint16_t* hi = parts + int64_t(r) * Kp;
+  uint16_t* mid = hi + part;
+  uint16_t* lo = mid + part;
+  const int n = r < mc ? K : 0;
+  const float* xr = x + int64_t(r) * ldx;
+  for (int k = 0; k < n; ++k) {
+    const float v = xr[k];
+    const uint16_t h = to_bf16(v);
+    const float r1 = v - from_bf16(h);   // exact: the part hi does not hold
+    const uint16_t m = to_bf16(r1);
+    hi[k] = h, mid[k] = m, lo[k] = to_bf16(r1 - from_bf16(m));
   }
+  for (int k = n; k < Kp; ++k) hi[k] = mid[k] = lo[k] = 0;
 }
 
 // One 32 x 32 block of y: rows [mb, mb + 32) of the chunk's parts, panels 2q and 2q + 1.
@@ -146,7 +140,7 @@ int minipaged_linear_amx_f32(const float* x, int64_t ldx, int M, int K, const ui
       const int mc = std::min(chunk, M - m0), rows = (mc + 31) / 32 * 32;
 #pragma omp for schedule(static)
       for (int r = 0; r < rows; ++r)
-        split_rows(x + int64_t(m0) * ldx, ldx, mc, rows, K, Kp, parts.data(), r, r + 1);
+        split_row(x + int64_t(m0) * ldx, ldx, mc, rows, K, Kp, parts.data(), r);
       // (the implicit barrier: every part is written before any block reads it)
       const int64_t part = int64_t(rows) * Kp;
 #pragma omp for schedule(static)

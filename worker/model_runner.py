@@ -79,9 +79,9 @@ class ModelRunner:
     def _bf16_note(self) -> str:
         if not self.bf16_weights:
             return ""
-        from worker import cpu_gemm
+        amx = any(getattr(m, "vnni", None) is not None for m in self.stage.modules())
         return (" (bfloat16 copies: AMX for 8+ rows, panels below; the lm_head in bfloat16 only)"
-                if cpu_gemm.amx_available() else " (bfloat16 copies for small batches; the lm_head in bfloat16 only)")
+                if amx else " (bfloat16 copies for small batches; the lm_head in bfloat16 only)")
 
     @property
     def is_first(self) -> bool:

@@ -29,8 +29,9 @@ def test_ring_round_trips_payloads_in_parts_and_skips_the_wrap():
         payload = bytes((i + k) % 256 for k in range(n))
         offset, end = w.put((payload[:7], memoryview(payload)[7:]))
         assert offset + n <= 100                                  # never split across the end
-        out = r.take(offset, n, end)
-        assert isinstance(out, bytearray) and bytes(out) == payload
+        out, release = r.hold(offset, n, end)
+        assert isinstance(out, memoryview) and not out.readonly and bytes(out) == payload
+        release()
         seen.append(offset)
     assert seen[:4] == [0, 30, 60, 0]                             # the 4th skipped the 10-byte tail
 
@@ -42,11 +43,33 @@ def test_a_writer_waits_for_room_until_the_reader_frees_it():
     t = threading.Thread(target=lambda: done.append(w.put((b"b" * 40,))))
     t.start()
     time.sleep(0.05)
-    assert not done                                               # no room until the first is taken
-    assert bytes(r.take(first[0], 40, first[1])) == b"a" * 40
+    assert not done                                               # no room until the first is freed
+    view, release = r.hold(first[0], 40, first[1])
+    assert bytes(view) == b"a" * 40
+    time.sleep(0.05)
+    assert not done                                               # held (a step computes in it): still none
+    release()
     t.join(5)
     offset, end = done[0]
-    assert bytes(r.take(offset, 40, end)) == b"b" * 40
+    view, release = r.hold(offset, 40, end)
+    assert bytes(view) == b"b" * 40
+
+
+def test_frames_free_in_ring_order_whatever_order_their_steps_end():
+    w, r = ring_pair(90)
+    frames = [r.hold(*_at(w.put((bytes([i]) * 30,)))) for i in range(3)]
+    frames[1][1]()                                                # the 2nd step ended first
+    assert int(r._consumed[0]) == 0                               # the 1st still holds its bytes
+    frames[0][1]()
+    assert int(r._consumed[0]) == 60                              # both freed, the 3rd still held
+    frames[0][1]()                                                # a second release changes nothing
+    frames[2][1]()
+    assert int(r._consumed[0]) == 90
+
+
+def _at(put):
+    offset, end = put
+    return offset, end - offset, end
 
 
 def test_a_stopped_link_gives_up_waiting_and_bad_frames_are_refused():
@@ -57,7 +80,7 @@ def test_a_stopped_link_gives_up_waiting_and_bad_frames_are_refused():
     with pytest.raises(ValueError):
         w.put((b"z" * 65,))                                       # bigger than the ring: sent inline
     with pytest.raises(ConnectionError):
-        r.take(40, 30, 70)                                        # out of bounds: the link drops
+        r.hold(40, 30, 70)                                        # out of bounds: the link drops
     with pytest.raises(ValueError):
         ShmRingReader("../../etc/passwd")                         # only ring names are opened
 

@@ -118,16 +118,17 @@ class DataServer:
             try:
                 kind, hlen, blen = _STEP.unpack(_recv_exact(conn, _STEP.size))
                 header = _recv_exact(conn, hlen)
+                release = None
                 if kind == b"M" and ring is not None:
                     offset, end = _RING.unpack(_recv_exact(conn, _RING.size))
-                    hidden = ring.take(offset, blen, end)
+                    hidden, release = ring.hold(offset, blen, end)   # freed once the step is done with it
                 elif kind == b"S":
                     hidden = _recv_exact(conn, blen) if blen else None   # a bytearray: no second copy
                 else:
                     return                # not a frame of this protocol: drop the link
             except (OSError, ConnectionError, struct.error):
                 return                    # the previous stage hung up (or was cancelled)
-            yield pb.StepRequest.FromString(bytes(header)), hidden
+            yield pb.StepRequest.FromString(bytes(header)), hidden, release
 
     @staticmethod
     def _write_replies(conn: socket.socket, pipe: StepPipe) -> None:
@@ -184,9 +185,10 @@ class TcpStageLink:
         self._reader = threading.Thread(target=self._read, name="data-link-recv", daemon=True)
         self._reader.start()
 
-    def send(self, request: pb.StepRequest, ready_at: float = 0.0, hidden: bytes | None = None) -> None:
+    def send(self, request: pb.StepRequest, ready_at: float = 0.0, hidden: bytes | None = None, done=None) -> None:
+        """`done()` runs once `hidden` is no longer needed (its bytes are sent or copied on)."""
         self._sent = True
-        self._q.put((request, ready_at, hidden))
+        self._q.put((request, ready_at, hidden, done))
 
     def _write(self) -> None:
         while True:
@@ -197,21 +199,27 @@ class TcpStageLink:
                 except OSError:
                     pass
                 return
-            request, ready_at, hidden = item
+            request, ready_at, hidden, done = item
             wait_until(ready_at)          # hidden states leave an asynchronous device once they exist
-            header = request.SerializeToString()
-            parts = payload_parts(hidden) if hidden is not None else ()
-            length = sum(len(p) for p in parts)
             try:
-                if self.ring is not None and 0 < length <= self.ring.capacity:
-                    offset, end = self.ring.put(parts, stopped=lambda: self._broken)
-                    self.sock.sendall(_STEP.pack(b"M", len(header), length) + header + _RING.pack(offset, end))
-                    continue
-                self.sock.sendall(_STEP.pack(b"S", len(header), length) + header)
-                for part in parts:
-                    self.sock.sendall(part)     # no copy in Python: the kernel reads the bytes
+                self._frame(request, hidden)
             except (OSError, ConnectionError):
                 return                    # the reader reports the break
+            finally:
+                if done is not None:
+                    done()                # the bytes are in the next ring or the socket: free ours
+
+    def _frame(self, request: pb.StepRequest, hidden) -> None:
+        header = request.SerializeToString()
+        parts = payload_parts(hidden) if hidden is not None else ()
+        length = sum(len(p) for p in parts)
+        if self.ring is not None and 0 < length <= self.ring.capacity:
+            offset, end = self.ring.put(parts, stopped=lambda: self._broken)
+            self.sock.sendall(_STEP.pack(b"M", len(header), length) + header + _RING.pack(offset, end))
+            return
+        self.sock.sendall(_STEP.pack(b"S", len(header), length) + header)
+        for part in parts:
+            self.sock.sendall(part)     # no copy in Python: the kernel reads the bytes
 
     def _read(self) -> None:
         broke = False

@@ -112,8 +112,10 @@ class ModelRunner:
         return h.view(torch.uint8).numpy().tobytes(), str(h.dtype).removeprefix("torch.")
 
     def decode_hidden(self, data: bytes, dtype: str, num_tokens: int) -> torch.Tensor:
-        # writable memory (the stage may compute in place): the data link's own bytearray, else a copy
-        buf = data if isinstance(data, bytearray) else bytearray(data)
+        # writable memory (the stage may compute in place): the data link's own bytearray or its
+        # shared-memory frame (held until the step is done), else a copy
+        writable = isinstance(data, bytearray) or (isinstance(data, memoryview) and not data.readonly)
+        buf = data if writable else bytearray(data)
         h = torch.frombuffer(buf, dtype=as_dtype(dtype)).view(num_tokens, self.config.hidden_size)
         return h.to(self.device, self.dtype)
 

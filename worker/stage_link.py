@@ -43,9 +43,11 @@ class StageLink:
             wait_until(ready_at)   # hidden states leave an asynchronous device once they exist
             yield request
 
-    def send(self, request: pb.StepRequest, ready_at: float = 0.0, hidden: bytes | None = None) -> None:
+    def send(self, request: pb.StepRequest, ready_at: float = 0.0, hidden: bytes | None = None, done=None) -> None:
         if hidden is not None:
             request.hidden_states = payload_bytes(hidden)    # this link carries them inside the message
+        if done is not None:
+            done()                                           # (copied into it)
         self._sent = True
         self._requests.put((request, ready_at))
 

@@ -62,14 +62,16 @@ class StepPipe:
         self.cancelled = threading.Event()
 
     def pump(self, requests) -> None:
-        """`requests` yields StepRequests, or (StepRequest, hidden bytes) when the hidden states came
-        outside the message (the TCP data link)."""
+        """`requests` yields StepRequests, or (StepRequest, hidden bytes, release) when the hidden
+        states came outside the message (the TCP data link; `release` frees a shared-memory frame,
+        None for bytes of its own)."""
         try:
             for item in requests:
                 if self.cancelled.is_set():
                     break
-                request, hidden = item if isinstance(item, tuple) else (item, None)
-                self._one(request, hidden)
+                request, hidden, release = item if isinstance(item, tuple) else (item, None, None)
+                if not self._one(request, hidden, release) and release is not None:
+                    release()
         except grpc.RpcError:
             pass  # the caller went away
         except Exception:  # never leave the caller waiting on a dead pump
@@ -79,13 +81,15 @@ class StepPipe:
                 self.link.close(wait_s=self.s.rpc_timeout_s)  # relay the errors still down the chain
             self.out.put(None)
 
-    def _one(self, request, hidden=None) -> None:
+    def _one(self, request, hidden=None, release=None) -> bool:
+        """Run one step and send on what it makes. True when `release` went with the forward (the
+        link calls it once the bytes, which may be the input's own, have left)."""
         s = self.s
         try:
             o = s._process(request, hidden)
         except StepError as e:
             self.out.put((error_reply(request.step_id, e.code, e.message, s.epoch), 0.0))
-            return
+            return False
         if o.reply is not None:          # the last stage: straight to the metadata service
             if request.first_gets_tokens and o.sampled_ids.size:
                 s.first_stage.send(request.step_id, s.epoch, o.sampled_ids.tobytes(), o.reply.sampled_token_ids,
@@ -96,16 +100,17 @@ class StepPipe:
                 self.out.put((error_reply(request.step_id, grpc.StatusCode.FAILED_PRECONDITION,
                                           "the last stage has no StepResults subscriber for this epoch",
                                           s.epoch), 0.0))
-            return
+            return False
         if self.link is None:
             try:
                 self.link = s.next_stage.open_link(self._relay, self._failed)
             except StepError as e:
                 self.out.put((error_reply(request.step_id, e.code, e.message, s.epoch), 0.0))
-                return
+                return False
         if request.first_gets_tokens and s.runner.is_first and o.sampled_ids.size:
             s.await_tokens(request.step_id, o.sampled_ids)
-        self.link.send(o.forward, o.ready_at, hidden=o.hidden)
+        self.link.send(o.forward, o.ready_at, hidden=o.hidden, done=release)
+        return True
 
     def _relay(self, down: pb.StepReply) -> None:
         """An error from further down the chain: no token of that step is coming; up it goes."""

@@ -35,7 +35,7 @@ from .chain_config import ChainConfig, InflightStep, default_micro_batches
 from .chain_stats import ChainStats
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import SeqStatus, Sequence
-from .step_channel import ResultsChannel, StepChannel
+from .step_channel import SocketResultsChannel, open_channels
 from .step_request import build_step_request
 
 log = logging.getLogger("metadata_service.chain")
@@ -117,13 +117,12 @@ class ChainRunner(ChainStats):
 
     # ------------------------------------------------------------------ the loop
     def _run(self) -> None:
-        metadata = (("authorization", f"Bearer {self.cfg.worker_token}"),) if self.cfg.worker_token else None
-        self.channel = StepChannel(self.stages[0].connect(self.engine.registry.channel_factory), metadata,
-                                   self.events)
-        self.results = None
+        self.channel = self.results = None
         try:
-            self.results = ResultsChannel(self.stages[-1].connect(self.engine.registry.channel_factory),
-                                          self.epoch, metadata, self.events)
+            self.channel, self.results = open_channels(self.stages, self.engine.registry.channel_factory,
+                                                       self.epoch, self.cfg.worker_token, self.events)
+            log.info("chain %d: steps and results on %s", self.chain_id,
+                     "the data link" if isinstance(self.results, SocketResultsChannel) else "gRPC")
             while self.alive:
                 self._fill_pipeline()
                 self._check_deadline()
@@ -144,9 +143,9 @@ class ChainRunner(ChainStats):
             log.exception("chain %d failed", self.chain_id)
             self._lose(f"internal error: {type(e).__name__}: {e}")
         finally:
-            self.channel.cancel()
-            if self.results is not None:
-                self.results.cancel()
+            for c in (self.channel, self.results):
+                if c is not None:
+                    c.cancel()
 
     def _handle(self, kind: str, item) -> None:
         if kind == "reply":
@@ -286,9 +285,9 @@ class ChainRunner(ChainStats):
         self.alive = False
         self.lost_reason = why
         log.warning("chain %d (%s) lost: %s", self.chain_id, self.label, why)
-        self.channel.cancel()
-        if getattr(self, "results", None) is not None:
-            self.results.cancel()
+        for c in (getattr(self, "channel", None), getattr(self, "results", None)):
+            if c is not None:
+                c.cancel()
         with self.lock:
             seqs = self.scheduler.drain()
             self.inflight.clear()

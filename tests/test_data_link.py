@@ -11,6 +11,7 @@ import pytest
 from client import LocalCluster
 from tests.test_e2e import ckpt, oracle, prompts  # noqa: F401 (fixtures)
 from tests.test_scale import exact_job, settle_all
+from minipaged import step_frames
 from worker.shm_ring import SHM_DIR, ShmRingReader, ShmRingWriter
 
 
@@ -98,3 +99,42 @@ def test_two_stages_are_exact_with_the_ring_and_inline(ckpt, oracle, shm_mb):
     want = "shared-memory ring of 64 MiB" if shm_mb != "0" else "hidden states inline"
     assert f": {want}" in logs
     assert {n for n in os.listdir(SHM_DIR) if n.startswith("minipaged-")} <= before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("data_port", ["0", "-1"], ids=["data-link", "grpc"])
+def test_the_service_steps_on_the_data_link_or_on_grpc_and_both_are_exact(ckpt, oracle, data_port):
+    """Steps to stage 0 and results from the last stage ride the workers' data link when they
+    offer one (`--data-port -1`: they do not, and gRPC carries them): the same tokens either way."""
+    with LocalCluster(model=ckpt, workers=2, dtype="float64", block_size=4,
+                      extra_worker_args=["--data-port", data_port],
+                      extra_service_args=["--max-num-batched-tokens", "32"]) as c:
+        exact_job(c.client, oracle, prompts(8, 1, 40, seed=43), 6)
+        settle_all(c.client)
+        logs = c.logs(300)
+    want = "the data link" if data_port == "0" else "gRPC"
+    assert f"steps and results on {want}" in logs
+
+
+def test_a_results_link_needs_the_token_the_epoch_and_the_last_stage(ckpt):
+    """Who may read a chain's results on the data link: the worker token, at the chain's epoch,
+    from its last stage. Anything else is refused (b"NO") and changes nothing."""
+    with LocalCluster(model=ckpt, workers=2, dtype="float32", token="s3cret") as c:
+        c.client.generate(prompt_token_ids=[5, 6, 7], max_new_tokens=2)
+        st = c.client.stats()
+        epoch = int(st.cache_epoch)
+        first, last = (f"127.0.0.1:{p}" for p in _data_ports(c.log_dir, 2))
+        for address, token, ep in [(last, "wrong", epoch), (last, "s3cret", epoch + 1), (first, "s3cret", epoch)]:
+            with pytest.raises(ConnectionError):
+                step_frames.connect(address, step_frames.RESULTS_MAGIC, token, ep, 5.0)
+        r = c.client.generate(prompt_token_ids=[5, 6, 7], max_new_tokens=2)   # the chain is untouched
+        assert r.finish_reason == "length" and c.client.stats().cache_epoch == epoch
+
+
+def _data_ports(log_dir: str, n: int) -> list[int]:
+    import re
+    out = []
+    for i in range(n):
+        with open(os.path.join(log_dir, f"worker{i}.log")) as f:
+            out.append(int(re.search(r"data link on [^ ]+:(\d+)", f.read()).group(1)))
+    return out

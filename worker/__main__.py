@@ -114,12 +114,13 @@ def serve(args, servicer):
         log.error("cannot serve on %s:%d: %s", args.host, args.port, e)
         print(f"error: cannot serve on {args.host}:{args.port}: {e}", file=sys.stderr, flush=True)
         return None
-    if args.data_port >= 0 and not args.tls_cert and not servicer.runner.is_first:
+    if args.data_port >= 0 and not args.tls_cert:   # the service's Steps (stage 0), results (last), hidden states
         from worker.data_link import DataServer
         try:
             servicer.data_server = DataServer(servicer, args.host, args.data_port, args.worker_token)
         except OSError as e:
             return _cannot_serve("the data link", args.host, args.data_port, e)
+        print(f"data link on {args.host}:{servicer.data_server.port}", file=sys.stderr, flush=True)
     if args.metrics_port >= 0:
         from worker import metrics
         try:

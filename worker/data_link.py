@@ -12,13 +12,11 @@ Between stages on one host the bytes themselves go through a shared-memory ring
 (worker/shm_ring.py: one memcpy a side instead of the kernel's socket copies); the socket still
 carries every frame, in order.
 
-Frames (little endian). Client hello: b"MPD2", u32 token length, token, u64 cache epoch, u32 ring
-name length, ring name (empty: none); the server answers b"OS" (ring opened), b"OK" (inline bytes)
-or b"NO" and closes. Then steps: b"S", u32 header length, u64 hidden length, the StepRequest bytes,
-the hidden bytes; or b"M", the same lengths, the StepRequest bytes, u64 ring offset, u64 ring end.
-Back: u32 length, a StepReply. The hello carries the worker token (compared
-in constant time); the link is offered only without TLS (with TLS, hidden states stay on the gRPC
-stream, which is encrypted)."""
+The frames are minipaged/step_frames.py's. The same socket protocol carries the metadata service's
+Steps to stage 0 and the last stage's results back to it (RESULTS_MAGIC): the one step protocol,
+on one transport. The hello carries the worker token (compared in constant time); the link is
+offered only without TLS (with TLS, Steps, results and hidden states stay on the gRPC streams,
+which are encrypted)."""
 from __future__ import annotations
 
 import hmac
@@ -30,13 +28,13 @@ import threading
 
 import grpc
 
+from minipaged.step_frames import HELLO as _HELLO, REPLY as _REPLY, RESULTS_MAGIC, RING as _RING, \
+    STEP as _STEP, STEPS_MAGIC, connect, read_reply, recv_exact as _recv_exact
 from minipaged.v1 import worker_pb2 as pb
 from worker.shm_ring import ShmRingReader, ShmRingWriter, capacity_from_env
 from worker.step_stream import StepPipe, wait_until
 
 log = logging.getLogger("worker.data_link")
-_HELLO, _STEP, _REPLY = struct.Struct("<4sI"), struct.Struct("<cIQ"), struct.Struct("<I")
-_RING = struct.Struct("<QQ")
 _END = object()
 
 
@@ -49,17 +47,6 @@ def payload_parts(payload) -> tuple:
 def payload_bytes(payload) -> bytes:
     """One bytes object, for the paths that put hidden states inside a protobuf message."""
     return payload if isinstance(payload, bytes) else b"".join(payload_parts(payload))
-
-
-def _recv_exact(sock: socket.socket, n: int, into: bytearray | None = None) -> bytearray:
-    buf = into if into is not None else bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = sock.recv_into(view[got:n])
-        if k == 0:
-            raise ConnectionError("the peer closed the data link")
-        got += k
-    return buf
 
 
 class DataServer:
@@ -83,14 +70,21 @@ class DataServer:
     def _serve(self, conn: socket.socket) -> None:
         try:
             magic, n = _HELLO.unpack(_recv_exact(conn, _HELLO.size))
-            if magic != b"MPD2" or n > 4096:
+            if magic not in (STEPS_MAGIC, RESULTS_MAGIC) or n > 4096:
+                conn.close()
                 return
             token = bytes(_recv_exact(conn, n))
             epoch, m = struct.unpack("<QI", _recv_exact(conn, 12))
             name = bytes(_recv_exact(conn, m)).decode("ascii", "replace") if m <= 256 else ""
-            if not hmac.compare_digest(token, self.token) or epoch != self.s.epoch or not epoch or m > 256:
+            ok = hmac.compare_digest(token, self.token) and epoch == self.s.epoch and epoch and m <= 256
+            if magic == RESULTS_MAGIC:
+                ok = ok and self.s.runner.is_last
+            if not ok:
                 conn.sendall(b"NO")       # wrong token or a stale epoch: nothing runs
+                conn.close()
                 return
+            if magic == RESULTS_MAGIC:
+                return self._serve_results(conn)
             ring = None
             if name:
                 try:
@@ -101,6 +95,34 @@ class DataServer:
         except (OSError, ConnectionError, struct.error):
             conn.close()
             return
+        self._serve_steps(conn, ring)
+
+    def _serve_results(self, conn: socket.socket) -> None:
+        """StepResults on the socket: this epoch's replies, in order, until the subscriber hangs
+        up, a newer one takes over, or the epoch ends."""
+        q = self.s.subscribe_results()
+        try:
+            conn.sendall(b"OK")          # subscribed: steps may flow now
+        except OSError:
+            q.put(None)
+        # the subscriber sends nothing more: end of file (or an error) means it left
+        threading.Thread(target=lambda: (_wait_closed(conn), q.put(None)), name="results-peer", daemon=True).start()
+        try:
+            while True:
+                item = q.get()
+                if item is None:
+                    return
+                reply, ready_at = item
+                wait_until(ready_at)
+                data = reply.SerializeToString()
+                conn.sendall(_REPLY.pack(len(data)) + data)
+        except OSError:
+            pass
+        finally:
+            self.s.unsubscribe_results(q)
+            conn.close()
+
+    def _serve_steps(self, conn: socket.socket, ring: ShmRingReader | None) -> None:
         pipe = StepPipe(self.s)
         self.s.streams.add(pipe)
         writer = threading.Thread(target=self._write_replies, args=(conn, pipe), name="data-replies", daemon=True)
@@ -148,14 +170,19 @@ class DataServer:
         self.sock.close()
 
 
+def _wait_closed(conn: socket.socket) -> None:
+    try:
+        while conn.recv(4096):
+            pass
+    except OSError:
+        pass
+
+
 class TcpStageLink:
     """The sending side; the interface of StageLink (send, close, cancel, relayed errors)."""
 
     def __init__(self, address: str, token: str, epoch: int, on_reply, on_failed, timeout_s: float = 30.0):
-        host, port = address.rsplit(":", 1)
         self.address = address
-        self.sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.ring = None
         capacity = capacity_from_env()
         if capacity:
@@ -163,21 +190,16 @@ class TcpStageLink:
                 self.ring = ShmRingWriter(capacity)
             except OSError as e:          # no /dev/shm, or not room for the ring in it
                 log.info("no shared-memory ring for %s (%s): hidden states go inline", address, e)
-        t, name = token.encode(), (self.ring.name.encode() if self.ring else b"")
         try:
-            self.sock.sendall(_HELLO.pack(b"MPD2", len(t)) + t + struct.pack("<QI", epoch, len(name)) + name)
-            answer = bytes(_recv_exact(self.sock, 2))
+            self.sock, answer = connect(address, STEPS_MAGIC, token, epoch, timeout_s,
+                                        self.ring.name if self.ring else "")
         finally:
             if self.ring is not None:
                 self.ring.unlink()        # opened by the next stage or never: the name is not needed
-        if answer not in (b"OK", b"OS"):
-            self.sock.close()
-            raise ConnectionError(f"the next stage {address} refused the data link (token or epoch)")
         if answer == b"OK":
             self.ring = None              # the next stage cannot see our /dev/shm
         log.info("data link to %s: %s", address, f"shared-memory ring of {self.ring.capacity >> 20} MiB"
                  if self.ring is not None else "hidden states inline")
-        self.sock.settimeout(None)
         self._on_reply, self._on_failed = on_reply, on_failed
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._sent, self._closed, self._broken = False, False, False
@@ -225,8 +247,7 @@ class TcpStageLink:
         broke = False
         try:
             while True:
-                (n,) = _REPLY.unpack(_recv_exact(self.sock, _REPLY.size))
-                self._on_reply(pb.StepReply.FromString(bytes(_recv_exact(self.sock, n))))   # an error
+                self._on_reply(pb.StepReply.FromString(read_reply(self.sock)))   # an error
         except (OSError, ConnectionError, struct.error):
             broke = not self._closed
         self._broken = True               # a writer waiting for ring space gives up

@@ -68,8 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a simulated worker: no weights, no compute; each step sleeps for a roofline timing "
                         "model's time (worker/simulator.py) and returns deterministic pseudo-random tokens")
     p.add_argument("--data-port", type=int, default=0,
-                   help="TCP data link for hidden states from the previous stage (0 picks a port, -1 = none: "
-                        "they come on the gRPC stream; never with TLS, whose stream is encrypted)")
+                   help="TCP data link: the metadata service's Steps and results, and hidden states from "
+                        "the previous stage (0 picks a port, -1 = none: all on the gRPC streams; never with "
+                        "TLS, whose streams are encrypted)")
     p.add_argument("--metrics-port", type=int, default=-1,
                    help="serve Prometheus text on this port (0 picks one; default off)")
     p.add_argument("--log-level", default="INFO")

@@ -7,6 +7,9 @@ worker/step_execution.py):
   (StepReply.error_code), so one bad step does not end the stream.
 - `StepResults`: the last stage's replies to the StepStream's steps, straight to the metadata
   service (the one way back, whatever the chain's length).
+Without TLS the metadata service sends its Steps and reads the results on the TCP data link
+(worker/data_link.py) instead: the same messages, order and errors in socket frames, each one
+cheaper than a streamed gRPC message.
 - `SampledTokenStream`: stage 0's end of the last stage's tokens (worker/first_stage.py), for the
   -1 inputs of the steps sent after first_gets_tokens steps.
 - `Step` (unary, for tools and tests): one step, forwarded with a unary call.
@@ -58,19 +61,32 @@ class StepRpcs:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"StepResults needs the last stage at the chain's epoch (this stage serves "
                           f"[{self.runner.layer_start}, {self.runner.layer_end}), epoch {self.epoch})")
-        q: queue.SimpleQueue = queue.SimpleQueue()
-        if self.results is not None:
-            self.results.put(None)               # one subscriber per epoch: the newest wins
-        self.results = q
+        q = self.subscribe_results()
         context.add_callback(lambda: q.put(None))
-        yield pb.StepReply(step_id=0, cache_epoch=self.epoch)   # subscribed: steps may flow now
-        while True:
-            item = q.get()
-            if item is None:
-                return
-            reply, ready_at = item
-            wait_until(ready_at)
-            yield reply
+        try:
+            yield pb.StepReply(step_id=0, cache_epoch=self.epoch)   # subscribed: steps may flow now
+            while True:
+                item = q.get()
+                if item is None:
+                    return
+                reply, ready_at = item
+                wait_until(ready_at)
+                yield reply
+        finally:
+            self.unsubscribe_results(q)
+
+    def subscribe_results(self) -> queue.SimpleQueue:
+        """The queue the last stage's replies go to from now on (StepResults, on gRPC or on the
+        data link): one subscriber per epoch, the newest wins."""
+        q: queue.SimpleQueue = queue.SimpleQueue()
+        old, self.results = self.results, q
+        if old is not None:
+            old.put(None)
+        return q
+
+    def unsubscribe_results(self, q: queue.SimpleQueue) -> None:
+        if self.results is q:
+            self.results = None
 
     def SampledTokenStream(self, request_iterator, context):
         for t in request_iterator:

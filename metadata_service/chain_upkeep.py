@@ -20,6 +20,7 @@ from minipaged.v1 import worker_pb2
 
 from .backlog import waiting_reason
 from .chain import ChainRunner
+from .step_channel import data_address
 
 log = logging.getLogger("metadata_service.engine")
 
@@ -100,8 +101,7 @@ class ChainUpkeep:
         try:
             for i in reversed(range(len(stages))):
                 nxt = stages[i + 1] if i + 1 < len(stages) else None
-                data = (f"{nxt.address.rsplit(':', 1)[0]}:{nxt.info.data_port}"
-                        if nxt is not None and nxt.info.data_port else "")
+                data = data_address(nxt) if nxt is not None else ""
                 first = stages[0].address if i == len(stages) - 1 and i > 0 else ""   # tokens back to stage 0
                 reply = stages[i].connect(self.registry.channel_factory).InitCache(worker_pb2.InitCacheRequest(
                     num_blocks=cap, block_size=self.block_size, next_stage_address=nxt.address if nxt else "",

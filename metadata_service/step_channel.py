@@ -123,20 +123,65 @@ class ResultsChannel:
         self._call.cancel()
 
 
-class SocketStepChannel:
-    """StepChannel on stage 0's data link: frames out (a sender thread, so a stage that stops
-    reading never blocks the chain's thread), in-band errors back."""
+class _SocketChannel:
+    """A data-link connection whose replies (StepReply frames) go to the chain's events; its end
+    (closed, reset, a frame that does not parse) is a broken chain unless we cancelled it."""
+    what = ""
 
-    def __init__(self, address: str, token: str, epoch: int, events: queue.SimpleQueue, timeout_s: float = 10.0):
-        self.sock, _ = step_frames.connect(address, step_frames.STEPS_MAGIC, token, epoch, timeout_s)
+    def __init__(self, address: str, magic: bytes, token: str, epoch: int, events: queue.SimpleQueue,
+                 timeout_s: float = 10.0):
+        self.sock, _ = step_frames.connect(address, magic, token, epoch, timeout_s)
         self._events = events
         self._cancelled = False
+        threading.Thread(target=self._read, name=self.what.replace(" ", "-"), daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            while True:
+                self._events.put(("reply", worker_pb2.StepReply.FromString(step_frames.read_reply(self.sock))))
+        except Exception as e:
+            why = str(e) or type(e).__name__
+        if not self._cancelled:
+            self._events.put(("broken", f"{self.what} broke: {why}"))
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+class SocketStepChannel(_SocketChannel):
+    """StepChannel on stage 0's data link: frames out, in-band errors back. The chain's thread
+    sends a frame itself when the socket takes all of it at once (the usual case: no thread hop);
+    whatever does not fit goes to a sender thread, and so does every frame after it until that one
+    has drained, so a stage that stops reading never blocks the chain's thread and order holds."""
+    what = "step link to stage 0"
+
+    def __init__(self, address: str, token: str, epoch: int, events: queue.SimpleQueue):
+        super().__init__(address, step_frames.STEPS_MAGIC, token, epoch, events)
         self._frames: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._queued = 0                   # frames (or their rests) the sender thread still holds
         threading.Thread(target=self._send, name="step-link-send", daemon=True).start()
-        threading.Thread(target=self._read, name="step-link", daemon=True).start()
 
     def send(self, request: worker_pb2.StepRequest) -> None:
-        self._frames.put(step_frames.step_frame(request.SerializeToString()))
+        frame = step_frames.step_frame(request.SerializeToString())
+        with self._lock:
+            if not self._queued:
+                try:
+                    sent = self.sock.send(frame, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    sent = 0
+                except OSError:
+                    return                 # the reader reports the break
+                if sent == len(frame):
+                    return
+                frame = memoryview(frame)[sent:]
+            self._queued += 1
+        self._frames.put(frame)
 
     def _send(self) -> None:
         while True:
@@ -147,48 +192,17 @@ class SocketStepChannel:
                 self.sock.sendall(frame)
             except OSError:
                 return                     # the reader reports the break
-
-    def _read(self) -> None:
-        try:
-            while True:
-                self._events.put(("reply", worker_pb2.StepReply.FromString(step_frames.read_reply(self.sock))))
-        except Exception as e:   # closed, reset, or a frame that does not parse: the link is gone
-            why = str(e) or type(e).__name__
-        if not self._cancelled:
-            self._events.put(("broken", f"step link to stage 0 broke: {why}"))
+            with self._lock:
+                self._queued -= 1
 
     def cancel(self) -> None:
-        self._cancelled = True
         self._frames.put(_END)
-        _shut(self.sock)
+        super().cancel()
 
 
-class SocketResultsChannel:
+class SocketResultsChannel(_SocketChannel):
     """ResultsChannel on the last stage's data link; the server's b"OK" is the subscription."""
+    what = "results link from the last stage"
 
-    def __init__(self, address: str, token: str, epoch: int, events: queue.SimpleQueue, timeout_s: float = 10.0):
-        self.sock, _ = step_frames.connect(address, step_frames.RESULTS_MAGIC, token, epoch, timeout_s)
-        self._events = events
-        self._cancelled = False
-        threading.Thread(target=self._read, name="step-results", daemon=True).start()
-
-    def _read(self) -> None:
-        try:
-            while True:
-                self._events.put(("reply", worker_pb2.StepReply.FromString(step_frames.read_reply(self.sock))))
-        except Exception as e:   # closed, reset, or a frame that does not parse: the link is gone
-            why = str(e) or type(e).__name__
-        if not self._cancelled:
-            self._events.put(("broken", f"results link from the last stage broke: {why}"))
-
-    def cancel(self) -> None:
-        self._cancelled = True
-        _shut(self.sock)
-
-
-def _shut(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    sock.close()
+    def __init__(self, address: str, token: str, epoch: int, events: queue.SimpleQueue):
+        super().__init__(address, step_frames.RESULTS_MAGIC, token, epoch, events)

@@ -108,12 +108,7 @@ class DataServer:
         # the subscriber sends nothing more: end of file (or an error) means it left
         threading.Thread(target=lambda: (_wait_closed(conn), q.put(None)), name="results-peer", daemon=True).start()
         try:
-            while True:
-                item = q.get()
-                if item is None:
-                    return
-                reply, ready_at = item
-                wait_until(ready_at)
+            for reply in self.s.published(q):
                 data = reply.SerializeToString()
                 conn.sendall(_REPLY.pack(len(data)) + data)
         except OSError:

@@ -65,13 +65,7 @@ class StepRpcs:
         context.add_callback(lambda: q.put(None))
         try:
             yield pb.StepReply(step_id=0, cache_epoch=self.epoch)   # subscribed: steps may flow now
-            while True:
-                item = q.get()
-                if item is None:
-                    return
-                reply, ready_at = item
-                wait_until(ready_at)
-                yield reply
+            yield from self.published(q)
         finally:
             self.unsubscribe_results(q)
 
@@ -83,6 +77,17 @@ class StepRpcs:
         if old is not None:
             old.put(None)
         return q
+
+    def published(self, q: queue.SimpleQueue):
+        """The replies put on subscriber queue `q`, each once its device has it, until `q` ends
+        (None: a newer subscriber, a new epoch, or the subscriber left)."""
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            reply, ready_at = item
+            wait_until(ready_at)
+            yield reply
 
     def unsubscribe_results(self, q: queue.SimpleQueue) -> None:
         if self.results is q:

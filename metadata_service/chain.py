@@ -205,7 +205,7 @@ class ChainRunner(ChainStats):
                     continue
                 release, self.scheduler.released = self.scheduler.released, []
             req = self._step_request(batch, release)
-            self.channel.send(req)
+            self.wire_bytes += self.channel.send(req)
             self.inflight[req.step_id] = InflightStep(batch, req.step_id, time.monotonic())
             self.slot_inflight[slot] += 1
             self.metadata_s += time.perf_counter() - t0
@@ -214,9 +214,7 @@ class ChainRunner(ChainStats):
     def _step_request(self, b: ScheduledBatch, release: list[int]) -> worker_pb2.StepRequest:
         step_id, self.next_step_id = self.next_step_id, self.next_step_id + 1
         vocab = self.stages[-1].info.vocab_size if b.special else 0    # grammar bitmasks only
-        req = build_step_request(b, release, step_id, self.epoch, self.tokens_to_first, vocab)
-        self.wire_bytes += req.ByteSize()
-        return req
+        return build_step_request(b, release, step_id, self.epoch, self.tokens_to_first, vocab)
 
     # ------------------------------------------------------------------ replies
     def _on_reply(self, reply: worker_pb2.StepReply) -> None:

@@ -32,24 +32,25 @@ def data_address(stage) -> str:
 def open_channels(stages, channel_factory, epoch: int, token: str, events: queue.SimpleQueue):
     """(step channel to stage 0, results channel from the last stage): on the data link when both
     ends offer it and it answers, else on gRPC."""
-    metadata = (("authorization", f"Bearer {token}"),) if token else None
     first, last = data_address(stages[0]), data_address(stages[-1])
     if first and last:
         try:
-            results = SocketResultsChannel(last, token, epoch, events)
+            return _both(lambda: SocketStepChannel(first, token, epoch, events),
+                         lambda: SocketResultsChannel(last, token, epoch, events))
         except (OSError, ConnectionError) as e:
-            log.warning("data link to %s refused (%s): steps go on gRPC", last, e)
-        else:
-            try:
-                return SocketStepChannel(first, token, epoch, events), results
-            except (OSError, ConnectionError) as e:
-                results.cancel()
-                log.warning("data link to %s refused (%s): steps go on gRPC", first, e)
-    steps = StepChannel(stages[0].connect(channel_factory), metadata, events)
+            log.warning("data link of %s / %s refused (%s): steps go on gRPC", first, last, e)
+    metadata = (("authorization", f"Bearer {token}"),) if token else None
+    return _both(lambda: StepChannel(stages[0].connect(channel_factory), metadata, events),
+                 lambda: ResultsChannel(stages[-1].connect(channel_factory), epoch, metadata, events))
+
+
+def _both(make_steps, make_results):
+    """Open the results channel, then the step channel; neither is left open if the other fails."""
+    results = make_results()
     try:
-        return steps, ResultsChannel(stages[-1].connect(channel_factory), epoch, metadata, events)
+        return make_steps(), results
     except BaseException:
-        steps.cancel()
+        results.cancel()
         raise
 
 
@@ -68,8 +69,10 @@ class StepChannel:
                 return
             yield item
 
-    def send(self, request: worker_pb2.StepRequest) -> None:
+    def send(self, request: worker_pb2.StepRequest) -> int:
+        """Queue one Step; its size in bytes (the Stats figure)."""
         self._requests.put(request)
+        return request.ByteSize()
 
     def _read(self) -> None:
         try:
@@ -167,8 +170,10 @@ class SocketStepChannel(_SocketChannel):
         self._queued = 0                   # frames (or their rests) the sender thread still holds
         threading.Thread(target=self._send, name="step-link-send", daemon=True).start()
 
-    def send(self, request: worker_pb2.StepRequest) -> None:
-        frame = step_frames.step_frame(request.SerializeToString())
+    def send(self, request: worker_pb2.StepRequest) -> int:
+        """Send one Step (see the class); its size in bytes (the Stats figure)."""
+        data = request.SerializeToString()
+        frame = step_frames.step_frame(data)
         with self._lock:
             if not self._queued:
                 try:
@@ -176,12 +181,13 @@ class SocketStepChannel(_SocketChannel):
                 except BlockingIOError:
                     sent = 0
                 except OSError:
-                    return                 # the reader reports the break
+                    return len(data)       # the reader reports the break
                 if sent == len(frame):
-                    return
+                    return len(data)
                 frame = memoryview(frame)[sent:]
             self._queued += 1
         self._frames.put(frame)
+        return len(data)
 
     def _send(self) -> None:
         while True:

@@ -50,7 +50,8 @@ def payload_bytes(payload) -> bytes:
 
 
 class DataServer:
-    """Accepts the previous stage's data link; each connection is one ordered pipe of steps."""
+    """Accepts data links: from the previous stage or the metadata service (STEPS_MAGIC: one
+    ordered pipe of steps each), and the service's results subscription (RESULTS_MAGIC)."""
 
     def __init__(self, servicer, host: str, port: int, token: str):
         self.s, self.token = servicer, token.encode()
@@ -80,7 +81,7 @@ class DataServer:
             if magic == RESULTS_MAGIC:
                 ok = ok and self.s.runner.is_last
             if not ok:
-                conn.sendall(b"NO")       # wrong token or a stale epoch: nothing runs
+                conn.sendall(b"NO")       # wrong token, a stale epoch, results from a stage not last
                 conn.close()
                 return
             if magic == RESULTS_MAGIC:

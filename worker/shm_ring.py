@@ -6,12 +6,12 @@ the same for the workers of one node. The socket stays the control channel and k
 a frame names (offset, length, end) in the ring, the ring only holds the bytes.
 
 One writer (the sending stage), one reader (the next stage). The file's first 64 bytes hold u64
-`consumed`: how far the reader has read in the writer's byte stream, stored after each copy out.
-The writer puts a payload at head % capacity (skipping to 0 rather than wrapping it), sleeps until
-the reader has freed room, copies, and advances head. The reader computes on a frame where it lies
-(`hold`: a writable view, no copy out) and frees it once the step is done with it, forwards
-included; frames free in ring order whatever order their steps finish in. The file is unlinked as soon as the reader
-has opened it (or refused to), so nothing is left in /dev/shm when either process dies. A reader
+`consumed`: how far the reader has freed the writer's byte stream. The writer puts a payload at
+head % capacity (skipping to 0 rather than wrapping it), sleeps until the reader has freed room,
+copies, and advances head. The reader computes on a frame where it lies (`hold`: a writable view,
+no copy out) and frees it once the step is done with it, forwards included; frames free in ring
+order whatever order their steps finish in. The file is unlinked as soon as the reader has opened
+it (or refused to), so nothing is left in /dev/shm when either process dies. A reader
 that cannot open it (another host, another container's /dev/shm) says so and the link carries the
 bytes inline, as before. Space is reserved up front (posix_fallocate): a full /dev/shm refuses the
 ring at once instead of killing a stage with SIGBUS mid-step."""

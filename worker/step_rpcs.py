@@ -7,12 +7,12 @@ worker/step_execution.py):
   (StepReply.error_code), so one bad step does not end the stream.
 - `StepResults`: the last stage's replies to the StepStream's steps, straight to the metadata
   service (the one way back, whatever the chain's length).
-Without TLS the metadata service sends its Steps and reads the results on the TCP data link
-(worker/data_link.py) instead: the same messages, order and errors in socket frames, each one
-cheaper than a streamed gRPC message.
 - `SampledTokenStream`: stage 0's end of the last stage's tokens (worker/first_stage.py), for the
   -1 inputs of the steps sent after first_gets_tokens steps.
 - `Step` (unary, for tools and tests): one step, forwarded with a unary call.
+Without TLS the metadata service sends its Steps and reads the results on the TCP data link
+(worker/data_link.py) instead of StepStream / StepResults: the same messages, order and errors in
+socket frames, each one cheaper than a streamed gRPC message.
 
 A mixin of WorkerServicer (worker/server.py): it reads `runner`, `epoch`, `store`, `next_stage`, `awaiting`,
 `streams` and `results`."""

@@ -103,10 +103,11 @@ class ChainUpkeep:
                 nxt = stages[i + 1] if i + 1 < len(stages) else None
                 data = data_address(nxt) if nxt is not None else ""
                 first = stages[0].address if i == len(stages) - 1 and i > 0 else ""   # tokens back to stage 0
+                first_data = data_address(stages[0]) if first else ""
                 reply = stages[i].connect(self.registry.channel_factory).InitCache(worker_pb2.InitCacheRequest(
                     num_blocks=cap, block_size=self.block_size, next_stage_address=nxt.address if nxt else "",
                     next_stage_token=self.worker_token or "", cache_epoch=epoch, next_stage_data_address=data,
-                    first_stage_address=first), timeout=self.init_timeout_s, metadata=self._auth())
+                    first_stage_address=first, first_stage_data_address=first_data), timeout=self.init_timeout_s, metadata=self._auth())
             epoch = reply.cache_epoch  # stage 0's word is what Steps must carry
         except grpc.RpcError as e:
             log.warning("InitCache on chain %s failed: %s %s", label, e.code().name, e.details())

@@ -10,14 +10,16 @@ ring name (empty: none). The server answers b"OS" (ring opened), b"OK" or b"NO" 
   hidden bytes; or b"M", the same lengths, the StepRequest bytes, u64 ring offset, u64 ring end.
   Back: u32 length, a StepReply (errors, in-band, as on the StepStream).
 - RESULTS_MAGIC (the last stage, at the chain's epoch): StepResults as frames, u32 length, a
-  StepReply, for every step of the epoch, in order."""
+  StepReply, for every step of the epoch, in order.
+- TOKENS_MAGIC (the last stage to stage 0, at the chain's epoch): SampledTokens as frames, u32
+  length, a SampledTokens message; nothing comes back."""
 from __future__ import annotations
 
 import socket
 import struct
 
 HELLO, STEP, REPLY, RING = struct.Struct("<4sI"), struct.Struct("<cIQ"), struct.Struct("<I"), struct.Struct("<QQ")
-STEPS_MAGIC, RESULTS_MAGIC = b"MPD2", b"MPR1"
+STEPS_MAGIC, RESULTS_MAGIC, TOKENS_MAGIC = b"MPD2", b"MPR1", b"MPT1"
 
 
 def recv_exact(sock: socket.socket, n: int, into: bytearray | None = None) -> bytearray:

@@ -104,8 +104,9 @@ def test_two_stages_are_exact_with_the_ring_and_inline(ckpt, oracle, shm_mb):
 @pytest.mark.slow
 @pytest.mark.parametrize("data_port", ["0", "-1"], ids=["data-link", "grpc"])
 def test_the_service_steps_on_the_data_link_or_on_grpc_and_both_are_exact(ckpt, oracle, data_port):
-    """Steps to stage 0 and results from the last stage ride the workers' data link when they
-    offer one (`--data-port -1`: they do not, and gRPC carries them): the same tokens either way."""
+    """Steps to stage 0, results from the last stage and the sampled tokens the last stage sends
+    stage 0 (async inputs across the pipeline) ride the workers' data link when they offer one
+    (`--data-port -1`: they do not, and gRPC carries them): the same tokens either way."""
     with LocalCluster(model=ckpt, workers=2, dtype="float64", block_size=4,
                       extra_worker_args=["--data-port", data_port],
                       extra_service_args=["--max-num-batched-tokens", "32"]) as c:
@@ -114,11 +115,13 @@ def test_the_service_steps_on_the_data_link_or_on_grpc_and_both_are_exact(ckpt, 
         logs = c.logs(300)
     want = "the data link" if data_port == "0" else "gRPC"
     assert f"steps and results on {want}" in logs
+    assert ("sampled tokens to stage 0 on the data link" in logs) == (data_port == "0")
 
 
 def test_a_results_link_needs_the_token_the_epoch_and_the_last_stage(ckpt):
     """Who may read a chain's results on the data link: the worker token, at the chain's epoch,
-    from its last stage. Anything else is refused (b"NO") and changes nothing."""
+    from its last stage; who may send stage 0 sampled tokens: the same token and epoch, to stage 0.
+    Anything else is refused (b"NO") and changes nothing."""
     with LocalCluster(model=ckpt, workers=2, dtype="float32", token="s3cret") as c:
         c.client.generate(prompt_token_ids=[5, 6, 7], max_new_tokens=2)
         st = c.client.stats()
@@ -127,6 +130,9 @@ def test_a_results_link_needs_the_token_the_epoch_and_the_last_stage(ckpt):
         for address, token, ep in [(last, "wrong", epoch), (last, "s3cret", epoch + 1), (first, "s3cret", epoch)]:
             with pytest.raises(ConnectionError):
                 step_frames.connect(address, step_frames.RESULTS_MAGIC, token, ep, 5.0)
+        for address, token, ep in [(first, "wrong", epoch), (first, "s3cret", epoch + 1), (last, "s3cret", epoch)]:
+            with pytest.raises(ConnectionError):
+                step_frames.connect(address, step_frames.TOKENS_MAGIC, token, ep, 5.0)
         r = c.client.generate(prompt_token_ids=[5, 6, 7], max_new_tokens=2)   # the chain is untouched
         assert r.finish_reason == "length" and c.client.stats().cache_epoch == epoch
 

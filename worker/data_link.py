@@ -27,9 +27,10 @@ import struct
 import threading
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from minipaged.step_frames import HELLO as _HELLO, REPLY as _REPLY, RESULTS_MAGIC, RING as _RING, \
-    STEP as _STEP, STEPS_MAGIC, connect, read_reply, recv_exact as _recv_exact
+    STEP as _STEP, STEPS_MAGIC, TOKENS_MAGIC, connect, read_reply, recv_exact as _recv_exact
 from minipaged.v1 import worker_pb2 as pb
 from worker.shm_ring import ShmRingReader, ShmRingWriter, capacity_from_env
 from worker.step_stream import StepPipe, wait_until
@@ -71,7 +72,7 @@ class DataServer:
     def _serve(self, conn: socket.socket) -> None:
         try:
             magic, n = _HELLO.unpack(_recv_exact(conn, _HELLO.size))
-            if magic not in (STEPS_MAGIC, RESULTS_MAGIC) or n > 4096:
+            if magic not in (STEPS_MAGIC, RESULTS_MAGIC, TOKENS_MAGIC) or n > 4096:
                 conn.close()
                 return
             token = bytes(_recv_exact(conn, n))
@@ -80,12 +81,16 @@ class DataServer:
             ok = hmac.compare_digest(token, self.token) and epoch == self.s.epoch and epoch and m <= 256
             if magic == RESULTS_MAGIC:
                 ok = ok and self.s.runner.is_last
+            elif magic == TOKENS_MAGIC:
+                ok = ok and self.s.runner.is_first
             if not ok:
-                conn.sendall(b"NO")       # wrong token, a stale epoch, results from a stage not last
-                conn.close()
+                conn.sendall(b"NO")       # wrong token, a stale epoch, results not from the last stage
+                conn.close()              # or tokens to a stage that is not first
                 return
             if magic == RESULTS_MAGIC:
                 return self._serve_results(conn)
+            if magic == TOKENS_MAGIC:
+                return self._serve_tokens(conn)
             ring = None
             if name:
                 try:
@@ -116,6 +121,19 @@ class DataServer:
             pass
         finally:
             self.s.unsubscribe_results(q)
+            conn.close()
+
+    def _serve_tokens(self, conn: socket.socket) -> None:
+        """SampledTokenStream on the socket: the last stage's tokens, until it hangs up."""
+        try:
+            conn.sendall(b"OK")
+            while True:
+                self.s.sampled_tokens(pb.SampledTokens.FromString(read_reply(conn)))
+        except (OSError, ConnectionError, struct.error):
+            pass
+        except DecodeError:               # not a SampledTokens message: drop the link, as gRPC would
+            log.warning("sampled tokens on the data link: an unreadable frame; link closed")
+        finally:
             conn.close()
 
     def _serve_steps(self, conn: socket.socket, ring: ShmRingReader | None) -> None:

@@ -135,7 +135,7 @@ class WorkerServicer(StepExecution, StepRpcs, pb_grpc.WorkerServiceServicer):
             self.next_stage.connect(request.next_stage_address, request.next_stage_token, request.cache_epoch,
                                     request.next_stage_data_address, self.channel_factory)
             self.first_stage.connect(request.first_stage_address, request.next_stage_token, self.channel_factory,
-                                     GRPC_OPTIONS)
+                                     GRPC_OPTIONS, request.first_stage_data_address, request.cache_epoch)
             self.awaiting.clear()
             self.num_blocks, self.block_size = nb, bs
             self.limits = StepLimits(self.cfg.vocab_size, self.cfg.hidden_size, self.cfg.max_position_embeddings,

@@ -95,13 +95,17 @@ class StepRpcs:
 
     def SampledTokenStream(self, request_iterator, context):
         for t in request_iterator:
-            if t.cache_epoch == self.epoch:
-                try:
-                    tokens = wire.unpack(t.token_ids, name="token_ids")
-                except wire.WireError:
-                    tokens = None                 # unreadable: the -1 waiting on them fails now
-                self.tokens_arrived(t.step_id, tokens)
+            self.sampled_tokens(t)
         return pb.SampledTokensReply()
+
+    def sampled_tokens(self, t: pb.SampledTokens) -> None:
+        """One step's tokens from the last stage (SampledTokenStream or the data link)."""
+        if t.cache_epoch == self.epoch:
+            try:
+                tokens = wire.unpack(t.token_ids, name="token_ids")
+            except wire.WireError:
+                tokens = None                 # unreadable: the -1 waiting on them fails now
+            self.tokens_arrived(t.step_id, tokens)
 
     def await_tokens(self, step_id: int, sampled_ids: np.ndarray) -> None:
         """Stage 0 forwarded a first_gets_tokens step: a later -1 input of these sequences waits."""

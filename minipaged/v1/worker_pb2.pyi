@@ -67,7 +67,7 @@ class WorkerInfo(_message.Message):
     def __init__(self, address: _Optional[str] = ..., model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_layers: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[bytes] = ..., kv_cache_bytes: _Optional[int] = ..., fixed_num_blocks: _Optional[int] = ..., cache_epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., backend: _Optional[str] = ..., dtype_bytes: _Optional[int] = ..., replica_group: _Optional[str] = ..., simulate: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., data_port: _Optional[int] = ...) -> None: ...
 
 class InitCacheRequest(_message.Message):
-    __slots__ = ("num_blocks", "block_size", "next_stage_address", "next_stage_token", "cache_epoch", "next_stage_data_address", "first_stage_address")
+    __slots__ = ("num_blocks", "block_size", "next_stage_address", "next_stage_token", "cache_epoch", "next_stage_data_address", "first_stage_address", "first_stage_data_address")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NEXT_STAGE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,7 @@ class InitCacheRequest(_message.Message):
     CACHE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     NEXT_STAGE_DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     FIRST_STAGE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_STAGE_DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     block_size: int
     next_stage_address: str
@@ -82,7 +83,8 @@ class InitCacheRequest(_message.Message):
     cache_epoch: int
     next_stage_data_address: str
     first_stage_address: str
-    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., next_stage_address: _Optional[str] = ..., next_stage_token: _Optional[str] = ..., cache_epoch: _Optional[int] = ..., next_stage_data_address: _Optional[str] = ..., first_stage_address: _Optional[str] = ...) -> None: ...
+    first_stage_data_address: str
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., next_stage_address: _Optional[str] = ..., next_stage_token: _Optional[str] = ..., cache_epoch: _Optional[int] = ..., next_stage_data_address: _Optional[str] = ..., first_stage_address: _Optional[str] = ..., first_stage_data_address: _Optional[str] = ...) -> None: ...
 
 class InitCacheReply(_message.Message):
     __slots__ = ("cache_epoch", "num_blocks", "block_size")

@@ -14,15 +14,15 @@ D = 16
 DT = torch.float64
 
 
-def paged_context(seq_lens, block_size, num_kv_heads, seed, extra_blocks=3):
+def paged_context(seq_lens, block_size, num_kv_heads, seed, extra_blocks=3, head_dim=D):
     """Random K/V for B sequences, scattered over shuffled physical blocks. Returns the caches,
     the block tables (-1 padded), and each sequence's dense K/V [Hkv, L, D]."""
     g = torch.Generator().manual_seed(seed)
     need = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(need) + extra_blocks
     perm = torch.randperm(num_blocks, generator=g)
-    kc = torch.randn(num_blocks, num_kv_heads, block_size, D, generator=g, dtype=DT)
-    vc = torch.randn(num_blocks, num_kv_heads, block_size, D, generator=g, dtype=DT)
+    kc = torch.randn(num_blocks, num_kv_heads, block_size, head_dim, generator=g, dtype=DT)
+    vc = torch.randn(num_blocks, num_kv_heads, block_size, head_dim, generator=g, dtype=DT)
     tables = torch.full((len(seq_lens), max(need)), -1, dtype=torch.int32)
     dense, start = [], 0
     for b, n in enumerate(seq_lens):
@@ -245,14 +245,17 @@ def native_backend():
 @pytest.mark.parametrize("dtype,atol", [(torch.float64, 1e-13), (torch.float32, 2e-6)])
 @pytest.mark.parametrize("block_size", [1, 7, 16])
 @pytest.mark.parametrize("group", [1, 2, 4])
-def test_native_decode_matches_torch_and_reference(block_size, group, dtype, atol):
+@pytest.mark.parametrize("head_dim", [D, 64, 128])   # 64 and 128: the float32 vector forms
+def test_native_decode_matches_torch_and_reference(block_size, group, dtype, atol, head_dim):
     Hkv = 2
     seq_lens = [1, 9, 23, 16, 0]          # the last one has no context: zeros, like the torch path
-    kc, vc, tables, _ = paged_context(seq_lens[:-1] + [1], block_size, Hkv, seed=block_size + 3 * group)
+    kc, vc, tables, _ = paged_context(seq_lens[:-1] + [1], block_size, Hkv, seed=block_size + 3 * group,
+                                      head_dim=head_dim)
     kc, vc = kc.to(dtype), vc.to(dtype)
-    q = torch.randn(len(seq_lens), Hkv * group, D, dtype=dtype)
+    q = torch.randn(len(seq_lens), Hkv * group, head_dim, dtype=dtype)
     sl = torch.tensor(seq_lens, dtype=torch.int32)
     out = native_backend().paged_decode(q, kc, vc, tables, sl, 0.25)
+    atol *= max(1, head_dim // D)   # rounding grows with the dot products' length (any summation order)
     assert out.dtype == dtype and out.shape == q.shape
     torch.testing.assert_close(out, TorchBackend().paged_decode(q, kc, vc, tables, sl, 0.25), rtol=0, atol=atol)
     torch.testing.assert_close(out[:-1], reference_paged_decode(q[:-1], kc, vc, tables[:-1], sl[:-1], 0.25),
@@ -263,8 +266,10 @@ def test_native_decode_matches_torch_and_reference(block_size, group, dtype, ato
 @pytest.mark.parametrize("dtype,atol", [(torch.float64, 1e-13), (torch.float32, 2e-6)])
 @pytest.mark.parametrize("block_size", [1, 7, 16])
 @pytest.mark.parametrize("group", [1, 2, 4, 16])
-def test_native_prefill_matches_torch_and_reference(block_size, group, dtype, atol):
-    Hkv, d = 1 if group == 16 else 2, 64 // (8 if dtype == torch.float64 else 4)  # d: whole vectors
+@pytest.mark.parametrize("vectors", [1, 2, 3, 8])  # head dim in vectors: P.V takes 2 at a time
+def test_native_prefill_matches_torch_and_reference(block_size, group, dtype, atol, vectors):
+    Hkv = 1 if group == 16 else 2
+    d = vectors * 64 // (8 if dtype == torch.float64 else 4)  # whole AVX-512 vectors (AVX2: twice as many)
     seq_lens = [5, 1, 40, 13, 30]
     qlens = [5, 1, 6, 13, 29]        # 2 and 4 have a cached prefix; 1 is a decode row (mixed step)
     g = torch.Generator().manual_seed(block_size * 7 + group)
@@ -279,6 +284,7 @@ def test_native_prefill_matches_torch_and_reference(block_size, group, dtype, at
     q = torch.randn(int(qsl[-1]), Hkv * group, d, generator=g, dtype=dtype)
     sl = torch.tensor(seq_lens, dtype=torch.int32)
     out = native_backend().paged_prefill(q, kc, vc, tables, sl, qsl, max(qlens), 0.3)
+    atol *= vectors                 # rounding grows with the dot products' length (any summation order)
     torch.testing.assert_close(out, TorchBackend().paged_prefill(q, kc, vc, tables, sl, qsl, max(qlens), 0.3),
                                rtol=0, atol=atol)
     torch.testing.assert_close(out, reference_paged_prefill(q, kc, vc, tables, sl, qsl, max(qlens), 0.3),

@@ -162,8 +162,15 @@ class Qwen3Stage(nn.Module):
 
     def weight_tensors(self) -> list[torch.Tensor]:
         """Every tensor of weights this stage holds (parameters, each once, and packed copies)."""
-        packed = [t for m in self.modules() if isinstance(m, Linear) for t in (m.packed, m.vnni) if t is not None]
+        packed = [t for m in self.modules() if isinstance(m, Linear) for t in (m.packed, m.vnni, m.onednn)
+                  if t is not None]
         return list(self.parameters()) + packed
+
+    def use_onednn_weights(self) -> int:
+        """The layers' matrices that still compute from a dense float32 weight go to oneDNN's
+        blocked layout (Linear.pack_onednn); the lm_head stays (a tied one is the embedding).
+        Returns how many."""
+        return sum(m.pack_onednn() for m in self.layers.modules() if isinstance(m, Linear))
 
     @torch.no_grad()
     def use_bf16_weights(self) -> bool:

@@ -112,7 +112,7 @@ inline T row_sum(const T* s, int n) {
 
 // One head's scores against n keys of a block, s[i] = (q . k[i]) * scale (k rows D apart), and
 // its weighted sum of n value rows, a += sum_i w[i] v[i]. Generic form: four keys at a time (four
-// independent FMA chains) and a running sum along d.
+// independent FMA chains) and a running sum along d. kD only selects a specialization below.
 template <typename T, int kD>
 inline void score_keys(const T* q, const T* k, int n, int D, T scale, T* s) {
   int i = 0;
@@ -148,8 +148,8 @@ inline void add_weighted(const T* w, const T* v, int n, int D, T* a) {
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-// float32 with a head dim of 64 or 128, in AVX2 registers (measured on this project's 2-core EPYC,
-// 59 sequences of ~300 positions, 4 layers, K/V in cache: 5.4 -> see README). Scores: eight keys
+// float32 with a head dim of 64 or 128, in AVX2 registers (~3% of a decode step on this project's
+// 2-core EPYC, whose decode attention waits on memory; more where K/V is in cache). Scores: eight keys
 // at a time, one accumulator vector each along d, then one transpose-add turns the eight vectors
 // into eight scores; the generic form pays a horizontal sum per key. Weighted sum: 64 values of d
 // in eight accumulator registers across all n rows; the generic form loads and stores a[] for
@@ -393,7 +393,8 @@ int paged_prefill(const T* query, const T* key_cache, const T* value_cache, int 
         // 3. out[r] = sum_p w[r, p] * v[p]: kPvRows rows x two vectors of d at a time (8
         //    independent FMA chains; 6 loads feed 8 FMAs). A D that is no multiple of two
         //    vectors: one vector of d, two accumulators each (even / odd positions).
-        for (int r0 = 0; r0 < R && D % (2 * kLanes) == 0; r0 += kPvRows) {
+        const bool two_vectors = D % (2 * kLanes) == 0;
+        for (int r0 = 0; two_vectors && r0 < R; r0 += kPvRows) {
           for (int d0 = 0; d0 < D; d0 += 2 * kLanes) {
             T acc[kPvRows][2][kLanes] = {};
             const T* w = scores.data() + size_t(r0) * keys_pad;
@@ -413,7 +414,7 @@ int paged_prefill(const T* query, const T* key_cache, const T* value_cache, int 
                 o_tile[size_t(r0 + rr) * D + d0 + i] = acc[rr][i / kLanes][i % kLanes];
           }
         }
-        for (int r0 = 0; r0 < R && D % (2 * kLanes) != 0; r0 += kPvRows) {
+        for (int r0 = 0; !two_vectors && r0 < R; r0 += kPvRows) {
           for (int d0 = 0; d0 < D; d0 += kLanes) {
             T acc[kPvRows][2][kLanes] = {};
             const T* w = scores.data() + size_t(r0) * keys_pad;

@@ -74,11 +74,16 @@ class FirstStageLink:
                     self._queue = None    # the next send opens a new line
 
     @staticmethod
-    def _frames(sock, q: queue.SimpleQueue) -> None:
+    def _messages(q: queue.SimpleQueue):
+        """The queued messages, each once its tokens exist (an asynchronous device: at ready_at)."""
+        while (item := q.get()) is not _END:
+            msg, ready_at = item
+            wait_until(ready_at)
+            yield msg
+
+    def _frames(self, sock, q: queue.SimpleQueue) -> None:
         try:
-            while (item := q.get()) is not _END:
-                msg, ready_at = item
-                wait_until(ready_at)      # an asynchronous device: the tokens exist at ready_at
+            for msg in self._messages(q):
                 data = msg.SerializeToString()
                 sock.sendall(REPLY.pack(len(data)) + data)
         except OSError as e:
@@ -87,13 +92,9 @@ class FirstStageLink:
             sock.close()
 
     def _stream(self, q: queue.SimpleQueue) -> None:
-        def messages():
-            while (item := q.get()) is not _END:
-                msg, ready_at = item
-                wait_until(ready_at)
-                yield msg
         try:
-            pb_grpc.WorkerServiceStub(self._channel).SampledTokenStream(messages(), metadata=self.meta or None)
+            pb_grpc.WorkerServiceStub(self._channel).SampledTokenStream(self._messages(q),
+                                                                        metadata=self.meta or None)
         except grpc.RpcError as e:
             log.warning("sampled tokens to stage 0 (%s): %s %s", self.address, e.code().name, e.details())
 

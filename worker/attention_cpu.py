@@ -37,17 +37,18 @@ class CpuTorchBackend(TorchBackend):
 
     def _kernel(self, kind: str, query, key_cache, value_cache):
         """The compiled entry point for these tensors, or None (then the torch code runs)."""
-        if self._lib is None or query.device.type != "cpu" or query.dtype not in _SUFFIX:
-            return None
-        if key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
+        suffix = _SUFFIX.get((query.dtype, key_cache.dtype))
+        if self._lib is None or query.device.type != "cpu" or suffix is None or value_cache.dtype != key_cache.dtype:
             return None
         if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
             raise ValueError(f"paged_{kind}: the K/V caches must be contiguous")
-        return getattr(self._lib, f"minipaged_paged_{kind}_{_SUFFIX[query.dtype]}")
+        return getattr(self._lib, f"minipaged_paged_{kind}_{suffix}")
 
     def write_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
-        """The compiled slot copy (cpu_kernels.cpp minipaged_write_kv) for CPU caches whose dtype
-        the new K/V already has, heads contiguous; otherwise the torch code."""
+        """The compiled slot copy (cpu_kernels.cpp minipaged_write_kv) for CPU caches, heads
+        contiguous (float32 K/V for a bfloat16 cache rounded first); otherwise the torch code."""
+        if key_cache.dtype == torch.bfloat16 and key.dtype == torch.float32:   # the bfloat16 compute mode
+            key, value = key.to(torch.bfloat16), value.to(torch.bfloat16)
         num_blocks, Hkv, bs, D = key_cache.shape
         ok = (self._lib is not None and key.device.type == "cpu" and key.dtype == value.dtype == key_cache.dtype
               == value_cache.dtype and key_cache.is_contiguous() and value_cache.is_contiguous()
@@ -66,7 +67,8 @@ class CpuTorchBackend(TorchBackend):
     def paged_decode(self, query, key_cache, value_cache, block_tables, seq_lens, scale):
         fn = self._kernel("decode", query, key_cache, value_cache)
         if fn is None:
-            return super().paged_decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
+            q = query.to(key_cache.dtype)     # (float32 queries of a bfloat16 cache: torch in bfloat16)
+            return super().paged_decode(q, key_cache, value_cache, block_tables, seq_lens, scale).to(query.dtype)
         B, H, D = query.shape
         num_blocks, Hkv, block_size, _ = key_cache.shape
         query, tables, lens = query.contiguous(), _i32(block_tables), _i32(seq_lens)
@@ -86,8 +88,8 @@ class CpuTorchBackend(TorchBackend):
         if fn is None or query.shape[-1] % (64 // query.element_size()):  # whole vectors of d
             fn = None
         if fn is None:
-            return super().paged_prefill(query, key_cache, value_cache, block_tables, seq_lens,
-                                         query_start_loc, max_query_len, scale)
+            return super().paged_prefill(query.to(key_cache.dtype), key_cache, value_cache, block_tables,
+                                         seq_lens, query_start_loc, max_query_len, scale).to(query.dtype)
         qsl = query_start_loc.long()
         qlens = qsl[1:] - qsl[:-1]
         is_dec = qlens == 1
@@ -117,4 +119,6 @@ class CpuTorchBackend(TorchBackend):
         return out
 
 
-_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
+# (query dtype, cache dtype) -> the kernels' suffix
+_SUFFIX = {(torch.float32, torch.float32): "f32", (torch.float64, torch.float64): "f64",
+           (torch.float32, torch.bfloat16): "f32_bf16"}

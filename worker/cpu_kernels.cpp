@@ -72,6 +72,12 @@ inline float exp_nonpositive(float x) {
 }
 inline double exp_nonpositive(double x) { return std::exp(x); }
 
+// K/V elements as the compute type: a bfloat16 cache (the bfloat16 compute mode) holds the top
+// 16 bits of a float32, so widening is a shift; float and double caches are read as they are.
+inline float widen(uint16_t h) { return __builtin_bit_cast(float, uint32_t(h) << 16); }
+inline float widen(float x) { return x; }
+inline double widen(double x) { return x; }
+
 // Every block a sequence reads must exist: returns 1 + the first bad sequence, or 0. (The worker
 // validates Steps before they get here; this keeps a wrong direct call an error, not a crash.)
 int check_tables(const int32_t* block_tables, int max_blocks, const int32_t* seq_lens, int B,
@@ -112,38 +118,39 @@ inline T row_sum(const T* s, int n) {
 
 // One head's scores against n keys of a block, s[i] = (q . k[i]) * scale (k rows D apart), and
 // its weighted sum of n value rows, a += sum_i w[i] v[i]. Generic form: four keys at a time (four
-// independent FMA chains) and a running sum along d. kD only selects a specialization below.
-template <typename T, int kD>
-inline void score_keys(const T* q, const T* k, int n, int D, T scale, T* s) {
+// independent FMA chains) and a running sum along d. C is the cache's element type (T, or
+// uint16_t for bfloat16); kD only selects a specialization below.
+template <typename T, typename C, int kD>
+inline void score_keys(const T* q, const C* k, int n, int D, T scale, T* s) {
   int i = 0;
   for (; i + 4 <= n; i += 4) {
-    const T *k0 = k + int64_t(i) * D, *k1 = k0 + D, *k2 = k1 + D, *k3 = k2 + D;
+    const C *k0 = k + int64_t(i) * D, *k1 = k0 + D, *k2 = k1 + D, *k3 = k2 + D;
     T d0 = 0, d1 = 0, d2 = 0, d3 = 0;
 #pragma omp simd reduction(+ : d0, d1, d2, d3)
     for (int d = 0; d < D; ++d) {
-      d0 += q[d] * k0[d];
-      d1 += q[d] * k1[d];
-      d2 += q[d] * k2[d];
-      d3 += q[d] * k3[d];
+      d0 += q[d] * widen(k0[d]);
+      d1 += q[d] * widen(k1[d]);
+      d2 += q[d] * widen(k2[d]);
+      d3 += q[d] * widen(k3[d]);
     }
     s[i] = d0 * scale, s[i + 1] = d1 * scale, s[i + 2] = d2 * scale, s[i + 3] = d3 * scale;
   }
   for (; i < n; ++i) {
-    const T* kr = k + int64_t(i) * D;
+    const C* kr = k + int64_t(i) * D;
     T dot = 0;
 #pragma omp simd reduction(+ : dot)
-    for (int d = 0; d < D; ++d) dot += q[d] * kr[d];
+    for (int d = 0; d < D; ++d) dot += q[d] * widen(kr[d]);
     s[i] = dot * scale;
   }
 }
 
-template <typename T, int kD>
-inline void add_weighted(const T* w, const T* v, int n, int D, T* a) {
+template <typename T, typename C, int kD>
+inline void add_weighted(const T* w, const C* v, int n, int D, T* a) {
   for (int i = 0; i < n; ++i) {
-    const T* vr = v + int64_t(i) * D;
+    const C* vr = v + int64_t(i) * D;
     const T wi = w[i];
 #pragma omp simd
-    for (int d = 0; d < D; ++d) a[d] += wi * vr[d];
+    for (int d = 0; d < D; ++d) a[d] += wi * widen(vr[d]);
   }
 }
 
@@ -161,61 +168,67 @@ inline __m256 sum8(const __m256* a) {  // lane j = the sum of a[j]'s lanes
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-template <int kD>
-inline void score_keys_f32(const float* q, const float* k, int n, float scale, float* s) {
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {  // eight bfloat16 values, widened
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+template <typename C, int kD>
+inline void score_keys_f32(const float* q, const C* k, int n, float scale, float* s) {
   int i = 0;
   for (; i + 8 <= n; i += 8) {
     __m256 acc[8];
     for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
-    const float* kb = k + int64_t(i) * kD;
+    const C* kb = k + int64_t(i) * kD;
 #pragma GCC unroll 16
     for (int c = 0; c < kD; c += 8) {
       const __m256 qc = _mm256_loadu_ps(q + c);
 #pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kb + j * kD + c), acc[j]);
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qc, load8(kb + j * kD + c), acc[j]);
     }
     _mm256_storeu_ps(s + i, _mm256_mul_ps(sum8(acc), _mm256_set1_ps(scale)));
   }
-  if (i < n) score_keys<float, 0>(q, k + int64_t(i) * kD, n - i, kD, scale, s + i);
+  if (i < n) score_keys<float, C, 0>(q, k + int64_t(i) * kD, n - i, kD, scale, s + i);
 }
 
-template <int kD>
-inline void add_weighted_f32(const float* w, const float* v, int n, float* a) {
+template <typename C, int kD>
+inline void add_weighted_f32(const float* w, const C* v, int n, float* a) {
   for (int c0 = 0; c0 < kD; c0 += 64) {
     __m256 acc[8];
     for (int c = 0; c < 8; ++c) acc[c] = _mm256_loadu_ps(a + c0 + 8 * c);
     for (int i = 0; i < n; ++i) {
       const __m256 wi = _mm256_set1_ps(w[i]);
-      const float* vr = v + int64_t(i) * kD + c0;
+      const C* vr = v + int64_t(i) * kD + c0;
 #pragma GCC unroll 8
-      for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(wi, _mm256_loadu_ps(vr + 8 * c), acc[c]);
+      for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(wi, load8(vr + 8 * c), acc[c]);
     }
     for (int c = 0; c < 8; ++c) _mm256_storeu_ps(a + c0 + 8 * c, acc[c]);
   }
 }
 
-template <>
-inline void score_keys<float, 64>(const float* q, const float* k, int n, int, float scale, float* s) {
-  score_keys_f32<64>(q, k, n, scale, s);
-}
-template <>
-inline void score_keys<float, 128>(const float* q, const float* k, int n, int, float scale, float* s) {
-  score_keys_f32<128>(q, k, n, scale, s);
-}
-template <>
-inline void add_weighted<float, 64>(const float* w, const float* v, int n, int, float* a) {
-  add_weighted_f32<64>(w, v, n, a);
-}
-template <>
-inline void add_weighted<float, 128>(const float* w, const float* v, int n, int, float* a) {
-  add_weighted_f32<128>(w, v, n, a);
-}
+#define MINIPAGED_F32_SPECIALIZATION(C, D)                                                   \
+  template <>                                                                                 \
+  inline void score_keys<float, C, D>(const float* q, const C* k, int n, int, float scale,   \
+                                      float* s) {                                             \
+    score_keys_f32<C, D>(q, k, n, scale, s);                                                  \
+  }                                                                                           \
+  template <>                                                                                 \
+  inline void add_weighted<float, C, D>(const float* w, const C* v, int n, int, float* a) {   \
+    add_weighted_f32<C, D>(w, v, n, a);                                                       \
+  }
+MINIPAGED_F32_SPECIALIZATION(float, 64)
+MINIPAGED_F32_SPECIALIZATION(float, 128)
+MINIPAGED_F32_SPECIALIZATION(uint16_t, 64)
+MINIPAGED_F32_SPECIALIZATION(uint16_t, 128)
+#undef MINIPAGED_F32_SPECIALIZATION
 #endif
 
 // kD > 0: the head dim as a compile-time constant (the dot products unroll; ~25% faster for 64),
-// 0: any head dim, at run time. See dispatch() for the instantiated ones.
-template <typename T, int kD>
-int paged_decode(const T* query, const T* key_cache, const T* value_cache, int num_blocks,
+// 0: any head dim, at run time. See dispatch() for the instantiated ones. C: the caches' element
+// type (T, or uint16_t: bfloat16 K/V read by float32 compute).
+template <typename T, typename C, int kD>
+int paged_decode(const T* query, const C* key_cache, const C* value_cache, int num_blocks,
                  const int32_t* block_tables, int max_blocks, const int32_t* seq_lens,
                  int B, int H, int Hkv, int block_size, int head_dim, T scale, T* out, int num_threads) {
   const int D = kD > 0 ? kD : head_dim;
@@ -247,7 +260,7 @@ int paged_decode(const T* query, const T* key_cache, const T* value_cache, int n
         prefetch(key_cache + int64_t(table[j]) * block_stride, block_stride);
       for (int p0 = 0; p0 < len; p0 += block_size) {
         const int j = p0 / block_size;
-        const T* kb = key_cache + int64_t(table[j]) * block_stride;
+        const C* kb = key_cache + int64_t(table[j]) * block_stride;
         const int n = std::min(block_size, len - p0);
         const int ahead = j + kPrefetchBlocks;  // K ahead, then the first V blocks
         if (ahead < num_blocks_used)
@@ -256,9 +269,9 @@ int paged_decode(const T* query, const T* key_cache, const T* value_cache, int n
           prefetch(value_cache + int64_t(table[ahead - num_blocks_used]) * block_stride, block_stride);
         for (int h = 0; h < H; ++h) {
           const T* qh = q + int64_t(h) * D;
-          const T* kh = kb + (h / G) * head_stride;
+          const C* kh = kb + (h / G) * head_stride;
           T* s = scores.data() + size_t(h) * len + p0;
-          score_keys<T, kD>(qh, kh, n, D, scale, s);
+          score_keys<T, C, kD>(qh, kh, n, D, scale, s);
         }
       }
       // 2. weights = exp(s - max) per head, and their sum
@@ -275,14 +288,14 @@ int paged_decode(const T* query, const T* key_cache, const T* value_cache, int n
       std::fill(acc.begin(), acc.end(), T(0));
       for (int p0 = 0; p0 < len; p0 += block_size) {
         const int j = p0 / block_size;
-        const T* vb = value_cache + int64_t(table[j]) * block_stride;
+        const C* vb = value_cache + int64_t(table[j]) * block_stride;
         const int n = std::min(block_size, len - p0);
         if (j + kPrefetchBlocks < num_blocks_used)
           prefetch(value_cache + int64_t(table[j + kPrefetchBlocks]) * block_stride, block_stride);
         for (int h = 0; h < H; ++h) {
-          const T* vh = vb + (h / G) * head_stride;
+          const C* vh = vb + (h / G) * head_stride;
           const T* w = scores.data() + size_t(h) * len + p0;
-          add_weighted<T, kD>(w, vh, n, D, acc.data() + size_t(h) * D);
+          add_weighted<T, C, kD>(w, vh, n, D, acc.data() + size_t(h) * D);
         }
       }
       for (int h = 0; h < H; ++h)
@@ -298,9 +311,10 @@ int paged_decode(const T* query, const T* key_cache, const T* value_cache, int n
 // are gathered once, transposed in groups of kLanes positions, so that scoring a tile of query
 // rows (TQ tokens x the G heads of the group) is a small GEMM whose inner loop runs along
 // positions with its accumulators in registers; then a per-row causal softmax, then P.V. Two
-// passes rather than an online softmax: a tile's scores fit in L2 for any context.
-template <typename T, int kD>
-int paged_prefill(const T* query, const T* key_cache, const T* value_cache, int num_blocks,
+// passes rather than an online softmax: a tile's scores fit in L2 for any context. A bfloat16
+// cache (C = uint16_t) has its V rows widened into one buffer per work item too.
+template <typename T, typename C, int kD>
+int paged_prefill(const T* query, const C* key_cache, const C* value_cache, int num_blocks,
                   const int32_t* block_tables, int max_blocks, const int32_t* seq_lens,
                   const int32_t* q_starts, const int32_t* q_lens, int S, int num_tokens, int H,
                   int Hkv, int block_size, int head_dim, T scale, T* out, int num_threads) {
@@ -331,12 +345,13 @@ int paged_prefill(const T* query, const T* key_cache, const T* value_cache, int 
     static_assert(kRowBlock % kPvRows == 0, "RP must be a multiple of kPvRows");
     std::vector<T> scores(size_t(RP) * max_pad), denom(RP);
     std::vector<const T*> v_rows(max_len);
+    std::vector<T> v_wide(std::is_same_v<C, T> ? 0 : size_t(max_len) * D);
 #pragma omp for schedule(dynamic, 1)
     for (int item = 0; item < S * Hkv; ++item) {
       const int s = item / Hkv, kvh = item % Hkv;
       const int len = seq_lens[s], qlen = q_lens[s], prefix = len - qlen;
       const int32_t* table = block_tables + int64_t(s) * max_blocks;
-      auto row_of = [&](const T* cache, int p) {
+      auto row_of = [&](const C* cache, int p) {
         return cache + int64_t(table[p / block_size]) * block_stride + kvh * head_stride +
                int64_t(p % block_size) * D;
       };
@@ -345,13 +360,23 @@ int paged_prefill(const T* query, const T* key_cache, const T* value_cache, int 
       for (int p = 0; p < len_pad; ++p) {
         T* dst = k_t.data() + size_t(p / kLanes) * D * kLanes + p % kLanes;
         if (p < len) {
-          const T* k = row_of(key_cache, p);
-          for (int d = 0; d < D; ++d) dst[size_t(d) * kLanes] = k[d];
+          const C* k = row_of(key_cache, p);
+          for (int d = 0; d < D; ++d) dst[size_t(d) * kLanes] = widen(k[d]);
         } else {
           for (int d = 0; d < D; ++d) dst[size_t(d) * kLanes] = T(0);
         }
       }
-      for (int p = 0; p < len; ++p) v_rows[p] = row_of(value_cache, p);
+      for (int p = 0; p < len; ++p) {
+        if constexpr (std::is_same_v<C, T>) {
+          v_rows[p] = row_of(value_cache, p);
+        } else {
+          const C* v = row_of(value_cache, p);
+          T* dst = v_wide.data() + size_t(p) * D;
+#pragma omp simd
+          for (int d = 0; d < D; ++d) dst[d] = widen(v[d]);
+          v_rows[p] = dst;
+        }
+      }
 
       for (int t0 = 0; t0 < qlen; t0 += TQ) {
         const int nt = std::min(TQ, qlen - t0), R = nt * G;
@@ -507,21 +532,21 @@ void silu_mul(const float* gate_up, int64_t row_stride, int T, int I, float* out
 }
 
 // The common head dims get their own instantiation; others run the generic one.
-template <template <typename, int> class Kernel, typename T, typename... Args>
+template <template <typename, typename, int> class Kernel, typename T, typename C, typename... Args>
 int dispatch(int head_dim, Args... args) {
   switch (head_dim) {
-    case 64: return Kernel<T, 64>::run(args...);
-    case 128: return Kernel<T, 128>::run(args...);
-    default: return Kernel<T, 0>::run(args...);
+    case 64: return Kernel<T, C, 64>::run(args...);
+    case 128: return Kernel<T, C, 128>::run(args...);
+    default: return Kernel<T, C, 0>::run(args...);
   }
 }
-template <typename T, int kD>
+template <typename T, typename C, int kD>
 struct Decode {
-  template <typename... A> static int run(A... a) { return paged_decode<T, kD>(a...); }
+  template <typename... A> static int run(A... a) { return paged_decode<T, C, kD>(a...); }
 };
-template <typename T, int kD>
+template <typename T, typename C, int kD>
 struct Prefill {
-  template <typename... A> static int run(A... a) { return paged_prefill<T, kD>(a...); }
+  template <typename... A> static int run(A... a) { return paged_prefill<T, C, kD>(a...); }
 };
 
 // Returns 0, or 1 + the index of a sequence whose seq_len or block ids are out of range.
@@ -552,7 +577,7 @@ int minipaged_paged_decode_f32(const float* query, const float* key_cache, const
                                int num_blocks, const int32_t* block_tables, int max_blocks,
                                const int32_t* seq_lens, int B, int H, int Hkv, int block_size, int D,
                                double scale, float* out, int num_threads) {
-  return dispatch<Decode, float>(D, query, key_cache, value_cache, num_blocks, block_tables, max_blocks,
+  return dispatch<Decode, float, float>(D, query, key_cache, value_cache, num_blocks, block_tables, max_blocks,
                                  seq_lens, B, H, Hkv, block_size, D, float(scale), out, num_threads);
 }
 
@@ -560,7 +585,7 @@ int minipaged_paged_decode_f64(const double* query, const double* key_cache, con
                                int num_blocks, const int32_t* block_tables, int max_blocks,
                                const int32_t* seq_lens, int B, int H, int Hkv, int block_size, int D,
                                double scale, double* out, int num_threads) {
-  return dispatch<Decode, double>(D, query, key_cache, value_cache, num_blocks, block_tables, max_blocks,
+  return dispatch<Decode, double, double>(D, query, key_cache, value_cache, num_blocks, block_tables, max_blocks,
                                   seq_lens, B, H, Hkv, block_size, D, scale, out, num_threads);
 }
 
@@ -569,7 +594,7 @@ int minipaged_paged_prefill_f32(const float* query, const float* key_cache, cons
                                 const int32_t* seq_lens, const int32_t* q_starts, const int32_t* q_lens,
                                 int S, int num_tokens, int H, int Hkv, int block_size, int D,
                                 double scale, float* out, int num_threads) {
-  return dispatch<Prefill, float>(D, query, key_cache, value_cache, num_blocks, block_tables, max_blocks,
+  return dispatch<Prefill, float, float>(D, query, key_cache, value_cache, num_blocks, block_tables, max_blocks,
                                   seq_lens, q_starts, q_lens, S, num_tokens, H, Hkv, block_size, D,
                                   float(scale), out, num_threads);
 }
@@ -579,9 +604,29 @@ int minipaged_paged_prefill_f64(const double* query, const double* key_cache, co
                                 const int32_t* seq_lens, const int32_t* q_starts, const int32_t* q_lens,
                                 int S, int num_tokens, int H, int Hkv, int block_size, int D,
                                 double scale, double* out, int num_threads) {
-  return dispatch<Prefill, double>(D, query, key_cache, value_cache, num_blocks, block_tables, max_blocks,
+  return dispatch<Prefill, double, double>(D, query, key_cache, value_cache, num_blocks, block_tables, max_blocks,
                                    seq_lens, q_starts, q_lens, S, num_tokens, H, Hkv, block_size, D,
                                    scale, out, num_threads);
+}
+
+// float32 queries over bfloat16 caches (uint16_t bits): the bfloat16 compute mode.
+int minipaged_paged_decode_f32_bf16(const float* query, const uint16_t* key_cache, const uint16_t* value_cache,
+                                    int num_blocks, const int32_t* block_tables, int max_blocks,
+                                    const int32_t* seq_lens, int B, int H, int Hkv, int block_size, int D,
+                                    double scale, float* out, int num_threads) {
+  return dispatch<Decode, float, uint16_t>(D, query, key_cache, value_cache, num_blocks, block_tables,
+                                           max_blocks, seq_lens, B, H, Hkv, block_size, D, float(scale), out,
+                                           num_threads);
+}
+
+int minipaged_paged_prefill_f32_bf16(const float* query, const uint16_t* key_cache,
+                                     const uint16_t* value_cache, int num_blocks, const int32_t* block_tables,
+                                     int max_blocks, const int32_t* seq_lens, const int32_t* q_starts,
+                                     const int32_t* q_lens, int S, int num_tokens, int H, int Hkv,
+                                     int block_size, int D, double scale, float* out, int num_threads) {
+  return dispatch<Prefill, float, uint16_t>(D, query, key_cache, value_cache, num_blocks, block_tables,
+                                            max_blocks, seq_lens, q_starts, q_lens, S, num_tokens, H, Hkv,
+                                            block_size, D, float(scale), out, num_threads);
 }
 
 void minipaged_qk_norm_rope_f32(const float* qkv, int row_stride, int T, int H, int Hkv, int D,

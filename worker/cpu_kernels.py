@@ -89,10 +89,12 @@ def load_library() -> ctypes.CDLL | None:
             log.warning("CPU kernels unavailable, everything runs in torch: %s", e)
             return None
         P, I = ctypes.c_void_p, ctypes.c_int
-        for fn in (lib.minipaged_paged_decode_f32, lib.minipaged_paged_decode_f64):
+        for fn in (lib.minipaged_paged_decode_f32, lib.minipaged_paged_decode_f64,
+                   lib.minipaged_paged_decode_f32_bf16):
             fn.argtypes = [P, P, P, I, P, I, P, I, I, I, I, I, ctypes.c_double, P, I]
             fn.restype = ctypes.c_int
-        for fn in (lib.minipaged_paged_prefill_f32, lib.minipaged_paged_prefill_f64):
+        for fn in (lib.minipaged_paged_prefill_f32, lib.minipaged_paged_prefill_f64,
+                   lib.minipaged_paged_prefill_f32_bf16):
             fn.argtypes = [P, P, P, I, P, I, P, P, P, I, I, I, I, I, I, ctypes.c_double, P, I]
             fn.restype = ctypes.c_int
         lib.minipaged_qk_norm_rope_f32.argtypes = [P, I, I, I, I, I, P, P, ctypes.c_float, P, P, P, P, I]

@@ -14,6 +14,9 @@ config.json) where the device computes it well, float32 where it does not:
     instructions (AVX512_BF16 or AMX-BF16 in /proc/cpuinfo) when those kernels are not built
     (no compiler, MINIPAGED_CPU_KERNELS=0 or MINIPAGED_BF16_WEIGHTS=0). float64 stays an explicit
     parity mode.
+An explicit `bfloat16` on a CPU with the compiled kernels and bfloat16 instructions is a mixed
+mode (worker/model_runner.py `mixed_bf16`): oneDNN bfloat16 GEMMs, a bfloat16 K/V cache, float32
+activations between them; auto does not pick it yet (README: not shown faster than float32 here).
 """
 from __future__ import annotations
 

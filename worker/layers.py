@@ -63,6 +63,22 @@ def _onednn_fp32_gemm() -> bool:
 ONEDNN_FP32_GEMM = _onednn_fp32_gemm()
 
 
+def onednn_bf16_gemm() -> bool:
+    """Can bfloat16 GEMMs go to oneDNN (the bfloat16 compute mode)? Only on a CPU with bfloat16
+    instructions (AVX512_BF16 or AMX-BF16; elsewhere oneDNN would emulate them), checked once
+    against F.linear on a small case."""
+    from worker.dtype_choice import cpu_has_bf16
+    if not (ONEDNN_FP32_GEMM and cpu_has_bf16()):
+        return False
+    try:
+        x, w = torch.randn(3, 32).bfloat16(), torch.randn(40, 32).bfloat16()
+        got = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w, 64), None,
+                                                 "none", [], "")
+        return torch.allclose(got.float(), F.linear(x.float(), w.float()), rtol=2e-2, atol=2e-2)
+    except (AttributeError, RuntimeError):
+        return False
+
+
 class Linear(nn.Linear):
     """nn.Linear whose float32 CPU GEMM is oneDNN's when available (see _onednn_fp32_gemm);
     float64 (the parity mode) and other devices use F.linear. With `packed` (worker/cpu_gemm.py:
@@ -76,6 +92,13 @@ class Linear(nn.Linear):
     onednn: torch.Tensor | None = None  # pack_onednn(): the float32 weight in oneDNN's own layout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.onednn is not None and self.onednn.dtype == torch.bfloat16:   # pack_onednn_bf16
+            x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+            y = torch.ops.mkldnn._linear_pointwise(x2, self.onednn, None, "none", [], "")
+            out = torch.empty(y.shape, dtype=torch.float32).copy_(y)     # (copy_: ~4x .float() here)
+            if self.bias is not None:
+                out.add_(self.bias)
+            return out.view(*x.shape[:-1], self.out_features)
         if self.packed is not None and x.dtype == torch.float32 and (
                 self.vnni is not None or x.numel() <= self.packed_rows * x.shape[-1]):
             return cpu_gemm.linear(x, self.packed, self.out_features, self.bias, self.vnni)
@@ -96,6 +119,16 @@ class Linear(nn.Linear):
         self.onednn = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), 64)
         self.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
         return True
+
+
+    @torch.no_grad()
+    def pack_onednn_bf16(self) -> None:
+        """The bfloat16 compute mode: the weight as bfloat16 in oneDNN's blocked layout, computed by
+        its AMX / AVX512_BF16 kernels from x rounded to bfloat16, the product widened to float32
+        (the bias, if any, added in float32). The float32 weight goes."""
+        w = self.weight.detach().to(torch.bfloat16).contiguous()
+        self.onednn = torch.ops.mkldnn._reorder_linear_weight(w, 64)
+        self.weight = nn.Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)
 
 
 class RMSNorm(nn.Module):

@@ -173,6 +173,20 @@ class Qwen3Stage(nn.Module):
         return sum(m.pack_onednn() for m in self.layers.modules() if isinstance(m, Linear))
 
     @torch.no_grad()
+    def use_onednn_bf16_weights(self) -> None:
+        """The bfloat16 compute mode (worker/dtype_choice.py): every parameter rounded to its
+        nearest bfloat16 value, whatever dtype the checkpoint came in; every matrix, the lm_head
+        too, in oneDNN's bfloat16 layout (Linear.pack_onednn_bf16); the embedding a bfloat16
+        table (its rows widen exactly), its own even when tied, since the lm_head's copy is opaque."""
+        for p in self.parameters():
+            p.copy_(p.to(torch.bfloat16))
+        if self.embed_tokens is not None:
+            self.embed_tokens.weight = nn.Parameter(self.embed_tokens.weight.to(torch.bfloat16), requires_grad=False)
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.pack_onednn_bf16()
+
+    @torch.no_grad()
     def use_bf16_weights(self) -> bool:
         """Give every matrix a packed bfloat16 copy for small batches, and keep the lm_head and
         the embedding in bfloat16 only (worker/cpu_gemm.py says when and why). Only for float32

@@ -11,7 +11,8 @@ import numpy as np
 import torch
 
 from minipaged.config import ModelConfig, load_model_config
-from worker import logits_processors, prompt_logprobs as plp, sampler
+from worker import cpu_kernels, logits_processors, prompt_logprobs as plp, sampler
+from worker.layers import onednn_bf16_gemm
 from worker.model import Qwen3Stage, StepBatch
 from worker.paged_cache import PagedKVCache, as_dtype, bytes_per_block
 from worker.dtype_choice import checkpoint_dtype, resolve_dtype
@@ -60,7 +61,12 @@ class ModelRunner:
         if self.device.type == "cuda" and self.dtype == torch.float64:
             raise ValueError("float64 is a CPU parity mode; use bfloat16/float16/float32 on CUDA")
         self.layer_start, self.layer_end = layer_start, layer_end
-        self.stage = Qwen3Stage(self.config, layer_start, layer_end, self.dtype, self.device, backend)
+        # bfloat16 on a CPU with the compiled kernels: bfloat16 weights, GEMM inputs and K/V, the
+        # activations between them in float32 (dtype_choice.py says why); the stage computes in float32
+        self.mixed_bf16 = (self.device.type == "cpu" and self.dtype == torch.bfloat16 and backend == "torch"
+                           and cpu_kernels.load_library() is not None and onednn_bf16_gemm())
+        compute = torch.float32 if self.mixed_bf16 else self.dtype
+        self.stage = Qwen3Stage(self.config, layer_start, layer_end, compute, self.device, backend)
         t0 = time.monotonic()
         # one tensor at a time, straight into the parameters: peak memory is the weights, not 2x
         probes: dict = {}
@@ -68,7 +74,10 @@ class ModelRunner:
                                                                       layer_end), probes))
         self.fingerprint = fingerprint(self.config, known=probes)
         # a bfloat16 checkpoint computed in float32: decode GEMMs read its 2-byte values (cpu_gemm.py)
-        self.bf16_weights = checkpoint_dtype(self.config) == "bfloat16" and self.stage.use_bf16_weights()
+        if self.mixed_bf16:
+            self.stage.use_onednn_bf16_weights()
+        self.bf16_weights = (not self.mixed_bf16 and checkpoint_dtype(self.config) == "bfloat16"
+                             and self.stage.use_bf16_weights())
         self.stage.use_onednn_weights()
         n_bytes = sum(t.numel() * t.element_size() for t in self.stage.weight_tensors())
         log.info("model %s layers [%d, %d) ready: %.0f MB of %s weights in %.1f s%s", model, layer_start,
@@ -78,6 +87,8 @@ class ModelRunner:
         self.kv_cache: PagedKVCache | None = None
 
     def _bf16_note(self) -> str:
+        if self.mixed_bf16:
+            return " (oneDNN bfloat16 GEMMs, bfloat16 K/V, float32 activations between them)"
         if not self.bf16_weights:
             return ""
         amx = any(getattr(m, "vnni", None) is not None for m in self.stage.modules())
@@ -118,7 +129,7 @@ class ModelRunner:
         writable = isinstance(data, bytearray) or (isinstance(data, memoryview) and not data.readonly)
         buf = data if writable else bytearray(data)
         h = torch.frombuffer(buf, dtype=as_dtype(dtype)).view(num_tokens, self.config.hidden_size)
-        return h.to(self.device, self.dtype)
+        return h.to(self.device, self.stage.dtype)
 
     def make_batch(self, input_ids, positions, slot_mapping, query_start_loc, seq_lens,
                    block_tables) -> StepBatch:

@@ -1,0 +1,101 @@
+"""The CPU's bfloat16 compute mode (`--dtype bfloat16` with the compiled kernels on a CPU with
+bfloat16 instructions): oneDNN's bfloat16 GEMMs, a bfloat16 K/V cache, float32 activations between
+them (worker/dtype_choice.py).
+
+Its kernels are checked against the float32 ones on the same (widened) values, and the whole model
+against the float64 transformers oracle within bfloat16's tolerance; pipeline stages must agree
+with one stage exactly, since hidden states cross in float32."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.checkpoints import load_oracle, make_checkpoint
+from tests.test_attention_torch import native_backend, paged_context
+from tests.test_model_parity import Pager, random_prompts, rel_diff, run_steps, schedule
+from worker.cpu_kernels import load_library
+from worker.layers import onednn_bf16_gemm
+from worker.model_runner import ModelRunner
+
+needs_mode = pytest.mark.skipif(not (load_library() and onednn_bf16_gemm()),
+                                reason="needs the compiled CPU kernels and a CPU with bfloat16 instructions")
+
+
+def bf16_caches(num_blocks, Hkv, block_size, d, g):
+    kc = torch.randn(num_blocks, Hkv, block_size, d, generator=g).bfloat16()
+    vc = torch.randn(num_blocks, Hkv, block_size, d, generator=g).bfloat16()
+    return kc, vc
+
+
+@pytest.mark.parametrize("block_size", [1, 7, 16])
+@pytest.mark.parametrize("head_dim", [16, 64, 128])    # 64 and 128: the vector forms
+def test_decode_over_bfloat16_cache_equals_float32_kernel(block_size, head_dim):
+    seq_lens = [1, 9, 23, 16]
+    kc, vc, tables, _ = paged_context(seq_lens, block_size, 2, seed=block_size + head_dim, head_dim=head_dim)
+    kc, vc = kc.bfloat16(), vc.bfloat16()
+    q = torch.randn(4, 4, head_dim, generator=torch.Generator().manual_seed(head_dim))
+    sl = torch.tensor(seq_lens, dtype=torch.int32)
+    be = native_backend()
+    got = be.paged_decode(q, kc, vc, tables, sl, 0.25)
+    want = be.paged_decode(q, kc.float(), vc.float(), tables, sl, 0.25)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("group", [1, 4])
+def test_prefill_over_bfloat16_cache_equals_float32_kernel(block_size, group):
+    g = torch.Generator().manual_seed(block_size * 3 + group)
+    seq_lens, qlens = [5, 1, 40, 30], [5, 1, 6, 29]   # a decode row, two cached prefixes
+    need = [-(-n // block_size) for n in seq_lens]
+    kc, vc = bf16_caches(sum(need) + 2, 2, block_size, 128, g)
+    perm = torch.randperm(kc.shape[0], generator=g)
+    tables = torch.full((4, max(need)), -1, dtype=torch.int32)
+    for b, start in enumerate(np.cumsum([0] + need[:-1])):
+        tables[b, :need[b]] = perm[start:start + need[b]].to(torch.int32)
+    qsl = torch.tensor(np.concatenate([[0], np.cumsum(qlens)]), dtype=torch.int32)
+    q = torch.randn(int(qsl[-1]), 2 * group, 128, generator=g)
+    sl = torch.tensor(seq_lens, dtype=torch.int32)
+    be = native_backend()
+    got = be.paged_prefill(q, kc, vc, tables, sl, qsl, max(qlens), 0.3)
+    want = be.paged_prefill(q, kc.float(), vc.float(), tables, sl, qsl, max(qlens), 0.3)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_write_kv_rounds_float32_into_a_bfloat16_cache():
+    be = native_backend()
+    kc, vc = torch.zeros(3, 2, 4, 8, dtype=torch.bfloat16), torch.zeros(3, 2, 4, 8, dtype=torch.bfloat16)
+    k, v = torch.randn(2, 2, 8), torch.randn(2, 2, 8)
+    be.write_kv(k, v, kc, vc, torch.tensor([5, -1]))
+    assert torch.equal(kc[1, :, 1], k[0].bfloat16()) and torch.equal(vc[1, :, 1], v[0].bfloat16())
+    assert int((kc != 0).sum()) == int((k[0] != 0).sum())
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    # float32 weights: the mode rounds them to bfloat16 itself
+    return make_checkpoint(num_layers=2, hidden=256, heads=4, kv_heads=1, head_dim=128, tie=False, vocab=96,
+                           seed=5, directory=str(tmp_path_factory.mktemp("bf16-mode")))
+
+
+@needs_mode
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_bfloat16_mode_matches_transformers_and_stages_agree(ckpt, block_size):
+    prompts = random_prompts([7, 40, 19], seed=6)          # chunked prefill, then 4 decode steps
+    runs = {}
+    for layers in ((0, None), (0, 1)):
+        runners = [ModelRunner(ckpt, 0, None, "bfloat16", "cpu")] if layers[1] is None else [
+            ModelRunner(ckpt, 0, 1, "bfloat16", "cpu"), ModelRunner(ckpt, 1, 2, "bfloat16", "cpu")]
+        for r in runners:
+            assert r.mixed_bf16 and r.stage.dtype == torch.float32
+            r.init_cache(128, block_size)
+            assert r.kv_cache.key_cache[0].dtype == torch.bfloat16
+            assert r.kv_bytes_per_block(block_size) == 2 * 2 * 1 * 128 * block_size * r.num_layers
+        runs[len(runners)] = run_steps(runners, Pager(128, block_size, seed=7), schedule(prompts, 16, 4))
+    for sid in prompts:                                    # hidden states cross stages in float32
+        torch.testing.assert_close(runs[1][sid], runs[2][sid], rtol=0, atol=0)
+    hf = load_oracle(ckpt, torch.float64)
+    with torch.no_grad():
+        want = {sid: hf(torch.tensor([t])).logits[0] for sid, t in prompts.items()}
+    assert rel_diff({s: g.double() for s, g in runs[1].items()}, want) < 6e-2    # bfloat16's tolerance

@@ -13,6 +13,7 @@ dot product of one weight row with the input.
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -63,6 +64,7 @@ def _onednn_fp32_gemm() -> bool:
 ONEDNN_FP32_GEMM = _onednn_fp32_gemm()
 
 
+@functools.cache
 def onednn_bf16_gemm() -> bool:
     """Can bfloat16 GEMMs go to oneDNN (the bfloat16 compute mode)? Only on a CPU with bfloat16
     instructions (AVX512_BF16 or AMX-BF16; elsewhere oneDNN would emulate them), checked once
@@ -116,19 +118,20 @@ class Linear(nn.Linear):
         w = self.weight
         if not (ONEDNN_FP32_GEMM and w.dtype == torch.float32 and w.device.type == "cpu" and w.numel()):
             return False
-        self.onednn = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), 64)
-        self.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
+        self._to_onednn(w)
         return True
 
+    def _to_onednn(self, w: torch.Tensor) -> None:
+        """w (float32 or bfloat16) into oneDNN's blocked layout; the dense weight goes."""
+        self.onednn = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), 64)
+        self.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
 
     @torch.no_grad()
     def pack_onednn_bf16(self) -> None:
         """The bfloat16 compute mode: the weight as bfloat16 in oneDNN's blocked layout, computed by
         its AMX / AVX512_BF16 kernels from x rounded to bfloat16, the product widened to float32
         (the bias, if any, added in float32). The float32 weight goes."""
-        w = self.weight.detach().to(torch.bfloat16).contiguous()
-        self.onednn = torch.ops.mkldnn._reorder_linear_weight(w, 64)
-        self.weight = nn.Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)
+        self._to_onednn(self.weight.to(torch.bfloat16))
 
 
 class RMSNorm(nn.Module):

@@ -74,11 +74,12 @@ class ModelRunner:
                                                                       layer_end), probes))
         self.fingerprint = fingerprint(self.config, known=probes)
         # a bfloat16 checkpoint computed in float32: decode GEMMs read its 2-byte values (cpu_gemm.py)
+        self.bf16_weights = False
         if self.mixed_bf16:
             self.stage.use_onednn_bf16_weights()
-        self.bf16_weights = (not self.mixed_bf16 and checkpoint_dtype(self.config) == "bfloat16"
-                             and self.stage.use_bf16_weights())
-        self.stage.use_onednn_weights()
+        else:
+            self.bf16_weights = checkpoint_dtype(self.config) == "bfloat16" and self.stage.use_bf16_weights()
+            self.stage.use_onednn_weights()
         n_bytes = sum(t.numel() * t.element_size() for t in self.stage.weight_tensors())
         log.info("model %s layers [%d, %d) ready: %.0f MB of %s weights in %.1f s%s", model, layer_start,
                  layer_end, n_bytes / 1e6, str(self.dtype).removeprefix("torch."), time.monotonic() - t0,

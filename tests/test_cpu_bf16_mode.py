@@ -43,24 +43,122 @@ def test_decode_over_bfloat16_cache_equals_float32_kernel(block_size, head_dim):
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("block_size", [1, 16])
-@pytest.mark.parametrize("group", [1, 4])
-def test_prefill_over_bfloat16_cache_equals_float32_kernel(block_size, group):
-    g = torch.Generator().manual_seed(block_size * 3 + group)
-    seq_lens, qlens = [5, 1, 40, 30], [5, 1, 6, 29]   # a decode row, two cached prefixes
+def prefill_case(block_size, group, seed, seq_lens=(5, 1, 40, 30), qlens=(5, 1, 6, 29), head_dim=128):
+    """A varlen prefill over shuffled bfloat16 blocks (by default a decode row and two cached
+    prefixes): (q, kc, vc, tables, seq_lens, query_start_loc, max_query_len)."""
+    g = torch.Generator().manual_seed(seed)
     need = [-(-n // block_size) for n in seq_lens]
-    kc, vc = bf16_caches(sum(need) + 2, 2, block_size, 128, g)
+    kc, vc = bf16_caches(sum(need) + 2, 2, block_size, head_dim, g)
     perm = torch.randperm(kc.shape[0], generator=g)
-    tables = torch.full((4, max(need)), -1, dtype=torch.int32)
+    tables = torch.full((len(seq_lens), max(need)), -1, dtype=torch.int32)
     for b, start in enumerate(np.cumsum([0] + need[:-1])):
         tables[b, :need[b]] = perm[start:start + need[b]].to(torch.int32)
     qsl = torch.tensor(np.concatenate([[0], np.cumsum(qlens)]), dtype=torch.int32)
-    q = torch.randn(int(qsl[-1]), 2 * group, 128, generator=g)
-    sl = torch.tensor(seq_lens, dtype=torch.int32)
+    q = torch.randn(int(qsl[-1]), 2 * group, head_dim, generator=g) * 2
+    return q, kc, vc, tables, torch.tensor(seq_lens, dtype=torch.int32), qsl, max(qlens)
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("group", [1, 4])
+def test_prefill_over_bfloat16_cache_equals_float32_kernel(block_size, group):
+    """The AVX-512 loop (MINIPAGED_AMX=0, or no AMX) reads the cache's values exactly."""
+    q, kc, vc, tables, sl, qsl, mq = prefill_case(block_size, group, block_size * 3 + group)
     be = native_backend()
-    got = be.paged_prefill(q, kc, vc, tables, sl, qsl, max(qlens), 0.3)
-    want = be.paged_prefill(q, kc.float(), vc.float(), tables, sl, qsl, max(qlens), 0.3)
+    be.amx_prefill = False
+    got = be.paged_prefill(q, kc, vc, tables, sl, qsl, mq, 0.3)
+    want = be.paged_prefill(q, kc.float(), vc.float(), tables, sl, qsl, mq, 0.3)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def bf16_model_attention(q, kc, vc, tables, sl, qsl, scale):
+    """What the AMX prefill computes, in float64: q and the softmax weights exp(s - max) rounded
+    to bfloat16 (as a bfloat16 model feeds its matmuls), everything else exact."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    H, Hkv, bs = q.shape[1], kc.shape[1], kc.shape[2]
+    for b in range(len(sl)):
+        L, t0, t1 = int(sl[b]), int(qsl[b]), int(qsl[b + 1])
+        blocks = tables[b, :-(-L // bs)].long()
+        k = kc[blocks].double().transpose(0, 1).reshape(Hkv, -1, kc.shape[-1])[:, :L]
+        v = vc[blocks].double().transpose(0, 1).reshape(Hkv, -1, kc.shape[-1])[:, :L]
+        for h in range(H):
+            qh = q[t0:t1, h].bfloat16().double()
+            s = qh @ k[h // (H // Hkv)].T
+            pos = torch.arange(L)[None, :] <= (L - (t1 - t0) + torch.arange(t1 - t0))[:, None]
+            s = s.masked_fill(~pos, float("-inf"))
+            p = torch.exp((s - s.max(-1, keepdim=True).values) * scale).bfloat16().double()
+            out[t0:t1, h] = (p @ v[h // (H // Hkv)]) / p.sum(-1, keepdim=True)
+    return out
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_amx_prefill_computes_a_bfloat16_models_attention(block_size, group):
+    """cpu_attn_amx.cpp against its float64 emulation (seen: <= 1e-5; a weight whose rounding
+    flips on float32 noise may move an output by more, hence 1e-3, where the exact float32 loop
+    is 3e-2 away), and near that exact loop on average."""
+    be = native_backend()
+    if not be.amx_prefill:
+        pytest.skip("no AMX here (or MINIPAGED_AMX=0)")
+    q, kc, vc, tables, sl, qsl, mq = prefill_case(block_size, group, 11 * block_size + group,
+                                                  seq_lens=(5, 1, 40, 30, 75), qlens=(5, 1, 6, 29, 75))
+    got = be.paged_prefill(q, kc, vc, tables, sl, qsl, mq, 0.3)
+    torch.testing.assert_close(got.double(), bf16_model_attention(q, kc, vc, tables, sl, qsl, 0.3),
+                               rtol=0, atol=1e-3)
+    be.amx_prefill = False
+    exact = be.paged_prefill(q, kc, vc, tables, sl, qsl, mq, 0.3)
+    assert (got - exact).abs().mean() < 1e-2 * exact.abs().mean()
+
+
+def test_amx_prefill_leaves_other_head_layouts_to_the_exact_loop():
+    """A group size that does not divide 16 query rows, or a head dim that is no multiple of 64:
+    the AMX entry does nothing (-2) and the AVX-512 loop's exact answer comes back."""
+    be = native_backend()
+    for group, head_dim in ((3, 128), (1, 32)):
+        q, kc, vc, tables, sl, qsl, mq = prefill_case(16, group, 3, head_dim=head_dim)
+        got = be.paged_prefill(q, kc, vc, tables, sl, qsl, mq, 0.3)
+        want = be.paged_prefill(q, kc.float(), vc.float(), tables, sl, qsl, mq, 0.3)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_bfloat16_elementwise_kernels_match_torch():
+    """The bfloat16 mode's fused steps (cpu_kernels.cpp: qk_norm_rope and silu_mul on bfloat16
+    GEMM outputs, add_rmsnorm_bf16) against the torch ops they replace, computed in float32 and
+    rounded once (the kernels may differ by one bfloat16 step where float32 sums differ)."""
+    from worker import cpu_kernels
+    from worker.layers import RMSNorm, RotaryEmbedding, apply_rope
+    if cpu_kernels.load_library() is None:
+        pytest.skip("no C++ compiler: the CPU kernels could not be built")
+    g = torch.Generator().manual_seed(1)
+    T, H, Hkv, D, inter, n = 21, 4, 2, 128, 80, 96
+    qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=g).bfloat16()
+    qn, kn = RMSNorm(D, 1e-6), RMSNorm(D, 1e-6)
+    with torch.no_grad():
+        qn.weight.copy_(torch.rand(D, generator=g) + 0.5)
+        kn.weight.copy_(torch.rand(D, generator=g) + 0.5)
+        cos, sin = RotaryEmbedding(D, 1e6)(torch.randint(0, 4000, (T,), generator=g), torch.float32)
+        q, k = cpu_kernels.qk_norm_rope(qkv, H, Hkv, D, qn.weight, kn.weight, 1e-6, cos, sin)
+        x = qkv.float()
+        want_q = apply_rope(qn(x[:, :H * D].view(T, H, D)), cos, sin)
+        want_k = apply_rope(kn(x[:, H * D:(H + Hkv) * D].view(T, Hkv, D)), cos, sin)
+    assert q.dtype == torch.float32 and k.dtype == torch.bfloat16
+    torch.testing.assert_close(q, want_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k.float(), want_k.bfloat16().float(), rtol=8e-3, atol=1e-6)
+    gate_up = (torch.randn(T, 2 * inter, generator=g) * 6).bfloat16()
+    want = torch.nn.functional.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()
+    got = cpu_kernels.silu_mul(gate_up, inter)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.bfloat16().float(), rtol=8e-3, atol=1e-6)
+    h, y = torch.randn(T, n, generator=g), torch.randn(T, n, generator=g).bfloat16()
+    norm = RMSNorm(n, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(n, generator=g) + 0.5)
+        want_h = h + y.float()
+        want = norm(want_h).bfloat16()
+        got = cpu_kernels.add_rmsnorm_bf16(h, y, norm.weight, 1e-6)       # h += y, in place
+    torch.testing.assert_close(h, want_h, rtol=0, atol=0)
+    torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=1e-6)
+    with pytest.raises(ValueError, match="bfloat16"):
+        cpu_kernels.add_rmsnorm_bf16(h, y.float(), norm.weight, 1e-6)
 
 
 def test_write_kv_rounds_float32_into_a_bfloat16_cache():

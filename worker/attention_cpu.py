@@ -11,6 +11,8 @@ compiler, or MINIPAGED_CPU_KERNELS=0) it is the pure-torch backend.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from worker.attention_torch import TorchBackend
@@ -30,6 +32,11 @@ class CpuTorchBackend(TorchBackend):
     def __init__(self):
         super().__init__()
         self._lib = load_library()
+        # the bfloat16 mode's prefill on AMX tiles (cpu_attn_amx.cpp); MINIPAGED_AMX=0 keeps the
+        # AVX-512 loop, whose float32 products of the cache's values the AMX form rounds like a
+        # bfloat16 model does (q and the softmax weights to bfloat16)
+        self.amx_prefill = (self._lib is not None and os.environ.get("MINIPAGED_AMX", "1") != "0"
+                            and bool(self._lib.minipaged_amx_available()))
 
     @property
     def native(self) -> bool:
@@ -107,10 +114,14 @@ class CpuTorchBackend(TorchBackend):
         pre = (~is_dec).nonzero().squeeze(1)
         tables, lens = _i32(block_tables[pre]), _i32(seq_lens[pre])
         starts, qls = _i32(qsl[:-1][pre]), _i32(qlens[pre])
-        bad = fn(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), num_blocks,
-                 tables.data_ptr(), tables.shape[1], lens.data_ptr(), starts.data_ptr(), qls.data_ptr(),
-                 pre.numel(), T, H, Hkv, block_size, D, float(scale), out.data_ptr(),
-                 torch.get_num_threads())
+        args = (query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), num_blocks,
+                tables.data_ptr(), tables.shape[1], lens.data_ptr(), starts.data_ptr(), qls.data_ptr(),
+                pre.numel(), T, H, Hkv, block_size, D, float(scale), out.data_ptr(), torch.get_num_threads())
+        bad = -2
+        if key_cache.dtype == torch.bfloat16 and self.amx_prefill:   # -2: AMX or this head layout not there
+            bad = self._lib.minipaged_paged_prefill_f32_bf16_amx(*args)
+        if bad == -2:
+            bad = fn(*args)
         if bad:
             b = int(pre[bad - 1])
             raise IndexError(f"paged_prefill: sequence {b} (seq_len {int(seq_lens[b])}, query length "

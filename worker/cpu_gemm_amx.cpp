@@ -49,13 +49,6 @@ struct alignas(64) TileConfig {
   uint8_t rows[16];
 };
 
-void configure() {  // every tile 16 rows x 64 bytes; per thread
-  TileConfig cfg;
-  std::memset(&cfg, 0, sizeof(cfg));
-  cfg.palette_id = 1;
-  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-  _tile_loadconfig(&cfg);
-}
 
 inline uint16_t to_bf16(float f) {  // round to nearest even (finite inputs)
   uint32_t u;
@@ -115,6 +108,21 @@ void block(const uint16_t* parts, int64_t part, int Kp, int mb, const uint16_t* 
 
 }  // namespace
 
+namespace minipaged_amx {  // shared with worker/cpu_attn_amx.cpp
+bool permitted_here() { return permitted(); }
+void configure() {  // every tile 16 rows x 64 bytes; per thread
+  TileConfig cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  // GCC does not model ldtilecfg as reading all 64 bytes: out of line, it dropped the row and
+  // column stores as dead (a #GP); the barrier says the whole struct is read.
+  __asm__ __volatile__("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+}  // namespace minipaged_amx
+using minipaged_amx::configure;
+
 extern "C" {
 
 int minipaged_amx_available() { return permitted() ? 1 : 0; }
@@ -169,6 +177,10 @@ int minipaged_linear_amx_f32(const float* x, int64_t ldx, int M, int K, const ui
 }  // extern "C"
 
 #else  // no AMX: the caller keeps its other GEMM
+
+namespace minipaged_amx {
+bool permitted_here() { return false; }
+}
 
 extern "C" {
 int minipaged_amx_available() { return 0; }

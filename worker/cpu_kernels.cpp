@@ -1,7 +1,7 @@
 // CPU kernels (worker/cpu_kernels.py builds and loads this file): the torch backend's paged
 // attention, decode and prefill, each as one compiled loop over the cache (worker/attention_cpu.py;
 // the torch code stays the reference), and two fused elementwise steps of the Qwen3 block
-// (qk_norm_rope, silu_mul; worker/model.py, float32 only).
+// (qk_norm_rope, silu_mul, add_rmsnorm_bf16; worker/layers.py).
 //
 // Decode: the torch formulation gathers every block a batch uses into a contiguous buffer, then
 // runs two batched matmuls over it, so K and V cross memory about three times, and a decode step
@@ -29,6 +29,10 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_math.h"
+
+using namespace minipaged;  // exp_nonpositive, widen, round_bf16, load, store
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -52,32 +56,6 @@ inline void prefetch(const T* p, int64_t n) {
   for (int64_t i = 0; i < n; i += 64 / sizeof(T)) __builtin_prefetch(p + i, 0, 3);
 }
 
-// exp(x) for x <= 0 (softmax weights: score - row max) in a form the compiler vectorizes: libm's
-// expf is a call per element, and a long causal prefill computes millions of them. Cephes' expf:
-// x = n ln2 + r (ln2 in two parts), a degree-6 polynomial for exp(r), 2^n through the exponent
-// bits; relative error ~2e-7 (about 1 ulp). Below -87.3 the weight is 0. float64 (the parity mode)
-// keeps std::exp.
-inline float exp_nonpositive(float x) {
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (int32_t(n) + 127) << 23;  // 2^n, n >= -126 above the cut-off
-  return x < -87.3f ? 0.0f : p * __builtin_bit_cast(float, bits);
-}
-inline double exp_nonpositive(double x) { return std::exp(x); }
-
-// K/V elements as the compute type: a bfloat16 cache (the bfloat16 compute mode) holds the top
-// 16 bits of a float32, so widening is a shift; float and double caches are read as they are.
-inline float widen(uint16_t h) { return __builtin_bit_cast(float, uint32_t(h) << 16); }
-inline float widen(float x) { return x; }
-inline double widen(double x) { return x; }
-
 // Every block a sequence reads must exist: returns 1 + the first bad sequence, or 0. (The worker
 // validates Steps before they get here; this keeps a wrong direct call an error, not a crash.)
 int check_tables(const int32_t* block_tables, int max_blocks, const int32_t* seq_lens, int B,
@@ -90,6 +68,17 @@ int check_tables(const int32_t* block_tables, int max_blocks, const int32_t* seq
       if (blk < 0 || blk >= num_blocks) return b + 1;
     }
   }
+  return 0;
+}
+
+// The same for a prefill: also every sequence's queries inside the chunk's tokens and its context.
+int check_prefill(const int32_t* block_tables, int max_blocks, const int32_t* seq_lens, const int32_t* q_starts,
+                  const int32_t* q_lens, int S, int num_tokens, int block_size, int num_blocks) {
+  if (const int bad = check_tables(block_tables, max_blocks, seq_lens, S, block_size, num_blocks)) return bad;
+  for (int s = 0; s < S; ++s)
+    if (q_lens[s] < 1 || q_lens[s] > seq_lens[s] || q_starts[s] < 0 ||
+        int64_t(q_starts[s]) + q_lens[s] > num_tokens)
+      return s + 1;
   return 0;
 }
 
@@ -319,12 +308,9 @@ int paged_prefill(const T* query, const C* key_cache, const C* value_cache, int 
                   const int32_t* q_starts, const int32_t* q_lens, int S, int num_tokens, int H,
                   int Hkv, int block_size, int head_dim, T scale, T* out, int num_threads) {
   const int D = kD > 0 ? kD : head_dim;
-  if (const int bad = check_tables(block_tables, max_blocks, seq_lens, S, block_size, num_blocks))
+  if (const int bad = check_prefill(block_tables, max_blocks, seq_lens, q_starts, q_lens, S, num_tokens,
+                                    block_size, num_blocks))
     return bad;
-  for (int s = 0; s < S; ++s)
-    if (q_lens[s] < 1 || q_lens[s] > seq_lens[s] || q_starts[s] < 0 ||
-        int64_t(q_starts[s]) + q_lens[s] > num_tokens)
-      return s + 1;
   constexpr int kLanes = kVectorBytes / sizeof(T);  // positions per GEMM column block: one vector
   constexpr int kRowBlock = 8;             // score rows whose accumulators live in registers
   constexpr int kTileRows = 16;            // query rows (tokens x heads) scored together
@@ -485,29 +471,43 @@ int paged_prefill(const T* query, const C* key_cache, const C* value_cache, int 
 // for each token and head, x = the head's D values of qkv; x = x / sqrt(mean(x^2) + eps) * w (w:
 // q_norm or k_norm weight); then out = x * cos + rotate_half(x) * sin, rotate_half(x) =
 // (-x[D/2:], x[:D/2]). One pass over q and k instead of ~22 torch ops, each a full read and write.
-void qk_norm_rope(const float* qkv, int64_t row_stride, int T, int H, int Hkv, int D,
+// In: float32 qkv, or bfloat16 (the bfloat16 mode: then k is written as bfloat16, the cache's
+// type, and q stays float32 for the attention loops). The math is float32 either way.
+template <typename In, typename KOut>
+void qk_norm_rope(const In* qkv, int64_t row_stride, int T, int H, int Hkv, int D,
                   const float* q_weight, const float* k_weight, float eps, const float* cos,
-                  const float* sin, float* q_out, float* k_out, int num_threads) {
+                  const float* sin, float* q_out, KOut* k_out, int num_threads) {
   const int half = D / 2;
 #pragma omp parallel for num_threads(std::max(1, num_threads)) schedule(static)
   for (int t = 0; t < T; ++t) {
     const float* c = cos + int64_t(t) * D;
     const float* s = sin + int64_t(t) * D;
     for (int h = 0; h < H + Hkv; ++h) {
-      const float* x = qkv + int64_t(t) * row_stride + int64_t(h) * D;   // q heads, then k heads
+      const In* xin = qkv + int64_t(t) * row_stride + int64_t(h) * D;   // q heads, then k heads
       const float* w = h < H ? q_weight : k_weight;
-      float* o = h < H ? q_out + (int64_t(t) * H + h) * D : k_out + (int64_t(t) * Hkv + h - H) * D;
+      float x[512], y[512];                           // D <= 512 (checked by the caller)
+#pragma omp simd
+      for (int d = 0; d < D; ++d) x[d] = load(xin, d);
       float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
       for (int d = 0; d < D; ++d) ss += x[d] * x[d];
       const float rstd = 1.f / std::sqrt(ss / float(D) + eps);
-      float y[512];                                   // D <= 512 (checked by the caller)
 #pragma omp simd
       for (int d = 0; d < D; ++d) y[d] = x[d] * rstd * w[d];
+      if (h < H) {
+        float* o = q_out + (int64_t(t) * H + h) * D;
 #pragma omp simd
-      for (int d = 0; d < half; ++d) {
-        o[d] = y[d] * c[d] - y[d + half] * s[d];
-        o[d + half] = y[d + half] * c[d + half] + y[d] * s[d + half];
+        for (int d = 0; d < half; ++d) {
+          o[d] = y[d] * c[d] - y[d + half] * s[d];
+          o[d + half] = y[d + half] * c[d + half] + y[d] * s[d + half];
+        }
+      } else {
+        KOut* o = k_out + (int64_t(t) * Hkv + h - H) * D;
+#pragma omp simd
+        for (int d = 0; d < half; ++d) {
+          store(o, d, y[d] * c[d] - y[d + half] * s[d]);
+          store(o, d + half, y[d + half] * c[d + half] + y[d] * s[d + half]);
+        }
       }
     }
   }
@@ -515,20 +515,53 @@ void qk_norm_rope(const float* qkv, int64_t row_stride, int T, int H, int Hkv, i
 
 // SwiGLU's middle: out = silu(gate) * up, silu(g) = g / (1 + exp(-g)), written with exp of a
 // non-positive argument only (the vectorized exp above): g >= 0: g / (1 + e), g < 0: g e / (1 + e),
-// e = exp(-|g|).
-void silu_mul(const float* gate_up, int64_t row_stride, int T, int I, float* out, int num_threads) {
+// e = exp(-|g|). float32, or bfloat16 in and out (the bfloat16 mode; float32 math).
+template <typename X>
+void silu_mul(const X* gate_up, int64_t row_stride, int T, int I, X* out, int num_threads) {
 #pragma omp parallel for num_threads(std::max(1, num_threads)) schedule(static)
   for (int t = 0; t < T; ++t) {
-    const float* g = gate_up + int64_t(t) * row_stride;
-    const float* u = g + I;
-    float* o = out + int64_t(t) * I;
+    const X* g = gate_up + int64_t(t) * row_stride;
+    const X* u = g + I;
+    X* o = out + int64_t(t) * I;
 #pragma omp simd
     for (int i = 0; i < I; ++i) {
-      const float e = exp_nonpositive(-std::fabs(g[i]));
-      const float silu = (g[i] >= 0.f ? g[i] : g[i] * e) / (1.f + e);
-      o[i] = silu * u[i];
+      const float gi = load(g, i);
+      const float e = exp_nonpositive(-std::fabs(gi));
+      const float silu = (gi >= 0.f ? gi : gi * e) / (1.f + e);
+      store(o, i, silu * load(u, i));
     }
   }
+}
+
+// The bfloat16 mode's residual step and RMSNorm, one pass per row of the float32 residual stream:
+// h += y (y: a sublayer's bfloat16 output, or none), then out = bfloat16(h / sqrt(mean(h^2) + eps)
+// * w), the next GEMM's input. HF's Qwen3RMSNorm in float32, with the statistic summed in vector
+// lanes; instead of ~8 torch ops and a float32 copy of every GEMM output.
+void add_rmsnorm_bf16(float* h, const uint16_t* y, int T, int n, const float* w, float eps,
+                      uint16_t* out, int num_threads) {
+#pragma omp parallel for num_threads(std::max(1, num_threads)) schedule(static)
+  for (int t = 0; t < T; ++t) {
+    float* r = h + int64_t(t) * n;
+    if (y != nullptr) {
+      const uint16_t* yr = y + int64_t(t) * n;
+#pragma omp simd
+      for (int i = 0; i < n; ++i) r[i] += widen(yr[i]);
+    }
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int i = 0; i < n; ++i) ss += r[i] * r[i];
+    const float rstd = 1.f / std::sqrt(ss / float(n) + eps);
+    uint16_t* o = out + int64_t(t) * n;
+#pragma omp simd
+    for (int i = 0; i < n; ++i) o[i] = round_bf16(r[i] * rstd * w[i]);
+  }
+}
+
+namespace minipaged_amx {  // worker/cpu_attn_amx.cpp
+int paged_prefill_bf16(const float* query, const uint16_t* key_cache, const uint16_t* value_cache,
+                       const int32_t* block_tables, int max_blocks, const int32_t* seq_lens, const int32_t* q_starts,
+                       const int32_t* q_lens, int S, int H, int Hkv, int block_size, int D, float scale, float* out,
+                       int num_threads);
 }
 
 // The common head dims get their own instantiation; others run the generic one.
@@ -629,6 +662,22 @@ int minipaged_paged_prefill_f32_bf16(const float* query, const uint16_t* key_cac
                                             block_size, D, float(scale), out, num_threads);
 }
 
+// The same over AMX tiles (worker/cpu_attn_amx.cpp: q and the softmax weights rounded to
+// bfloat16, as a bfloat16 model computes them). Returns as above, or -2 (nothing done) where AMX
+// or this head layout is not available: the caller then runs the loop above.
+int minipaged_paged_prefill_f32_bf16_amx(const float* query, const uint16_t* key_cache,
+                                         const uint16_t* value_cache, int num_blocks, const int32_t* block_tables,
+                                         int max_blocks, const int32_t* seq_lens, const int32_t* q_starts,
+                                         const int32_t* q_lens, int S, int num_tokens, int H, int Hkv,
+                                         int block_size, int D, double scale, float* out, int num_threads) {
+  if (const int bad = check_prefill(block_tables, max_blocks, seq_lens, q_starts, q_lens, S, num_tokens,
+                                    block_size, num_blocks))
+    return bad;
+  return minipaged_amx::paged_prefill_bf16(query, key_cache, value_cache, block_tables, max_blocks, seq_lens,
+                                           q_starts, q_lens, S, H, Hkv, block_size, D, float(scale), out,
+                                           num_threads);
+}
+
 void minipaged_qk_norm_rope_f32(const float* qkv, int row_stride, int T, int H, int Hkv, int D,
                                 const float* q_weight, const float* k_weight, float eps,
                                 const float* cos, const float* sin, float* q_out, float* k_out,
@@ -637,9 +686,28 @@ void minipaged_qk_norm_rope_f32(const float* qkv, int row_stride, int T, int H, 
                num_threads);
 }
 
+// bfloat16 qkv in, float32 q and bfloat16 k out (the bfloat16 mode).
+void minipaged_qk_norm_rope_bf16(const uint16_t* qkv, int row_stride, int T, int H, int Hkv, int D,
+                                 const float* q_weight, const float* k_weight, float eps,
+                                 const float* cos, const float* sin, float* q_out, uint16_t* k_out,
+                                 int num_threads) {
+  qk_norm_rope(qkv, row_stride, T, H, Hkv, D, q_weight, k_weight, eps, cos, sin, q_out, k_out,
+               num_threads);
+}
+
 void minipaged_silu_mul_f32(const float* gate_up, int row_stride, int T, int I, float* out,
                             int num_threads) {
   silu_mul(gate_up, row_stride, T, I, out, num_threads);
+}
+
+void minipaged_silu_mul_bf16(const uint16_t* gate_up, int row_stride, int T, int I, uint16_t* out,
+                             int num_threads) {
+  silu_mul(gate_up, row_stride, T, I, out, num_threads);
+}
+
+void minipaged_add_rmsnorm_bf16(float* h, const uint16_t* y, int T, int n, const float* w, float eps,
+                                uint16_t* out, int num_threads) {
+  add_rmsnorm_bf16(h, y, T, n, w, eps, out, num_threads);
 }
 
 }  // extern "C"

@@ -1,5 +1,6 @@
-"""The CPU kernels library (worker/cpu_kernels.cpp: paged attention loops and two fused
-elementwise steps of the Qwen3 block; worker/cpu_gemm.cpp: the bfloat16-weight GEMM of
+"""The CPU kernels library (worker/cpu_kernels.cpp: paged attention loops and the fused
+elementwise steps of the Qwen3 block; worker/cpu_attn_amx.cpp: the bfloat16 mode's prefill
+attention on AMX; worker/cpu_gemm.cpp, cpu_gemm_amx.cpp: the bfloat16-weight GEMMs of
 worker/cpu_gemm.py), called through ctypes on torch tensors.
 
 It is compiled on first use with the machine's C++ compiler (`g++ -O3 -march=native -fopenmp`,
@@ -26,7 +27,9 @@ from minipaged.paths import build_dir
 log = logging.getLogger("worker.cpu_kernels")
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = [os.path.join(_HERE, name) for name in ("cpu_kernels.cpp", "cpu_gemm.cpp", "cpu_gemm_amx.cpp")]
+SOURCES = [os.path.join(_HERE, name) for name in ("cpu_kernels.cpp", "cpu_gemm.cpp", "cpu_gemm_amx.cpp",
+                                                    "cpu_attn_amx.cpp")]
+HEADERS = [os.path.join(_HERE, "cpu_math.h")]   # included by the sources: part of the build's hash
 BUILD_DIR = os.environ.get("MINIPAGED_CPU_KERNEL_DIR", build_dir("cpu_kernels"))  # not site-packages
 CXX = os.environ.get("CXX", "g++")
 FLAGS = ["-x", "c++", "-std=c++17", "-O3", "-march=native", "-fopenmp", "-fno-trapping-math",
@@ -47,7 +50,7 @@ def _cpu_flags() -> str:
 
 def library_path() -> str:
     h = hashlib.sha256()
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         with open(source, "rb") as f:
             h.update(f.read())
     version = subprocess.run([CXX, "--version"], capture_output=True, text=True).stdout
@@ -94,14 +97,18 @@ def load_library() -> ctypes.CDLL | None:
             fn.argtypes = [P, P, P, I, P, I, P, I, I, I, I, I, ctypes.c_double, P, I]
             fn.restype = ctypes.c_int
         for fn in (lib.minipaged_paged_prefill_f32, lib.minipaged_paged_prefill_f64,
-                   lib.minipaged_paged_prefill_f32_bf16):
+                   lib.minipaged_paged_prefill_f32_bf16, lib.minipaged_paged_prefill_f32_bf16_amx):
             fn.argtypes = [P, P, P, I, P, I, P, P, P, I, I, I, I, I, I, ctypes.c_double, P, I]
             fn.restype = ctypes.c_int
-        lib.minipaged_qk_norm_rope_f32.argtypes = [P, I, I, I, I, I, P, P, ctypes.c_float, P, P, P, P, I]
-        lib.minipaged_silu_mul_f32.argtypes = [P, I, I, I, P, I]
+        for fn in (lib.minipaged_qk_norm_rope_f32, lib.minipaged_qk_norm_rope_bf16):
+            fn.argtypes = [P, I, I, I, I, I, P, P, ctypes.c_float, P, P, P, P, I]
+        for fn in (lib.minipaged_silu_mul_f32, lib.minipaged_silu_mul_bf16):
+            fn.argtypes = [P, I, I, I, P, I]
+        lib.minipaged_add_rmsnorm_bf16.argtypes = [P, P, I, I, P, ctypes.c_float, P, I]
         for fn in (lib.minipaged_linear_bf16w_f32, lib.minipaged_linear_amx_f32):
             fn.argtypes = [P, ctypes.c_int64, I, I, P, I, P, P, ctypes.c_int64, I]
-        for fn in (lib.minipaged_qk_norm_rope_f32, lib.minipaged_silu_mul_f32, lib.minipaged_linear_bf16w_f32):
+        for fn in (lib.minipaged_qk_norm_rope_f32, lib.minipaged_qk_norm_rope_bf16, lib.minipaged_silu_mul_f32,
+                   lib.minipaged_silu_mul_bf16, lib.minipaged_add_rmsnorm_bf16, lib.minipaged_linear_bf16w_f32):
             fn.restype = None
         for fn in (lib.minipaged_bf16w_available, lib.minipaged_amx_available, lib.minipaged_linear_amx_f32):
             fn.restype = I
@@ -114,7 +121,8 @@ def load_library() -> ctypes.CDLL | None:
 
 def fused_ok(x: torch.Tensor) -> bool:
     """May the fused elementwise kernels take this activation? float32 on the CPU, unit stride
-    along the last dim, and the library built. (float64, the parity mode, keeps HF's exact ops.)"""
+    along the last dim, and the library built. (float64, the parity mode, keeps HF's exact ops; the
+    bfloat16 mode's layers call the bfloat16 forms themselves.)"""
     return (x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1
             and load_library() is not None)
 
@@ -123,24 +131,43 @@ def qk_norm_rope(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim:
                  q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
                  cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """qkv [T, (H + 2 Hkv) D] rows q|k|v -> q [T, H, D], k [T, Hkv, D]: per-head RMSNorm (QK-norm)
-    then rotate-half RoPE at cos/sin [T, D], in one pass instead of ~22 torch ops."""
+    then rotate-half RoPE at cos/sin [T, D] (float32), in one pass instead of ~22 torch ops. q is
+    float32; k has qkv's dtype (bfloat16 qkv: the bfloat16 mode, whose cache is bfloat16)."""
     T = qkv.shape[0]
-    q = torch.empty(T, num_heads, head_dim, dtype=qkv.dtype)
+    q = torch.empty(T, num_heads, head_dim, dtype=torch.float32)
     k = torch.empty(T, num_kv_heads, head_dim, dtype=qkv.dtype)
-    cos, sin = cos.contiguous(), sin.contiguous()
-    load_library().minipaged_qk_norm_rope_f32(
-        qkv.data_ptr(), qkv.stride(0), T, num_heads, num_kv_heads, head_dim, q_weight.data_ptr(),
-        k_weight.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr(),
-        torch.get_num_threads())
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    fn = (load_library().minipaged_qk_norm_rope_bf16 if qkv.dtype == torch.bfloat16
+          else load_library().minipaged_qk_norm_rope_f32)
+    fn(qkv.data_ptr(), qkv.stride(0), T, num_heads, num_kv_heads, head_dim, q_weight.data_ptr(),
+       k_weight.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr(),
+       torch.get_num_threads())
     return q, k
 
 
 def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
-    """gate_up [T, 2I] rows gate|up -> silu(gate) * up [T, I], in one pass."""
+    """gate_up [T, 2I] rows gate|up -> silu(gate) * up [T, I], in one pass (float32 or bfloat16
+    in and out, float32 math)."""
     T = gate_up.shape[0]
     out = torch.empty(T, inter, dtype=gate_up.dtype)
-    load_library().minipaged_silu_mul_f32(gate_up.data_ptr(), gate_up.stride(0), T, inter,
-                                          out.data_ptr(), torch.get_num_threads())
+    fn = (load_library().minipaged_silu_mul_bf16 if gate_up.dtype == torch.bfloat16
+          else load_library().minipaged_silu_mul_f32)
+    fn(gate_up.data_ptr(), gate_up.stride(0), T, inter, out.data_ptr(), torch.get_num_threads())
     return out
 
 
+def add_rmsnorm_bf16(h: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The bfloat16 mode's residual step: h += y in place (h the float32 residual stream [T, n],
+    contiguous; y a sublayer's bfloat16 output, or None), then RMSNorm(h) * weight rounded to
+    bfloat16 [T, n], the next GEMM's input."""
+    T, n = h.shape
+    if not (h.dtype == torch.float32 and h.is_contiguous() and weight.dtype == torch.float32):
+        raise ValueError("add_rmsnorm_bf16 takes a contiguous float32 residual and float32 weight")
+    if y is not None:
+        y = y.contiguous()
+        if y.dtype != torch.bfloat16 or y.shape != h.shape:
+            raise ValueError(f"add_rmsnorm_bf16: y must be bfloat16 {tuple(h.shape)}")
+    out = torch.empty(T, n, dtype=torch.bfloat16)
+    load_library().minipaged_add_rmsnorm_bf16(h.data_ptr(), None if y is None else y.data_ptr(), T, n,
+                                              weight.data_ptr(), eps, out.data_ptr(), torch.get_num_threads())
+    return out

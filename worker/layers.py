@@ -86,17 +86,24 @@ class Linear(nn.Linear):
     float64 (the parity mode) and other devices use F.linear. With `packed` (worker/cpu_gemm.py:
     the same weights as bfloat16 panels), batches of at most `packed_rows` rows run the
     bfloat16-weight kernel instead; with `vnni` too (AMX), every batch runs from the bfloat16
-    copies and the float32 weight is gone."""
+    copies and the float32 weight is gone. In the bfloat16 mode (pack_onednn_bf16) the product
+    is widened to float32 unless `bf16_out`: then it stays bfloat16 for a consumer that reads it
+    as it is (DecoderLayer.forward_bf16)."""
 
     packed: torch.Tensor | None = None
     packed_rows: int = 0               # the most rows that take the packed path (all: a large number)
     vnni: torch.Tensor | None = None   # cpu_gemm.pack_vnni(weight): larger batches on AMX
     onednn: torch.Tensor | None = None  # pack_onednn(): the float32 weight in oneDNN's own layout
+    bf16_out: bool = False             # the bfloat16 mode's layers: the product stays bfloat16
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.onednn is not None and self.onednn.dtype == torch.bfloat16:   # pack_onednn_bf16
             x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
             y = torch.ops.mkldnn._linear_pointwise(x2, self.onednn, None, "none", [], "")
+            if self.bf16_out:
+                if self.bias is not None:
+                    y = y.float().add_(self.bias).to(torch.bfloat16)
+                return y.view(*x.shape[:-1], self.out_features)
             out = torch.empty(y.shape, dtype=torch.float32).copy_(y)     # (copy_: ~4x .float() here)
             if self.bias is not None:
                 out.add_(self.bias)
@@ -192,9 +199,13 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split(self.qkv_sizes, dim=-1)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        if cpu_kernels.fused_ok(qkv) and self.head_dim <= 512:  # same steps, one pass (float32, CPU)
+        if (cpu_kernels.fused_ok(qkv) or self.qkv_proj.bf16_out) and self.head_dim <= 512:
+            # same steps, one pass (float32 math, CPU; bfloat16 qkv in the bfloat16 mode: k comes
+            # out bfloat16 for the cache, q float32 for the attention loops)
             q, k = cpu_kernels.qk_norm_rope(qkv, self.num_heads, self.num_kv_heads, self.head_dim,
                                             self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin)
+            if k.dtype != key_cache.dtype:
+                k, v = k.to(key_cache.dtype), v.to(key_cache.dtype)
         else:
             q = self.q_norm(q.view(T, self.num_heads, self.head_dim))
             k = self.k_norm(k.view(T, self.num_kv_heads, self.head_dim))
@@ -219,7 +230,7 @@ class MLP(nn.Module):
 
     def forward(self, x):
         gate_up = self.gate_up_proj(x)
-        if cpu_kernels.fused_ok(gate_up):                # same steps, one pass (float32, CPU)
+        if cpu_kernels.fused_ok(gate_up) or self.gate_up_proj.bf16_out:   # one pass (float32 math, CPU)
             return self.down_proj(cpu_kernels.silu_mul(gate_up, self.inter))
         gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
@@ -233,7 +244,29 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    bf16_io = False        # the bfloat16 mode (use_bf16_io): forward_bf16
+
     def forward(self, h, cos, sin, batch, key_cache, value_cache):
+        if self.bf16_io:
+            return self.forward_bf16(h, cos, sin, batch, key_cache, value_cache)
         # residual + sublayer(h), added into the sublayer's fresh output
         h = self.self_attn(self.input_layernorm(h), cos, sin, batch, key_cache, value_cache).add_(h)
         return self.mlp(self.post_attention_layernorm(h)).add_(h)
+
+    def use_bf16_io(self) -> None:
+        """The bfloat16 mode (its matrices already in pack_onednn_bf16 form): the projections hand
+        their bfloat16 products straight to the next step instead of widening them to float32."""
+        for m in (self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj):
+            m.bf16_out = True
+        self.bf16_io = True
+
+    def forward_bf16(self, h, cos, sin, batch, key_cache, value_cache):
+        """The same layer with bfloat16 crossing every GEMM boundary, as vLLM's CPU backend and
+        HF's bfloat16 model do, while the residual stream h stays float32 (updated in place: the
+        stage hands each layer a tensor of its own). Each norm is one pass that also adds the
+        sublayer's output into h and writes the next GEMM's bfloat16 input."""
+        x = cpu_kernels.add_rmsnorm_bf16(h, None, self.input_layernorm.weight, self.input_layernorm.eps)
+        y = self.self_attn(x, cos, sin, batch, key_cache, value_cache)
+        x = cpu_kernels.add_rmsnorm_bf16(h, y, self.post_attention_layernorm.weight,
+                                         self.post_attention_layernorm.eps)
+        return h.add_(self.mlp(x))

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from minipaged.config import ModelConfig
-from worker import cpu_gemm
+from worker import cpu_gemm, cpu_kernels
 from worker.attention import AttentionBackend, get_backend
 # StepBatch and the blocks are imported from here by the runner, tests and benchmarks.
 from worker.layers import (MLP, Attention, DecoderLayer, Linear, RMSNorm,  # noqa: F401
@@ -49,6 +49,7 @@ class Qwen3Stage(nn.Module):
     last (which also holds the embedding matrix when the lm_head is tied to it)."""
 
     embed_packed: torch.Tensor | None = None   # a tied embedding read from the lm_head's panels
+    bf16_io = False                            # the bfloat16 mode's layers (DecoderLayer.forward_bf16)
 
     def __init__(self, config: ModelConfig, layer_start: int, layer_end: int,
                  dtype: torch.dtype | str, device: torch.device | str,
@@ -148,13 +149,15 @@ class Qwen3Stage(nn.Module):
 
     def forward(self, batch: StepBatch, kv_cache: PagedKVCache,
                 hidden_states: torch.Tensor | None = None) -> torch.Tensor:
-        if self.is_first:  # (bfloat16 rows widen exactly)
+        if self.is_first:  # (bfloat16 rows widen exactly, into a fresh tensor)
             h = (self.embed_tokens(batch.input_ids) if self.embed_packed is None else
                  cpu_gemm.rows_of(self.embed_packed, batch.input_ids)).to(self.dtype)
         else:
             if hidden_states is None:
                 raise ValueError(f"stage [{self.layer_start}, {self.layer_end}) needs hidden states")
             h = hidden_states.to(device=self.device, dtype=self.dtype)
+            if self.bf16_io:    # the bfloat16 layers update h in place: never the caller's tensor
+                h = h.clone(memory_format=torch.contiguous_format)
         cos, sin = self.rotary(batch.positions, self.dtype)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, batch, kv_cache.key_cache[i], kv_cache.value_cache[i])
@@ -177,7 +180,9 @@ class Qwen3Stage(nn.Module):
         """The bfloat16 compute mode (worker/dtype_choice.py): every parameter rounded to its
         nearest bfloat16 value, whatever dtype the checkpoint came in; every matrix, the lm_head
         too, in oneDNN's bfloat16 layout (Linear.pack_onednn_bf16); the embedding a bfloat16
-        table (its rows widen exactly), its own even when tied, since the lm_head's copy is opaque."""
+        table (its rows widen exactly), its own even when tied, since the lm_head's copy is opaque;
+        the layers pass bfloat16 between their GEMMs (DecoderLayer.use_bf16_io), the residual stream
+        and the lm_head's product float32."""
         for p in self.parameters():
             p.copy_(p.to(torch.bfloat16))
         if self.embed_tokens is not None:
@@ -185,6 +190,10 @@ class Qwen3Stage(nn.Module):
         for m in self.modules():
             if isinstance(m, Linear):
                 m.pack_onednn_bf16()
+        if self.dtype == torch.float32 and self.device.type == "cpu" and cpu_kernels.load_library() is not None:
+            for layer in self.layers:
+                layer.use_bf16_io()
+            self.bf16_io = True
 
     @torch.no_grad()
     def use_bf16_weights(self) -> bool:

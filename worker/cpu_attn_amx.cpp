@@ -17,6 +17,9 @@
 // then a per-row causal softmax into bfloat16 weights; then P V, four 16-column tiles of the
 // output at a time. Tile registers: 0-3 accumulators, 4-7 operands (all 16 rows x 64 bytes,
 // cpu_gemm_amx.cpp configure()).
+// GCC 12 warns inside its own AVX-512 intrinsics (the _mm512_undefined_ps of _mm512_max_ps and
+// the reductions) once they are inlined here: a known false positive.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <algorithm>
 #include <cstdint>
 #include <cstring>

@@ -110,7 +110,8 @@ def load_library() -> ctypes.CDLL | None:
         for fn in (lib.minipaged_qk_norm_rope_f32, lib.minipaged_qk_norm_rope_bf16, lib.minipaged_silu_mul_f32,
                    lib.minipaged_silu_mul_bf16, lib.minipaged_add_rmsnorm_bf16, lib.minipaged_linear_bf16w_f32):
             fn.restype = None
-        for fn in (lib.minipaged_bf16w_available, lib.minipaged_amx_available, lib.minipaged_linear_amx_f32):
+        for fn in (lib.minipaged_bf16w_available, lib.minipaged_amx_available, lib.minipaged_linear_amx_f32,
+                   lib.minipaged_decode_rounds_q_bf16):
             fn.restype = I
         L = ctypes.c_int64
         lib.minipaged_write_kv.argtypes = [P, L, P, L, P, I, P, P, L, I, I, I, I]

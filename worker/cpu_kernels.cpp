@@ -53,6 +53,7 @@ constexpr int kVectorBytes = 32;
 // Blocks sit anywhere in the cache, so the hardware prefetcher cannot see the next one coming;
 // asking for it a couple of blocks ahead hides most of the memory latency (~25% faster here).
 constexpr int kPrefetchBlocks = 2;
+constexpr int64_t kPrefetchAllBytes = 512 << 10;   // a quarter of an L2 here (1.5 MB: slower)
 
 template <typename T>
 inline void prefetch(const T* p, int64_t n) {
@@ -325,14 +326,21 @@ int paged_decode(const T* query, const C* key_cache, const C* value_cache, int n
       }
       // 1. scores[h, p] = (q[h] . k[p]) * scale, block by block
       const int num_blocks_used = (len + block_size - 1) / block_size;
-      for (int j = 0; j < std::min(kPrefetchBlocks, num_blocks_used); ++j)
+      // A short context (<= kPrefetchAllBytes of K and V) is asked for whole up front, so its
+      // blocks arrive in parallel instead of two at a time (a decode batch of 80-token contexts:
+      // 0.74 -> 0.5 ms a layer); a long one streams kPrefetchBlocks ahead.
+      const bool all_at_once = 2 * int64_t(num_blocks_used) * block_stride * int64_t(sizeof(C)) <= kPrefetchAllBytes;
+      for (int j = 0; j < (all_at_once ? num_blocks_used : std::min(kPrefetchBlocks, num_blocks_used)); ++j) {
         prefetch(key_cache + int64_t(table[j]) * block_stride, block_stride);
+        if (all_at_once) prefetch(value_cache + int64_t(table[j]) * block_stride, block_stride);
+      }
       for (int p0 = 0; p0 < len; p0 += block_size) {
         const int j = p0 / block_size;
         const C* kb = key_cache + int64_t(table[j]) * block_stride;
         const int n = std::min(block_size, len - p0);
         const int ahead = j + kPrefetchBlocks;  // K ahead, then the first V blocks
-        if (ahead < num_blocks_used)
+        if (all_at_once) {
+        } else if (ahead < num_blocks_used)
           prefetch(key_cache + int64_t(table[ahead]) * block_stride, block_stride);
         else if (ahead - num_blocks_used < num_blocks_used)
           prefetch(value_cache + int64_t(table[ahead - num_blocks_used]) * block_stride, block_stride);
@@ -359,7 +367,7 @@ int paged_decode(const T* query, const C* key_cache, const C* value_cache, int n
         const int j = p0 / block_size;
         const C* vb = value_cache + int64_t(table[j]) * block_stride;
         const int n = std::min(block_size, len - p0);
-        if (j + kPrefetchBlocks < num_blocks_used)
+        if (!all_at_once && j + kPrefetchBlocks < num_blocks_used)
           prefetch(value_cache + int64_t(table[j + kPrefetchBlocks]) * block_stride, block_stride);
         for (int h = 0; h < H; ++h) {
           const C* vh = vb + (h / G) * head_stride;

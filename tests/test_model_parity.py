@@ -258,27 +258,37 @@ def test_weights_loading_and_fingerprint(checkpoints, tmp_path):
     assert sdb.keys() == sd1.keys() and all(torch.equal(sdb[k], sd1[k]) for k in sd1)
 
 
-def test_fused_cpu_steps_match_the_torch_ops():
-    """qk_norm_rope and silu_mul (worker/cpu_kernels.cpp, float32 on the CPU) against the module
-    code they replace: RMSNorm (HF's ops) then RoPE, and F.silu(gate) * up."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_cpu_steps_match_the_torch_ops(dtype):
+    """qk_norm_rope and silu_mul (worker/cpu_kernels.cpp, float32 math on the CPU) against the
+    module code they replace: RMSNorm (HF's ops) then RoPE, and F.silu(gate) * up. bfloat16 is the
+    bfloat16 mode's form (GEMM products in; k and silu_mul's output written bfloat16, q float32):
+    the torch ops in float32 on the same values, rounded once, within one bfloat16 step."""
     from worker import cpu_kernels
     from worker.model import RMSNorm, RotaryEmbedding, apply_rope
     if cpu_kernels.load_library() is None:
         pytest.skip("no C++ compiler: the CPU kernels could not be built")
     g = torch.Generator().manual_seed(0)
-    T, H, Hkv, D, inter = 37, 8, 2, 64, 96
-    qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=g)
+    T, H, Hkv, D, inter = 37, 8, 2, 64 if dtype == torch.float32 else 128, 96
+    qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=g).to(dtype)
     qn, kn = RMSNorm(D, 1e-6), RMSNorm(D, 1e-6)
     with torch.no_grad():
         qn.weight.copy_(torch.rand(D, generator=g) + 0.5)
         kn.weight.copy_(torch.rand(D, generator=g) + 0.5)
     cos, sin = RotaryEmbedding(D, 1e6)(torch.randint(0, 4000, (T,), generator=g), torch.float32)
     q, k = cpu_kernels.qk_norm_rope(qkv, H, Hkv, D, qn.weight, kn.weight, 1e-6, cos, sin)
+    x = qkv.float()
     with torch.no_grad():
-        want_q = apply_rope(qn(qkv[:, :H * D].view(T, H, D)), cos, sin)
-        want_k = apply_rope(kn(qkv[:, H * D:(H + Hkv) * D].view(T, Hkv, D)), cos, sin)
+        want_q = apply_rope(qn(x[:, :H * D].view(T, H, D)), cos, sin)
+        want_k = apply_rope(kn(x[:, H * D:(H + Hkv) * D].view(T, Hkv, D)), cos, sin).to(dtype)
+    step = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-6)
+    assert q.dtype == torch.float32 and k.dtype == dtype
     torch.testing.assert_close(q, want_q, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(k, want_k, rtol=1e-5, atol=1e-5)
-    gate_up = torch.randn(T, 2 * inter, generator=g) * 6                # both signs, |g| up to ~25
-    want = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-    torch.testing.assert_close(cpu_kernels.silu_mul(gate_up, inter), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(k.float(), want_k.float(), **step)
+    gate_up = (torch.randn(T, 2 * inter, generator=g) * 6).to(dtype)       # both signs, |g| up to ~25
+    gu = gate_up.float()
+    want = (torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]).to(dtype)
+    got = cpu_kernels.silu_mul(gate_up, inter)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want.float(), **(dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32
+                                                            else step))

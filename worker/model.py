@@ -46,14 +46,15 @@ def fuse_hf_weights(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tens
 
 class Qwen3Stage(nn.Module):
     """Layers [layer_start, layer_end); embeddings on the first stage, final norm + lm_head on the
-    last (which also holds the embedding matrix when the lm_head is tied to it)."""
+    last (which also holds the embedding matrix when the lm_head is tied to it). `matrix_dtype`:
+    the matrices' and the embedding's storage dtype when it is not `dtype` (the bfloat16 mode)."""
 
     embed_packed: torch.Tensor | None = None   # a tied embedding read from the lm_head's panels
     bf16_io = False                            # the bfloat16 mode's layers (DecoderLayer.forward_bf16)
 
     def __init__(self, config: ModelConfig, layer_start: int, layer_end: int,
                  dtype: torch.dtype | str, device: torch.device | str,
-                 backend: AttentionBackend | str = "torch"):
+                 backend: AttentionBackend | str = "torch", matrix_dtype: torch.dtype | None = None):
         super().__init__()
         if not 0 <= layer_start < layer_end <= config.num_hidden_layers:
             raise ValueError(f"layer range [{layer_start}, {layer_end}) is not inside "
@@ -70,7 +71,12 @@ class Qwen3Stage(nn.Module):
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last else None
             self.lm_head = (Linear(config.hidden_size, config.vocab_size, bias=False)
                             if self.is_last else None)
-        self.to(self.dtype).to_empty(device=self.device)
+        self.to(self.dtype)
+        if matrix_dtype is not None:   # the bfloat16 mode: matrices and embedding loaded as bfloat16,
+            for m in self.modules():   # never a float32 copy of them (peak memory, load time)
+                if isinstance(m, (Linear, nn.Embedding)):
+                    m.to(matrix_dtype)
+        self.to_empty(device=self.device)
         self.requires_grad_(False)       # inference only: lets inference-mode tensors mix freely
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta).to(self.device)
         if self.is_first and self.is_last and config.tie_word_embeddings:

@@ -66,7 +66,8 @@ class ModelRunner:
         self.mixed_bf16 = (self.device.type == "cpu" and self.dtype == torch.bfloat16 and backend == "torch"
                            and cpu_kernels.load_library() is not None and onednn_bf16_gemm())
         compute = torch.float32 if self.mixed_bf16 else self.dtype
-        self.stage = Qwen3Stage(self.config, layer_start, layer_end, compute, self.device, backend)
+        self.stage = Qwen3Stage(self.config, layer_start, layer_end, compute, self.device, backend,
+                                matrix_dtype=torch.bfloat16 if self.mixed_bf16 else None)
         t0 = time.monotonic()
         # one tensor at a time, straight into the parameters: peak memory is the weights, not 2x
         probes: dict = {}

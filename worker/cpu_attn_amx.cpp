@@ -28,7 +28,7 @@
 #include "cpu_math.h"
 
 namespace minipaged_amx {
-bool permitted_here();   // cpu_gemm_amx.cpp: the process holds AMX state (arch_prctl)
+bool permitted();   // cpu_gemm_amx.cpp: the process holds AMX state (arch_prctl)
 void configure();
 }
 
@@ -43,23 +43,13 @@ using minipaged::widen;
 
 constexpr int kRows = 16;   // query rows per tile
 
-// max of row[0, n) (n >= 0; -FLT_MAX for none), 16 lanes at a time: GCC leaves the scalar form of
-// a max reduction unvectorized without -ffast-math, and it was a fifth of this kernel's time.
-inline float row_max(const float* row, int n) {
-  __m512 m = _mm512_set1_ps(-3.0e38f);
-  int p = 0;
-  for (; p + 16 <= n; p += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(row + p));
-  if (p < n) m = _mm512_max_ps(m, _mm512_mask_loadu_ps(m, __mmask16((1u << (n - p)) - 1), row + p));
-  return _mm512_reduce_max_ps(m);
-}
-
 // Returns 0, or -2 (nothing done) without AMX or for a head layout it does not tile: a group
 // size that does not divide 16, or a head dim that is not a multiple of 64.
 int paged_prefill_bf16(const float* query, const uint16_t* key_cache, const uint16_t* value_cache,
                        const int32_t* block_tables, int max_blocks, const int32_t* seq_lens, const int32_t* q_starts,
                        const int32_t* q_lens, int S, int H, int Hkv, int block_size, int D, float scale, float* out,
                        int num_threads) {
-  if (!permitted_here() || Hkv < 1 || H % Hkv != 0 || kRows % (H / Hkv) != 0 || D % 64 != 0 || D > 512)
+  if (!permitted() || Hkv < 1 || H % Hkv != 0 || kRows % (H / Hkv) != 0 || D % 64 != 0 || D > 512)
     return -2;
   const int G = H / Hkv, TQ = kRows / G;
   const int64_t head_stride = int64_t(block_size) * D, block_stride = Hkv * head_stride;
@@ -139,7 +129,7 @@ int paged_prefill_bf16(const float* query, const uint16_t* key_cache, const uint
           uint16_t* w = pw.data() + size_t(r) * max_pad;
           const int visible = r < R ? prefix + t0 + r / G + 1 : 0;
           const float* row = sc.data() + size_t(r) * max_pad;
-          const float mx = row_max(row, visible);
+          const float mx = minipaged::max_of(row, visible);
           float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
           for (int p = 0; p < visible; ++p) {

@@ -25,6 +25,8 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_math.h"
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__linux__)
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -36,10 +38,8 @@ constexpr long kArchReqXcompPerm = 0x1023;
 constexpr long kXfeatureXtiledata = 18;
 constexpr int kKB = 32;   // k per tile step (32 bfloat16 = 64 bytes a row)
 
-bool permitted() {
-  static const bool ok = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  return ok;
-}
+using minipaged::round_bf16;
+using minipaged::widen;
 
 struct alignas(64) TileConfig {
   uint8_t palette_id;
@@ -48,19 +48,6 @@ struct alignas(64) TileConfig {
   uint16_t colsb[16];
   uint8_t rows[16];
 };
-
-
-inline uint16_t to_bf16(float f) {  // round to nearest even (finite inputs)
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-inline float from_bf16(uint16_t h) {
-  const uint32_t u = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
 
 // Row r of the chunk into parts[3][rows][Kp] (a row at or past mc, and k >= K, are zero padding).
 void split_row(const float* x, int64_t ldx, int mc, int rows, int K, int Kp, uint16_t* parts, int r) {
@@ -72,10 +59,10 @@ void split_row(const float* x, int64_t ldx, int mc, int rows, int K, int Kp, uin
   const float* xr = x + int64_t(r) * ldx;
   for (int k = 0; k < n; ++k) {
     const float v = xr[k];
-    const uint16_t h = to_bf16(v);
-    const float r1 = v - from_bf16(h);   // exact: the part hi does not hold
-    const uint16_t m = to_bf16(r1);
-    hi[k] = h, mid[k] = m, lo[k] = to_bf16(r1 - from_bf16(m));
+    const uint16_t h = round_bf16(v);
+    const float r1 = v - widen(h);   // exact: the part hi does not hold
+    const uint16_t m = round_bf16(r1);
+    hi[k] = h, mid[k] = m, lo[k] = round_bf16(r1 - widen(m));
   }
   for (int k = n; k < Kp; ++k) hi[k] = mid[k] = lo[k] = 0;
 }
@@ -109,7 +96,10 @@ void block(const uint16_t* parts, int64_t part, int Kp, int mb, const uint16_t* 
 }  // namespace
 
 namespace minipaged_amx {  // shared with worker/cpu_attn_amx.cpp
-bool permitted_here() { return permitted(); }
+bool permitted() {  // the process may use AMX: asked for once
+  static const bool ok = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  return ok;
+}
 void configure() {  // every tile 16 rows x 64 bytes; per thread
   TileConfig cfg;
   std::memset(&cfg, 0, sizeof(cfg));
@@ -122,6 +112,7 @@ void configure() {  // every tile 16 rows x 64 bytes; per thread
 }
 }  // namespace minipaged_amx
 using minipaged_amx::configure;
+using minipaged_amx::permitted;
 
 extern "C" {
 
@@ -179,7 +170,7 @@ int minipaged_linear_amx_f32(const float* x, int64_t ldx, int M, int K, const ui
 #else  // no AMX: the caller keeps its other GEMM
 
 namespace minipaged_amx {
-bool permitted_here() { return false; }
+bool permitted() { return false; }
 }
 
 extern "C" {

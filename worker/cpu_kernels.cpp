@@ -91,17 +91,8 @@ int check_prefill(const int32_t* block_tables, int max_blocks, const int32_t* se
 // keeps the in-order sum.
 template <typename T>
 inline T row_max(const T* s, int n) {
+  if constexpr (std::is_same_v<T, float>) return max_of(s, n);
   T mx = -std::numeric_limits<T>::infinity();
-#if defined(__AVX512F__)   // GCC leaves the reduction below scalar (one dependent max per element)
-  if constexpr (std::is_same_v<T, float>) {
-    __m512 m = _mm512_set1_ps(mx);
-    int p = 0;
-    for (; p + 16 <= n; p += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + p));
-    if (p < n) m = _mm512_max_ps(m, _mm512_mask_loadu_ps(m, __mmask16((1u << (n - p)) - 1), s + p));
-    return _mm512_reduce_max_ps(m);
-  }
-#endif
-#pragma omp simd reduction(max : mx)
   for (int p = 0; p < n; ++p) mx = std::max(mx, s[p]);
   return mx;
 }
@@ -339,10 +330,9 @@ int paged_decode(const T* query, const C* key_cache, const C* value_cache, int n
         const C* kb = key_cache + int64_t(table[j]) * block_stride;
         const int n = std::min(block_size, len - p0);
         const int ahead = j + kPrefetchBlocks;  // K ahead, then the first V blocks
-        if (all_at_once) {
-        } else if (ahead < num_blocks_used)
+        if (!all_at_once && ahead < num_blocks_used)
           prefetch(key_cache + int64_t(table[ahead]) * block_stride, block_stride);
-        else if (ahead - num_blocks_used < num_blocks_used)
+        else if (!all_at_once && ahead - num_blocks_used < num_blocks_used)
           prefetch(value_cache + int64_t(table[ahead - num_blocks_used]) * block_stride, block_stride);
         for (int h = 0; h < H; ++h) {
           const T* qh = q + int64_t(h) * D;

@@ -138,8 +138,8 @@ def qk_norm_rope(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim:
     q = torch.empty(T, num_heads, head_dim, dtype=torch.float32)
     k = torch.empty(T, num_kv_heads, head_dim, dtype=qkv.dtype)
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
-    fn = (load_library().minipaged_qk_norm_rope_bf16 if qkv.dtype == torch.bfloat16
-          else load_library().minipaged_qk_norm_rope_f32)
+    lib = load_library()
+    fn = lib.minipaged_qk_norm_rope_bf16 if qkv.dtype == torch.bfloat16 else lib.minipaged_qk_norm_rope_f32
     fn(qkv.data_ptr(), qkv.stride(0), T, num_heads, num_kv_heads, head_dim, q_weight.data_ptr(),
        k_weight.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr(),
        torch.get_num_threads())
@@ -151,8 +151,8 @@ def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
     in and out, float32 math)."""
     T = gate_up.shape[0]
     out = torch.empty(T, inter, dtype=gate_up.dtype)
-    fn = (load_library().minipaged_silu_mul_bf16 if gate_up.dtype == torch.bfloat16
-          else load_library().minipaged_silu_mul_f32)
+    lib = load_library()
+    fn = lib.minipaged_silu_mul_bf16 if gate_up.dtype == torch.bfloat16 else lib.minipaged_silu_mul_f32
     fn(gate_up.data_ptr(), gate_up.stride(0), T, inter, out.data_ptr(), torch.get_num_threads())
     return out
 

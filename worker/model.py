@@ -189,8 +189,9 @@ class Qwen3Stage(nn.Module):
         table (its rows widen exactly), its own even when tied, since the lm_head's copy is opaque;
         the layers pass bfloat16 between their GEMMs (DecoderLayer.use_bf16_io), the residual stream
         and the lm_head's product float32."""
-        for p in self.parameters():
-            p.copy_(p.to(torch.bfloat16))
+        for p in self.parameters():      # (matrices made with matrix_dtype=bfloat16 already are)
+            if p.dtype != torch.bfloat16:
+                p.copy_(p.to(torch.bfloat16))
         if self.embed_tokens is not None:
             self.embed_tokens.weight = nn.Parameter(self.embed_tokens.weight.to(torch.bfloat16), requires_grad=False)
         for m in self.modules():

@@ -124,27 +124,32 @@ def test_amx_prefill_leaves_other_head_layouts_to_the_exact_loop():
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
-def test_add_rmsnorm_bf16_matches_torch():
-    """The bfloat16 mode's residual step (cpu_kernels.cpp add_rmsnorm_bf16): h += y in place, then
-    HF's RMSNorm in float32 rounded once to bfloat16 (one bfloat16 step where float32 sums differ).
-    Its QK-norm + RoPE and SwiGLU forms: tests/test_model_parity.py."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rmsnorm_matches_torch(dtype):
+    """The residual step (cpu_kernels.cpp add_rmsnorm): h += y in place, then HF's RMSNorm ops in
+    float32; the bfloat16 mode's form rounds the result once to bfloat16 (one bfloat16 step where
+    float32 sums differ). RMSNorm.forward itself takes this path for float32 rows, so the oracle
+    here is HF's op sequence written out. QK-norm + RoPE and SwiGLU: tests/test_model_parity.py."""
     from worker import cpu_kernels
     from worker.layers import RMSNorm
     if cpu_kernels.load_library() is None:
         pytest.skip("no C++ compiler: the CPU kernels could not be built")
     g = torch.Generator().manual_seed(1)
     T, n = 21, 96
-    h, y = torch.randn(T, n, generator=g), torch.randn(T, n, generator=g).bfloat16()
+    h, y = torch.randn(T, n, generator=g), torch.randn(T, n, generator=g).to(dtype)
+    weight = torch.rand(n, generator=g) + 0.5
+    want_h = h + y.float()
+    want = (weight * (want_h * want_h.pow(2).mean(-1, keepdim=True).add(1e-6).rsqrt())).to(dtype)
+    got = cpu_kernels.add_rmsnorm(h, y, weight, 1e-6, dtype)       # h += y, in place
+    torch.testing.assert_close(h, want_h, rtol=0, atol=0)
+    step = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-6)
+    torch.testing.assert_close(got.float(), want.float(), **step)
     norm = RMSNorm(n, 1e-6)
     with torch.no_grad():
-        norm.weight.copy_(torch.rand(n, generator=g) + 0.5)
-        want_h = h + y.float()
-        want = norm(want_h).bfloat16()
-        got = cpu_kernels.add_rmsnorm_bf16(h, y, norm.weight, 1e-6)       # h += y, in place
-    torch.testing.assert_close(h, want_h, rtol=0, atol=0)
-    torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=1e-6)
-    with pytest.raises(ValueError, match="bfloat16"):
-        cpu_kernels.add_rmsnorm_bf16(h, y.float(), norm.weight, 1e-6)
+        norm.weight.copy_(weight)
+        assert torch.equal(norm(want_h), cpu_kernels.add_rmsnorm(want_h.clone(), None, weight, 1e-6))
+    with pytest.raises(ValueError, match="must be"):
+        cpu_kernels.add_rmsnorm(h, y.double(), weight, 1e-6, dtype)
 
 
 def test_write_kv_rounds_float32_into_a_bfloat16_cache():

@@ -1,7 +1,7 @@
 // CPU kernels (worker/cpu_kernels.py builds and loads this file): the torch backend's paged
 // attention, decode and prefill, each as one compiled loop over the cache (worker/attention_cpu.py;
 // the torch code stays the reference), and two fused elementwise steps of the Qwen3 block
-// (qk_norm_rope, silu_mul, add_rmsnorm_bf16; worker/layers.py).
+// (qk_norm_rope, silu_mul, add_rmsnorm; worker/layers.py).
 //
 // Decode: the torch formulation gathers every block a batch uses into a contiguous buffer, then
 // runs two batched matmuls over it, so K and V cross memory about three times, and a decode step
@@ -611,27 +611,28 @@ void silu_mul(const X* gate_up, int64_t row_stride, int T, int I, X* out, int nu
   }
 }
 
-// The bfloat16 mode's residual step and RMSNorm, one pass per row of the float32 residual stream:
-// h += y (y: a sublayer's bfloat16 output, or none), then out = bfloat16(h / sqrt(mean(h^2) + eps)
-// * w), the next GEMM's input. HF's Qwen3RMSNorm in float32, with the statistic summed in vector
-// lanes; instead of ~8 torch ops and a float32 copy of every GEMM output.
-void add_rmsnorm_bf16(float* h, const uint16_t* y, int T, int n, const float* w, float eps,
-                      uint16_t* out, int num_threads) {
+// The residual step and RMSNorm, one pass per row of the float32 residual stream: h += y (y: a
+// sublayer's output, float32 or bfloat16, or none), then out = h / sqrt(mean(h^2) + eps) * w, the
+// next GEMM's input (float32, or rounded to bfloat16 in the bfloat16 mode). HF's Qwen3RMSNorm in
+// float32, with the statistic summed in vector lanes; instead of ~8 torch ops, each a full read and
+// write of the activations (and in the bfloat16 mode a float32 copy of every GEMM output).
+template <typename Y, typename Out>
+void add_rmsnorm(float* h, const Y* y, int T, int n, const float* w, float eps, Out* out, int num_threads) {
 #pragma omp parallel for num_threads(std::max(1, num_threads)) schedule(static)
   for (int t = 0; t < T; ++t) {
     float* r = h + int64_t(t) * n;
     if (y != nullptr) {
-      const uint16_t* yr = y + int64_t(t) * n;
+      const Y* yr = y + int64_t(t) * n;
 #pragma omp simd
-      for (int i = 0; i < n; ++i) r[i] += widen(yr[i]);
+      for (int i = 0; i < n; ++i) r[i] += load(yr, i);
     }
     float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
     for (int i = 0; i < n; ++i) ss += r[i] * r[i];
     const float rstd = 1.f / std::sqrt(ss / float(n) + eps);
-    uint16_t* o = out + int64_t(t) * n;
+    Out* o = out + int64_t(t) * n;
 #pragma omp simd
-    for (int i = 0; i < n; ++i) o[i] = round_bf16(r[i] * rstd * w[i]);
+    for (int i = 0; i < n; ++i) store(o, i, r[i] * rstd * w[i]);
   }
 }
 
@@ -795,7 +796,13 @@ void minipaged_silu_mul_bf16(const uint16_t* gate_up, int row_stride, int T, int
 
 void minipaged_add_rmsnorm_bf16(float* h, const uint16_t* y, int T, int n, const float* w, float eps,
                                 uint16_t* out, int num_threads) {
-  add_rmsnorm_bf16(h, y, T, n, w, eps, out, num_threads);
+  add_rmsnorm(h, y, T, n, w, eps, out, num_threads);
+}
+
+// float32 in and out (the float32 layers; DecoderLayer.forward).
+void minipaged_add_rmsnorm_f32(float* h, const float* y, int T, int n, const float* w, float eps, float* out,
+                               int num_threads) {
+  add_rmsnorm(h, y, T, n, w, eps, out, num_threads);
 }
 
 }  // extern "C"

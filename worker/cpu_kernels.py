@@ -104,11 +104,13 @@ def load_library() -> ctypes.CDLL | None:
             fn.argtypes = [P, I, I, I, I, I, P, P, ctypes.c_float, P, P, P, P, I]
         for fn in (lib.minipaged_silu_mul_f32, lib.minipaged_silu_mul_bf16):
             fn.argtypes = [P, I, I, I, P, I]
-        lib.minipaged_add_rmsnorm_bf16.argtypes = [P, P, I, I, P, ctypes.c_float, P, I]
+        for fn in (lib.minipaged_add_rmsnorm_bf16, lib.minipaged_add_rmsnorm_f32):
+            fn.argtypes = [P, P, I, I, P, ctypes.c_float, P, I]
         for fn in (lib.minipaged_linear_bf16w_f32, lib.minipaged_linear_amx_f32):
             fn.argtypes = [P, ctypes.c_int64, I, I, P, I, P, P, ctypes.c_int64, I]
         for fn in (lib.minipaged_qk_norm_rope_f32, lib.minipaged_qk_norm_rope_bf16, lib.minipaged_silu_mul_f32,
-                   lib.minipaged_silu_mul_bf16, lib.minipaged_add_rmsnorm_bf16, lib.minipaged_linear_bf16w_f32):
+                   lib.minipaged_silu_mul_bf16, lib.minipaged_add_rmsnorm_bf16, lib.minipaged_add_rmsnorm_f32,
+                   lib.minipaged_linear_bf16w_f32):
             fn.restype = None
         for fn in (lib.minipaged_bf16w_available, lib.minipaged_amx_available, lib.minipaged_linear_amx_f32,
                    lib.minipaged_decode_rounds_q_bf16):
@@ -157,18 +159,23 @@ def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
     return out
 
 
-def add_rmsnorm_bf16(h: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The bfloat16 mode's residual step: h += y in place (h the float32 residual stream [T, n],
-    contiguous; y a sublayer's bfloat16 output, or None), then RMSNorm(h) * weight rounded to
-    bfloat16 [T, n], the next GEMM's input."""
+def add_rmsnorm(h: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The residual step: h += y in place (h the float32 residual stream [T, n], contiguous; y a
+    sublayer's output of `dtype`, or None), then RMSNorm(h) * weight as `dtype` [T, n], the next
+    GEMM's input: float32 (the float32 layers) or bfloat16 (the bfloat16 mode)."""
     T, n = h.shape
     if not (h.dtype == torch.float32 and h.is_contiguous() and weight.dtype == torch.float32):
-        raise ValueError("add_rmsnorm_bf16 takes a contiguous float32 residual and float32 weight")
+        raise ValueError("add_rmsnorm takes a contiguous float32 residual and float32 weight")
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"add_rmsnorm writes float32 or bfloat16, not {dtype}")
     if y is not None:
         y = y.contiguous()
-        if y.dtype != torch.bfloat16 or y.shape != h.shape:
-            raise ValueError(f"add_rmsnorm_bf16: y must be bfloat16 {tuple(h.shape)}")
-    out = torch.empty(T, n, dtype=torch.bfloat16)
-    load_library().minipaged_add_rmsnorm_bf16(h.data_ptr(), None if y is None else y.data_ptr(), T, n,
-                                              weight.data_ptr(), eps, out.data_ptr(), torch.get_num_threads())
+        if y.dtype != dtype or y.shape != h.shape:
+            raise ValueError(f"add_rmsnorm: y must be {str(dtype).replace('torch.', '')} {tuple(h.shape)}")
+    out = torch.empty(T, n, dtype=dtype)
+    lib = load_library()
+    fn = lib.minipaged_add_rmsnorm_bf16 if dtype == torch.bfloat16 else lib.minipaged_add_rmsnorm_f32
+    fn(h.data_ptr(), None if y is None else y.data_ptr(), T, n, weight.data_ptr(), eps, out.data_ptr(),
+       torch.get_num_threads())
     return out

@@ -147,7 +147,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
         self.eps = eps
 
+    def fused_ok(self, x: torch.Tensor) -> bool:
+        """May the compiled add + RMSNorm pass take x? float32 rows [T, n], contiguous, on the CPU."""
+        return x.dim() == 2 and x.is_contiguous() and self.weight.dtype == torch.float32 and cpu_kernels.fused_ok(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_ok(x):   # the same float32 steps in one pass instead of ~7 torch ops
+            return cpu_kernels.add_rmsnorm(x, None, self.weight, self.eps)
         # Exactly HF's Qwen3RMSNorm: statistics in float32 (even for float64 models), cast back,
         # times the weight (the in-place steps work on fresh tensors and change no value).
         dtype = x.dtype
@@ -250,8 +256,15 @@ class DecoderLayer(nn.Module):
         if self.bf16_io:
             return self.forward_bf16(h, cos, sin, batch, key_cache, value_cache)
         # residual + sublayer(h), added into the sublayer's fresh output
-        h = self.self_attn(self.input_layernorm(h), cos, sin, batch, key_cache, value_cache).add_(h)
-        return self.mlp(self.post_attention_layernorm(h)).add_(h)
+        a = self.self_attn(self.input_layernorm(h), cos, sin, batch, key_cache, value_cache)
+        norm = self.post_attention_layernorm
+        if norm.fused_ok(a):   # a += h and its RMSNorm in one pass (float32, CPU)
+            x = cpu_kernels.add_rmsnorm(a, h, norm.weight, norm.eps)
+            h = a
+        else:
+            h = a.add_(h)
+            x = norm(h)
+        return self.mlp(x).add_(h)
 
     def use_bf16_io(self) -> None:
         """The bfloat16 mode (its matrices already in pack_onednn_bf16 form): the projections hand
@@ -265,8 +278,9 @@ class DecoderLayer(nn.Module):
         HF's bfloat16 model do, while the residual stream h stays float32 (updated in place: the
         stage hands each layer a tensor of its own). Each norm is one pass that also adds the
         sublayer's output into h and writes the next GEMM's bfloat16 input."""
-        x = cpu_kernels.add_rmsnorm_bf16(h, None, self.input_layernorm.weight, self.input_layernorm.eps)
+        bf16 = torch.bfloat16
+        x = cpu_kernels.add_rmsnorm(h, None, self.input_layernorm.weight, self.input_layernorm.eps, bf16)
         y = self.self_attn(x, cos, sin, batch, key_cache, value_cache)
-        x = cpu_kernels.add_rmsnorm_bf16(h, y, self.post_attention_layernorm.weight,
-                                         self.post_attention_layernorm.eps)
+        x = cpu_kernels.add_rmsnorm(h, y, self.post_attention_layernorm.weight,
+                                    self.post_attention_layernorm.eps, bf16)
         return h.add_(self.mlp(x))

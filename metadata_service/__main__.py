@@ -139,9 +139,17 @@ def _cancel_command(host: str, port: int) -> str:
     return f"minipaged jobs --cancel-all --address {host}:{port}"
 
 
-def _serve(port_spec: str, servicer, interceptors, tls) -> tuple:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=128), interceptors=interceptors,
-                         options=SERVER_OPTIONS)
+# Threads the server keeps beyond one per admitted request (--max-waiting): a sync gRPC server holds a
+# thread for each open Generate stream, and a worker's RegisterWorker / Heartbeat, Stats and health
+# calls need one too. With a fixed 128, 128 open streams left a worker's heartbeat queued until its
+# lease ran out and the chain was dropped under the very requests it was serving. Threads are made
+# only when needed.
+CONTROL_THREADS = 256
+
+
+def _serve(port_spec: str, servicer, interceptors, tls, max_streams: int) -> tuple:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_streams + CONTROL_THREADS),
+                         interceptors=interceptors, options=SERVER_OPTIONS)
     metadata_pb2_grpc.add_MetadataServiceServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -185,7 +193,7 @@ def _bind(args, servicer, log) -> tuple | None:
     servers, healths = [], []
     for surface, spec in surfaces:
         guard = [SurfaceInterceptor(surface, ports)] if split else []
-        server, bound, h = _serve(spec, servicer, auth + guard + [DecodeGuardInterceptor()], tls)
+        server, bound, h = _serve(spec, servicer, auth + guard + [DecodeGuardInterceptor()], tls, args.max_waiting)
         if bound == 0:
             log.error("cannot serve on %s: the port is taken (or the address is not this machine's)", spec)
             print(f"error: cannot serve on {spec}: the port is taken or the address is not this machine's",

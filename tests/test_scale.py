@@ -173,3 +173,25 @@ def test_simulated_workers_are_deterministic_across_layouts(config_only, tmp_pat
             assert all(len(t) == 12 and 151645 not in t for t in outs[-1])
             settle_all(c.client)
     assert outs[0] == outs[1]
+
+
+def test_more_open_streams_than_the_old_thread_pool_keep_the_chain(config_only, tmp_path):
+    """A sync gRPC server holds a thread per open Generate stream. With a fixed pool of 128, the
+    129th stream on left the worker's heartbeat queued until its lease ran out: the chain was
+    dropped under the requests it was serving, and they waited for a chain that could not register.
+    The pool is sized from --max-waiting now: 160 streams of 5 s (longer than the 4 s lease) all end."""
+    import asyncio
+
+    from client import AsyncClient
+    slow = tmp_path / "slow.json"
+    slow.write_text(json.dumps({"fixed_step_s": 0.02}))
+    with LocalCluster(model=config_only, workers=1, simulate=str(slow), dtype=None,
+                      extra_service_args=["--max-waiting", "200"]) as c:
+        async def run():
+            async with AsyncClient(c.address) as ac:
+                return await asyncio.gather(*(ac.generate(prompt_token_ids=[1000 + i, 7, 8], max_new_tokens=250,
+                                                          ignore_eos=True) for i in range(160)))
+        results = asyncio.run(run())
+        st = c.client.stats()
+    assert [len(r.token_ids) for r in results] == [250] * 160
+    assert st.num_chains == 1 and st.preemptions == 0

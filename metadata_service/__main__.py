@@ -50,8 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "stages N + N // 2). Up to N are overlapped by async scheduling")
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="schedule a micro-batch's next step only after its tokens are back")
-    p.add_argument("--router", choices=POLICIES, default="prefix",
-                   help="how new sequences pick a replica chain")
+    p.add_argument("--router", choices=POLICIES, default="exact",
+                   help="how new sequences pick a replica chain: exact (what each chain's pool holds), prefix "
+                        "(approximate: an LRU of what was routed there), round_robin, least_loaded")
     p.add_argument("--full-block-tables", action="store_true",
                    help="send whole block tables every step instead of deltas (to compare wire costs)")
     p.add_argument("--max-model-len", type=int, default=0, help="default: the model's max_position_embeddings")

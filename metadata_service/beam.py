@@ -137,10 +137,10 @@ class BeamGroup:
             chain.scheduler.remove(b)
         if b is not self.head and not b.finish_reason:
             b.finish_reason = "dropped"
-            if b.route_load:             # routed on its own after a lost chain
+            if b.route is not None:      # routed on its own after a lost chain
                 with self.engine.route_lock:
-                    self.engine.router.done(chain.chain_id, b.route_load)
-                b.route_load = 0.0
+                    self.engine.router.done(chain.chain_id, b.route)
+                b.route = None
 
     def _close(self, chain, reason: str, error: str = "", code: str = "") -> None:
         self.closing = True

@@ -118,7 +118,8 @@ class ChainUpkeep:
         chain = ChainRunner(next(self._chain_ids), stages, cap, epoch, self.cfg, self, stages[0].info.replica_group)
         with self.route_lock:
             self.chains[chain.chain_id] = chain
-            self.router.add_chain(chain.chain_id, cap, self.cfg.max_num_seqs * chain.micro_batches)
+            self.router.add_chain(chain.chain_id, cap, self.cfg.max_num_seqs * chain.micro_batches,
+                                  chain.manager.pool.cache.block_of)
         chain.start()
         for cb in self.on_chain_started:
             cb(chain)

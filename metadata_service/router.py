@@ -1,34 +1,47 @@
 """Which replica chain a new sequence goes to: prefix-cache overlap weighed against load.
 
-Dynamo's KV router is the model: for each chain, the blocks of this prompt it probably has cached
-(overlap) and the work it already has (load); the cost is the prefill blocks the chain would still
-have to compute plus its load, and the cheapest chain wins. `score` is that pure function.
+Dynamo's KV router is the model: for each chain, the blocks of this prompt it has cached (overlap)
+and the work it already has (load); the cost is the prefill blocks the chain would still have to
+compute plus its load, and the cheapest chain wins. `score` is that pure function.
 
-Overlap comes from a PrefixIndex per chain: the chained hashes of the full prompt blocks recently
-routed there, an LRU the size of the chain's pool. It predicts the chain's prefix cache from the
-routing decisions themselves (Dynamo's "approximate" mode), so a burst of requests sharing a system
-prompt all go where the first one went, before any of them has run. Load is counted in blocks:
-each unfinished sequence adds the blocks it will allocate beyond its cached prefix. A chain whose
-batch slots (max_num_seqs x micro-batches) are all taken is chosen only when every chain's are: a
-sequence sent there waits for a whole request to finish while another chain could run it now (1024
-short requests over 4 chains of 256 slots, balanced by blocks alone, put 258 on two of them, and the
-2 left over decoded alone for 125 steps after the rest had finished).
+Where overlap comes from is the policy:
+  - "exact" (the default): what the chain's pool holds now. The metadata plane owns every chain's
+    KVBlockManager, so the router reads each prefix cache's index (hash -> block, prefix_cache.py)
+    itself, with no events and no guess: a block evicted a moment ago is gone from it, a block
+    computed a moment ago is there. To that it adds the blocks of sequences already routed to the
+    chain and not finished (`pending`), so a burst of requests sharing a system prompt all go where
+    the first one went, before any of them has run.
+  - "prefix" (approximate, Dynamo's mode without KV events; kept to compare): a PrefixIndex per
+    chain, an LRU of the hashes of the full prompt blocks routed there, the size of the chain's
+    pool. It predicts the prefix cache from the routing decisions, and drifts from it once the pool
+    evicts for other reasons (decode tokens, other prompts).
+Load is counted in blocks: each unfinished sequence adds the blocks it will allocate beyond its
+cached prefix. A chain whose batch slots (max_num_seqs x micro-batches) are all taken is chosen
+only when every chain's are: a sequence sent there waits for a whole request to finish while
+another chain could run it now (1024 short requests over 4 chains of 256 slots, balanced by blocks
+alone, put 258 on two of them, and the 2 left over decoded alone for 125 steps after the rest).
 
-Policies: "prefix" (the above), "round_robin" and "least_loaded" (for comparison)."""
+Policies: "exact", "prefix", "round_robin" and "least_loaded" (the last three to compare)."""
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
-from dataclasses import dataclass
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from typing import Container
 
-POLICIES = ("prefix", "round_robin", "least_loaded")
+from .prefix_cache import default_block_hash
+
+POLICIES = ("exact", "prefix", "round_robin", "least_loaded")
 
 
-def block_hashes(tokens: list[int], block_size: int) -> list[int]:
-    """Chained hashes of the prompt's full blocks (a block's hash names its whole prefix)."""
-    out, parent = [], 0
-    for i in range(len(tokens) // block_size):
-        parent = hash((parent, tuple(tokens[i * block_size:(i + 1) * block_size])))
+def block_hashes(tokens, block_size: int) -> list[int]:
+    """Chained hashes of the prompt's full blocks, as the chains' prefix caches name them (a
+    block's hash names its whole prefix; prefix_cache.py). Only blocks before the last prompt token
+    can be cache hits (that token is always computed), as in KVBlockManager.create_sequence."""
+    tokens = tokens.tolist() if hasattr(tokens, "tolist") else tokens
+    out, parent = [], None
+    for i in range((len(tokens) - 1) // block_size):
+        parent = default_block_hash(parent, tuple(tokens[i * block_size:(i + 1) * block_size]))
         out.append(parent)
     return out
 
@@ -64,42 +77,66 @@ def score(overlap_blocks: int, prompt_blocks: int, load_blocks: float) -> float:
 
 
 @dataclass
+class Route:
+    """What choosing a chain charged it, given back by `done` when the sequence ends."""
+    load: float                  # blocks beyond the cached prefix
+    hashes: tuple = ()           # its prompt blocks, pending on the chain ("exact")
+
+
+@dataclass
 class _ChainLoad:
-    index: PrefixIndex
+    index: PrefixIndex                    # "prefix": hashes routed here, an LRU of the pool's size
+    cached: Container = ()                # "exact": the chain's prefix cache index, read live
+    pending: Counter = field(default_factory=Counter)   # "exact": prompt blocks of unfinished sequences
     blocks: float = 0.0
     sequences: int = 0
     max_sequences: int = 0       # batch slots (max_num_seqs x micro-batches); 0: no limit
 
+    def exact_overlap(self, hashes: list[int]) -> int:
+        """Leading prompt blocks the pool holds, or that a sequence routed here will compute."""
+        n = 0
+        for h in hashes:
+            if h not in self.cached and not self.pending[h]:
+                break
+            n += 1
+        return n
+
 
 class Router:
-    def __init__(self, policy: str = "prefix", block_size: int = 16):
+    def __init__(self, policy: str = "exact", block_size: int = 16):
         if policy not in POLICIES:
             raise ValueError(f"router policy {policy!r}: choose one of {POLICIES}")
         self.policy, self.block_size = policy, block_size
         self._chains: dict[int, _ChainLoad] = {}
         self._rr = itertools.count()
 
-    def add_chain(self, chain_id: int, num_blocks: int, max_sequences: int = 0) -> None:
-        self._chains[chain_id] = _ChainLoad(PrefixIndex(num_blocks), max_sequences=max_sequences)
+    def add_chain(self, chain_id: int, num_blocks: int, max_sequences: int = 0, cached: Container = ()) -> None:
+        """`cached`: the chain's prefix-cache index (hashes of the blocks its pool holds), which
+        the "exact" policy reads at each choice (a dict read under the GIL: safe while the chain's
+        thread changes it)."""
+        self._chains[chain_id] = _ChainLoad(PrefixIndex(num_blocks), cached, max_sequences=max_sequences)
 
     def remove_chain(self, chain_id: int) -> None:
         self._chains.pop(chain_id, None)
 
-    def choose(self, chain_ids: list[int], prompt: list[int], max_new_tokens: int) -> tuple[int, float]:
-        """(chosen chain id, the load it took on). The caller calls `done` with it when the
+    def choose(self, chain_ids: list[int], prompt, max_new_tokens: int) -> tuple[int, Route]:
+        """(chosen chain id, what it was charged). The caller calls `done` with both when the
         sequence ends."""
-        bs = self.block_size
-        hashes = block_hashes(prompt, bs) if self.policy == "prefix" else []
+        bs, policy = self.block_size, self.policy
+        hashes = block_hashes(prompt, bs) if policy in ("exact", "prefix") else []
         total = -(-(len(prompt) + max_new_tokens) // bs)
-        if self.policy == "round_robin":
+        if policy == "round_robin":
             best = chain_ids[next(self._rr) % len(chain_ids)]
             overlap = 0
         else:
             costs = []
             for cid in chain_ids:
                 c = self._chains[cid]
-                ov = c.index.overlap(hashes) if hashes else 0
-                cost = score(ov, len(hashes), c.blocks) if self.policy == "prefix" else c.blocks
+                if not hashes:
+                    ov = 0
+                else:
+                    ov = c.exact_overlap(hashes) if policy == "exact" else c.index.overlap(hashes)
+                cost = c.blocks if policy == "least_loaded" else score(ov, len(hashes), c.blocks)
                 # a chain whose batch slots are all taken makes the sequence wait for one to free up
                 # (a whole request's decode, while the other chains have room): chosen only when
                 # every chain is full
@@ -108,15 +145,23 @@ class Router:
             rr = next(self._rr)  # ties go round the chains rather than all to the first
             _, cost, _, overlap, best = min(costs, key=lambda t: (t[0], t[1], t[2], (t[4] - rr) % (1 << 30)))
         c = self._chains[best]
-        if hashes:
+        route = Route(float(total - overlap))
+        if policy == "prefix" and hashes:
             c.index.insert(hashes)
-        load = float(total - overlap)
-        c.blocks += load
+        elif policy == "exact" and hashes:
+            route.hashes = tuple(hashes)
+            c.pending.update(route.hashes)
+        c.blocks += route.load
         c.sequences += 1
-        return best, load
+        return best, route
 
-    def done(self, chain_id: int, load: float) -> None:
+    def done(self, chain_id: int, route: Route | None) -> None:
         c = self._chains.get(chain_id)
-        if c is not None:
-            c.blocks = max(0.0, c.blocks - load)
+        if c is not None and route is not None:
+            c.blocks = max(0.0, c.blocks - route.load)
             c.sequences = max(0, c.sequences - 1)
+            if route.hashes:
+                c.pending.subtract(route.hashes)
+                for h in route.hashes:
+                    if c.pending[h] <= 0:
+                        c.pending.pop(h, None)

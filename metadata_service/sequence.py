@@ -109,7 +109,7 @@ class Sequence:
     chain: object = None                     # the ChainRunner it was routed to
     slot: int = 0                            # micro-batch it belongs to on that chain
     abort_requested: bool = False            # set by any thread; the owning chain finishes it
-    route_load: float = 0.0                  # what the router charged its chain (given back at the end)
+    route: object = None                     # router.Route: what the router charged its chain (given back at the end)
     admitted_at: float = 0.0                 # time.monotonic() of admission (TTFT)
     first_token_at: float = 0.0
     group: object = None                     # SequenceGroup when the request asked for n / best_of > 1

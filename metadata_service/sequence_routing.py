@@ -60,7 +60,7 @@ class SequenceRouting:
             seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
             chain = seq.chain
             if chain is not None:
-                self.router.done(chain.chain_id, seq.route_load)
+                self.router.done(chain.chain_id, seq.route)
         for cb in self.on_sequence_finished:
             cb(seq)
         if seq.sink is not None:
@@ -87,12 +87,12 @@ class SequenceRouting:
                 for s in seqs:
                     g = s.group if s.group is not None and s.group.beam else None
                     if g is not None and id(g) in beam_chain:
-                        cid, load = beam_chain[id(g)], 0.0
+                        cid, route = beam_chain[id(g)], None
                     else:
-                        cid, load = self.router.choose(ids, s.all_token_ids, s.params.max_new_tokens)
+                        cid, route = self.router.choose(ids, s.all_token_ids, s.params.max_new_tokens)
                         if g is not None:
                             beam_chain[id(g)] = cid
-                    s.chain, s.route_load = self.chains[cid], load
+                    s.chain, s.route = self.chains[cid], route
                     s.chain.add(s)
         for s in cancelled:
             self.finish(s, "cancelled")

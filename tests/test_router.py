@@ -1,4 +1,5 @@
-"""Router: prefix overlap against load, and batch slots (a full chain only when all are full)."""
+"""Router: prefix overlap (exact: the pools' own index; approximate: routing history) against load,
+and batch slots (a full chain only when all are full)."""
 from __future__ import annotations
 
 import random
@@ -19,17 +20,73 @@ def test_a_chain_with_free_batch_slots_wins_over_a_full_one():
         cid, _ = router.choose([1, 2, 3, 4], prompt, 128)
         counts[cid] += 1
     assert counts == {1: 256, 2: 256, 3: 256, 4: 256}
-    cid, load = router.choose([1, 2, 3, 4], [5] * 40, 8)      # every chain full: the cheapest still
-    assert cid in counts and load > 0
+    cid, route = router.choose([1, 2, 3, 4], [5] * 40, 8)     # every chain full: the cheapest still
+    assert cid in counts and route.load > 0
 
 
 def test_without_a_slot_limit_blocks_decide():
     router = Router("least_loaded", block_size=16)
     router.add_chain(1, 1000)
     router.add_chain(2, 1000)
-    a, load_a = router.choose([1, 2], list(range(160)), 0)     # 10 blocks on one chain
+    a, route_a = router.choose([1, 2], list(range(160)), 0)    # 10 blocks on one chain
     b, _ = router.choose([1, 2], list(range(16)), 0)           # the next goes to the other
-    assert a != b and load_a == 10
-    router.done(a, load_a)
+    assert a != b and route_a.load == 10
+    router.done(a, route_a)
     c, _ = router.choose([1, 2], list(range(16)), 0)           # a's blocks came back: it is lighter now
     assert c == a
+
+
+def test_exact_hashes_are_the_pools_own():
+    """The exact policy names blocks as the chains' prefix caches do: after a sequence's prompt
+    is appended, every full block before its last token is in the pool's index under the hash
+    block_hashes gives, and a second manager that never saw the prompt has none of them."""
+    from metadata_service.block_manager import KVBlockManager
+    from metadata_service.router import block_hashes
+    prompt = list(range(100, 181))                       # 81 ids: 5 full blocks of 16, the 5th the last
+    m, other = KVBlockManager(64, 16), KVBlockManager(64, 16)
+    m.create_sequence(1, prompt)
+    m.append_tokens(1, len(prompt), prompt)
+    hashes = block_hashes(prompt, 16)
+    assert len(hashes) == 5 and all(h in m.pool.cache.block_of for h in hashes)
+    assert not any(h in other.pool.cache.block_of for h in hashes)
+
+
+def test_exact_routing_follows_what_each_pool_holds_now():
+    """A prompt goes to the chain whose pool holds its prefix, read at the moment of the choice:
+    once that pool evicts the blocks, the chain is no better than the others."""
+    from metadata_service.router import block_hashes
+    router = Router("exact", block_size=16)
+    pools = {1: {}, 2: {}, 3: {}}
+    for cid, pool in pools.items():
+        router.add_chain(cid, 1000, 64, cached=pool)
+    prompt = list(range(320))
+    for i, h in enumerate(block_hashes(prompt, 16)):
+        pools[2][h] = i                                   # chain 2 computed this prefix earlier
+    cid, route = router.choose([1, 2, 3], prompt + [7, 8], 4)
+    assert cid == 2 and route.load == -(-(322 + 4) // 16) - 19
+    router.done(cid, route)
+    pools[2].clear()                                      # evicted: the pool no longer has it
+    picks = set()
+    for _ in range(3):
+        cid, route = router.choose([1, 2, 3], list(range(5000, 5100)), 4)   # unrelated, to move load
+        picks.add(cid)
+    assert picks == {1, 2, 3}
+
+
+def test_exact_routing_counts_blocks_routed_but_not_computed():
+    """A request sharing a prefix with one routed a moment ago (nothing computed yet) is charged
+    only its own blocks there, and goes there; when those sequences end their pending blocks are
+    forgotten (from then on the pool's index alone says what is cached)."""
+    router = Router("exact", block_size=16)
+    for cid in (1, 2):
+        router.add_chain(cid, 1000, 64, cached={})
+    busy, busy_route = router.choose([1, 2], list(range(50_000, 51_600)), 0)   # 100 blocks on one chain
+    other = 3 - busy
+    system = list(range(1000, 1640))                      # 40 blocks
+    a, ra = router.choose([1, 2], system + [1], 8)
+    b, rb = router.choose([1, 2], system + [2, 3], 8)
+    assert a == b == other and ra.load == 41 and rb.load == 41 - 40
+    for cid, route in ((a, ra), (b, rb), (busy, busy_route)):
+        router.done(cid, route)
+    chain = router._chains[other]
+    assert not chain.pending and chain.blocks == 0 and chain.sequences == 0

@@ -175,6 +175,22 @@ def test_simulated_workers_are_deterministic_across_layouts(config_only, tmp_pat
     assert outs[0] == outs[1]
 
 
+@pytest.mark.parametrize("router, hits", [("exact", 40), ("round_robin", 0)])
+def test_exact_routing_sends_a_prompt_where_its_prefix_is_cached(config_only, tmp_path, router, hits):
+    """Three requests sharing a 20-block system prompt, one after another, over 3 replicas: the
+    exact router reads each chain's prefix cache and sends the second and third where the first
+    left its blocks (20 hits each); round-robin spreads them over the three pools (none)."""
+    fast = tmp_path / "fast.json"
+    fast.write_text(json.dumps({"fixed_step_s": 0.002}))
+    system = list(range(2000, 2000 + 16 * 20))
+    with LocalCluster(model=config_only, workers=1, replicas=3, simulate=str(fast), dtype=None,
+                      extra_service_args=["--router", router]) as c:
+        for i in range(3):
+            c.client.generate(prompt_token_ids=system + [7 + i], max_new_tokens=2)
+        st = c.client.stats()
+    assert st.num_chains == 3 and st.prefix_cache_hits == hits
+
+
 def test_more_open_streams_than_the_old_thread_pool_keep_the_chain(config_only, tmp_path):
     """A sync gRPC server holds a thread per open Generate stream. With a fixed pool of 128, the
     129th stream on left the worker's heartbeat queued until its lease ran out: the chain was

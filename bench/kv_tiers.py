@@ -31,7 +31,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from scale import sim_cluster, table, ttfts  # noqa: E402  (puts the repo root on the path)
+from scale import shared_prefix_requests, sim_cluster, table, ttfts  # noqa: E402  (puts the repo root on the path)
 
 from client import AsyncClient  # noqa: E402
 
@@ -53,16 +53,6 @@ async def open_loop_ttfts(address: str, reqs: list[dict], rate: float, seed: int
             at += rng.expovariate(rate)
         await asyncio.gather(*tasks)
     return sorted(out)
-
-
-def tenant_requests(seed: int, tenants: int, per: int, new: int) -> list[dict]:
-    """`per` requests for each of `tenants` system prompts (1-2k ids), shuffled."""
-    rng = random.Random(seed)
-    heads = [[rng.randrange(1000, 150000) for _ in range(rng.randint(1024, 2048))] for _ in range(tenants)]
-    reqs = [{"prompt_token_ids": h + [rng.randrange(1000, 150000) for _ in range(rng.randint(32, 128))],
-             "max_new_tokens": new, "ignore_eos": True} for h in heads for _ in range(per)]
-    rng.shuffle(reqs)
-    return reqs
 
 
 def one_run(replicas: int, router: str, reqs: list[dict], args) -> tuple:
@@ -87,7 +77,7 @@ def bench_routing(args) -> None:
               ("4 replicas, round-robin", 4, "round_robin"), ("1 replica", 1, "exact"))
     runs: dict[str, list] = {label: [] for label, *_ in setups}
     for r in range(args.repeat):          # rows take turns within each repetition (the machine drifts)
-        reqs = tenant_requests(11 + r, args.tenants, args.per, args.new)
+        reqs = shared_prefix_requests(seed=11 + r, systems=args.tenants, per=args.per, new=args.new)
         for label, replicas, router in setups:
             runs[label].append(one_run(replicas, router, reqs, args))
     rows, exact = [], None

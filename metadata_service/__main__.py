@@ -25,7 +25,7 @@ from .api import MetadataServicer
 from .auth import SurfaceInterceptor, TokenInterceptor, is_loopback
 from .engine import Engine
 from .job_store import JobStore, JobStoreError
-from .router import POLICIES
+from .router import OVERLAP_WEIGHT, POLICIES
 from .workers import SERVER_OPTIONS, WorkerRegistry
 
 SERVICE_NAME = metadata_pb2.DESCRIPTOR.services_by_name["MetadataService"].full_name
@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--router", choices=POLICIES, default="exact",
                    help="how new sequences pick a replica chain: exact (what each chain's pool holds), prefix "
                         "(approximate: an LRU of what was routed there), round_robin, least_loaded")
+    p.add_argument("--router-overlap-weight", type=float, default=OVERLAP_WEIGHT,
+                   help="how many blocks of a chain's queued load one prompt block it would have to compute "
+                        "weighs, for exact and prefix routing (Dynamo's overlap score weight)")
     p.add_argument("--full-block-tables", action="store_true",
                    help="send whole block tables every step instead of deltas (to compare wire costs)")
     p.add_argument("--max-model-len", type=int, default=0, help="default: the model's max_position_embeddings")
@@ -168,6 +171,7 @@ def _build(args, jobs_store: JobStore) -> tuple:
                     worker_token=args.worker_token, step_timeout_s=args.step_timeout,
                     worker_wait_s=args.worker_wait, registry=registry, micro_batches=args.micro_batches,
                     async_scheduling=not args.no_async_scheduling, router=args.router,
+                    router_overlap_weight=args.router_overlap_weight,
                     full_block_tables=args.full_block_tables)
     # the model the stored jobs were admitted for: after a restart, only its workers may take them
     engine.model_fingerprint = jobs_store.get_meta("model_fingerprint") or ""

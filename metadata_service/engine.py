@@ -41,7 +41,7 @@ class Engine(SequenceRouting, ChainUpkeep, ServedModel):
     def __init__(self, *, block_size=16, num_blocks=0, max_num_batched_tokens=2048, max_num_seqs=256,
                  max_model_len=0, enable_prefix_caching=True, worker_token=None, step_timeout_s=120.0,
                  worker_wait_s=60.0, registry: WorkerRegistry | None = None, micro_batches=0,
-                 async_scheduling=True, router="exact", full_block_tables=False, init_timeout_s=30.0,
+                 async_scheduling=True, router="exact", router_overlap_weight=2.0, full_block_tables=False, init_timeout_s=30.0,
                  default_num_blocks=1024):
         self.block_size = block_size
         self.num_blocks_cap = num_blocks            # --num-blocks: an upper bound on each chain's pool
@@ -56,7 +56,7 @@ class Engine(SequenceRouting, ChainUpkeep, ServedModel):
                                step_timeout_s=step_timeout_s)
         self.registry = registry if registry is not None else WorkerRegistry()  # (an empty one is falsy)
         self.registry.pinned = self._pinned_model
-        self.router = Router(router, block_size)
+        self.router = Router(router, block_size, router_overlap_weight)
         self.chains: dict[int, ChainRunner] = {}
         self._chain_ids = itertools.count(1)
         self.route_lock = threading.RLock()        # chains, router and parked change under it

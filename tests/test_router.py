@@ -66,11 +66,12 @@ def test_exact_routing_follows_what_each_pool_holds_now():
     assert cid == 2 and route.load == -(-(322 + 4) // 16) - 19
     router.done(cid, route)
     pools[2].clear()                                      # evicted: the pool no longer has it
-    picks = set()
-    for _ in range(3):
-        cid, route = router.choose([1, 2, 3], list(range(5000, 5100)), 4)   # unrelated, to move load
-        picks.add(cid)
-    assert picks == {1, 2, 3}
+    cid, route = router.choose([1, 2, 3], prompt + [9], 4)
+    assert route.load == -(-(321 + 4) // 16)              # charged the whole prompt, wherever it went
+    pools[3].update((h, i) for i, h in enumerate(block_hashes(prompt, 16)))   # chain 3 computed it since
+    router.done(cid, route)
+    cid, _ = router.choose([1, 2, 3], prompt + [10], 4)
+    assert cid == 3
 
 
 def test_exact_routing_counts_blocks_routed_but_not_computed():
@@ -90,3 +91,18 @@ def test_exact_routing_counts_blocks_routed_but_not_computed():
         router.done(cid, route)
     chain = router._chains[other]
     assert not chain.pending and chain.blocks == 0 and chain.sequences == 0
+
+
+def test_a_prompt_block_to_compute_weighs_more_than_a_block_of_queue():
+    """The chain holding a 40-block prompt has 60 blocks of queued work, another chain none: at
+    overlap weight 1 the prompt goes to the idle chain (60 > 40) and is computed again; at the
+    default (2) it stays where its blocks are, until the queue passes twice the prompt."""
+    from metadata_service.router import block_hashes
+    prompt = list(range(640))
+    for weight, want in ((1.0, 1), (2.0, 2)):
+        router = Router("exact", block_size=16, overlap_weight=weight)
+        pools = {1: {}, 2: {h: i for i, h in enumerate(block_hashes(prompt + [0], 16))}}
+        for cid, pool in pools.items():
+            router.add_chain(cid, 1000, 64, cached=pool)
+        router.choose([2], list(range(9000, 9960)), 0)                       # 60 blocks queued on chain 2
+        assert router.choose([1, 2], prompt + [1], 0)[0] == want

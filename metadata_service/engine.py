@@ -30,7 +30,7 @@ from .backlog import CANCEL_COMMAND, refusal_hint
 from .block_manager import KVBlockManager
 from .chain import ChainConfig, ChainRunner
 from .chain_upkeep import ChainUpkeep
-from .router import Router
+from .router import OVERLAP_WEIGHT, Router
 from .sequence import Sequence
 from .sequence_routing import SequenceRouting
 from .served_model import ServedModel
@@ -41,8 +41,8 @@ class Engine(SequenceRouting, ChainUpkeep, ServedModel):
     def __init__(self, *, block_size=16, num_blocks=0, max_num_batched_tokens=2048, max_num_seqs=256,
                  max_model_len=0, enable_prefix_caching=True, worker_token=None, step_timeout_s=120.0,
                  worker_wait_s=60.0, registry: WorkerRegistry | None = None, micro_batches=0,
-                 async_scheduling=True, router="exact", router_overlap_weight=2.0, full_block_tables=False, init_timeout_s=30.0,
-                 default_num_blocks=1024):
+                 async_scheduling=True, router="exact", router_overlap_weight=OVERLAP_WEIGHT,
+                 full_block_tables=False, init_timeout_s=30.0, default_num_blocks=1024):
         self.block_size = block_size
         self.num_blocks_cap = num_blocks            # --num-blocks: an upper bound on each chain's pool
         self.max_model_len_flag = max_model_len

@@ -77,7 +77,7 @@ class PrefixIndex:
 # prompt for an idle one whenever that chain's queue was longer than the prompt: a quarter of such
 # routes in bench/kv_tiers.py. At 2, measured on its tenants under cache pressure (open and closed
 # loop) and on bench/scale.py's shared prefixes: hit rate 0.44-0.47 -> 0.61-0.65 and 0.90 -> 0.92,
-# TTFT p90 -15% to -40%, for both overlap policies. `--router-overlap-weight` sets it.
+# TTFT p90 -14% to -49%, for both overlap policies. `--router-overlap-weight` sets it.
 OVERLAP_WEIGHT = 2.0
 
 
@@ -173,8 +173,7 @@ class Router:
         if c is not None and route is not None:
             c.blocks = max(0.0, c.blocks - route.load)
             c.sequences = max(0, c.sequences - 1)
-            if route.hashes:
-                c.pending.subtract(route.hashes)
-                for h in route.hashes:
-                    if c.pending[h] <= 0:
-                        c.pending.pop(h, None)
+            for h in route.hashes:          # its blocks are no longer pending here
+                c.pending[h] -= 1
+                if c.pending[h] <= 0:
+                    del c.pending[h]

@@ -42,12 +42,13 @@ class PoolAccounting:
                     internal_fragmentation_tokens=allocated - used,
                     kv_utilization=kv_utilization(used, allocated),
                     prefix_cache_queries=self.prefix_cache_queries,
-                    prefix_cache_hits=self.prefix_cache_hits, live_sequences=len(self._row_of))
+                    prefix_cache_hits=self.prefix_cache_hits, live_sequences=len(self._row_of),
+                    **self.tier_stats())
 
     # ------------------------------------------------------------------ invariants
     def check_invariants(self) -> list[str]:
         """Every violated invariant, in words (empty = all hold). O(total blocks)."""
-        errs = self.pool.check()
+        errs = self.pool.check() + self.check_tier()
         N, B = self.num_physical_blocks, self.block_size
         counts = np.zeros(N, dtype=np.int64)
         for sid, row in self._row_of.items():
@@ -87,4 +88,6 @@ class PoolAccounting:
                    for s, r in self._row_of.items()},
             ref_count=self.pool.ref_count.tolist(), free=self.pool.free_blocks(),
             cache=dict(c.block_of), keys=dict(c.key_of),
-            counters=(self.prefix_cache_queries, self.prefix_cache_hits), stats=self.stats())
+            counters=(self.prefix_cache_queries, self.prefix_cache_hits), stats=self.stats(),
+            tier=None if self.tier is None else (dict(self.tier.slot_of), sorted(self.tier.unsaved),
+                                                 list(self._tier_saves), list(self._tier_loads)))

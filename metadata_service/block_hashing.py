@@ -72,15 +72,26 @@ class PrefixHashing:
 
     # ------------------------------------------------------------------ prefix cache
     def prompt_cache_lookup(self, prompt_token_ids) -> int:
-        """Prompt tokens a create_sequence would find cached now (no state change)."""
+        """Prompt tokens a create_sequence would find cached now, in the pool or the tier (no
+        state change)."""
+        return sum(self._lookup(prompt_token_ids))
+
+    def prompt_tier_lookup(self, prompt_token_ids) -> int:
+        """The part of prompt_cache_lookup that the tier would load."""
+        return self._lookup(prompt_token_ids)[1]
+
+    def _lookup(self, prompt_token_ids) -> tuple[int, int]:
         if not self.enable_prefix_caching or prompt_token_ids is None or len(prompt_token_ids) == 0:
-            return 0
+            return 0, 0
         prompt = self._tokens(prompt_token_ids, len(prompt_token_ids)).tolist()
-        hit, _ = self.pool.cache.match(prompt, (len(prompt) - 1) // self.block_size)
-        return len(hit) * self.block_size
+        max_hit = (len(prompt) - 1) // self.block_size
+        hit, parent = self.pool.cache.match(prompt, max_hit)
+        slots, _ = self._tier_match(prompt, hit, parent, max_hit)
+        return len(hit) * self.block_size, len(slots) * self.block_size
 
     def reset_prefix_cache(self) -> None:
         """The data plane lost its KV content: forget every hash. Live sequences stop hashing too
         (their content is gone; the scheduler recomputes them as new sequences)."""
         self.pool.reset_prefix_cache()
+        self.reset_tier()                           # the tier goes with the cache: never guessed
         self._hash_ok[:] = False

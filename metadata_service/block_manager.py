@@ -31,6 +31,7 @@ import numpy as np
 from metadata_service.block_accounting import PoolAccounting, kv_utilization  # noqa: F401
 from metadata_service.block_append import TokenAppend, blocks_for_tokens, slot_for  # noqa: F401
 from metadata_service.block_hashing import PrefixHashing
+from metadata_service.block_tiering import TierMoves
 from metadata_service.block_pool import (BlockManagerError, BlockPool, DoubleReleaseError,  # noqa: F401
                                          DuplicateSequenceError, InvalidArgumentError, OutOfBlocksError,
                                          UnknownSequenceError)
@@ -71,7 +72,7 @@ class _SequencesView(Mapping):
         return len(self._m._row_of)
 
 
-class KVBlockManager(TokenAppend, PrefixHashing, PoolAccounting):
+class KVBlockManager(TokenAppend, PrefixHashing, TierMoves, PoolAccounting):
     def __init__(self, num_physical_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  *, max_seqs: int = 64, hash_fn: HashFn | None = None):
         if num_physical_blocks <= 0 or block_size <= 0:
@@ -95,6 +96,14 @@ class KVBlockManager(TokenAppend, PrefixHashing, PoolAccounting):
         self._released: OrderedDict[int, None] = OrderedDict()
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # the second KV tier (block_tiering.py, attach_tier): none until a chain has one
+        self.tier = None
+        self.tier_policy = ""
+        self._tier_saves: list[tuple[int, int]] = []     # (pool block, tier slot) for the next Step
+        self._tier_loads: list[tuple[int, int]] = []     # (tier slot, pool block) for the next Step
+        self._through_new: dict[int, int] = {}           # write-through: block -> slot, hashed this step
+        self._through_old: dict[int, int] = {}           # ... hashed before it: saved by the next Step
+        self.tier_queries = self.tier_hits = self.tier_saved_blocks = self.tier_loaded_blocks = 0
         self.sequences = _SequencesView(self)
 
     # ------------------------------------------------------------------ rows
@@ -185,19 +194,26 @@ class KVBlockManager(TokenAppend, PrefixHashing, PoolAccounting):
         prompt = None
         if prompt_token_ids is not None and len(prompt_token_ids):
             prompt = self._tokens(prompt_token_ids, len(prompt_token_ids))
-        hit, last_hash, max_hit = [], None, 0
+        hit, last_hash, max_hit, tier_slots = [], None, 0, []
         if prompt is not None and self.enable_prefix_caching and reuse_cached:
             max_hit = (len(prompt) - 1) // self.block_size      # always leave >= 1 token to compute
-            hit, last_hash = self.pool.cache.match(prompt.tolist(), max_hit)
-        cached = len(hit) * self.block_size
+            prompt_list = prompt.tolist()
+            hit, last_hash = self.pool.cache.match(prompt_list, max_hit)
+            tier_slots, _ = self._tier_match(prompt_list, hit, last_hash, max_hit)
+        cached = (len(hit) + len(tier_slots)) * self.block_size
         needed = max(0, blocks_for_tokens(cached + num_tokens, self.block_size) - len(hit))
         revived = sum(1 for b in hit if self.pool.ref_count[b] == 0)  # hits leave the free pool
         self._check_free(needed, f"sequence {sequence_id}", self.pool.num_free - revived)
         # ---- commit
         self.prefix_cache_queries += max_hit
         self.prefix_cache_hits += len(hit)
+        if self.tier is not None:
+            self.tier_queries += max_hit - len(hit)
         row = self._new_row(sequence_id)
         self.pool.touch(hit)
+        if tier_slots:                               # loaded, not recomputed: they join the prefix
+            loaded, last_hash = self._tier_load(prompt_list, tier_slots, len(hit), last_hash)
+            hit = hit + loaded
         self._ensure_cols(len(hit))
         self._tables[row, :len(hit)] = hit
         self._nblocks[row], self._lens[row] = len(hit), cached

@@ -54,6 +54,7 @@ class BlockPool:
         self._n_free = num_blocks
         self._lru: OrderedDict[int, None] = OrderedDict()   # cached-free, oldest first
         self.cache = PrefixCache(block_size, hash_fn)
+        self.on_evict = None          # (block) -> None, before a cached block's hash is forgotten (KV tier)
 
     # ------------------------------------------------------------------ counts
     def block_states(self) -> np.ndarray:
@@ -90,6 +91,8 @@ class BlockPool:
             extra = []
             for _ in range(k - take):
                 b, _ = self._lru.popitem(last=False)
+                if self.on_evict is not None:
+                    self.on_evict(b)
                 self.cache.remove(b)                   # stale hash must not point at new content
                 extra.append(b)
             out = np.concatenate([out, np.asarray(extra, dtype=np.int32)])
@@ -103,6 +106,8 @@ class BlockPool:
             b = self._free.item(self._n_free)
         else:
             b, _ = self._lru.popitem(last=False)
+            if self.on_evict is not None:
+                self.on_evict(b)
             self.cache.remove(b)
         self.ref_count[b] = 1
         return b

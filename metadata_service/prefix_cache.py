@@ -28,6 +28,7 @@ class PrefixCache:
         self.block_of: dict[int, int] = {}           # hash -> block id
         self.hash_of: dict[int, int] = {}            # block id -> hash
         self.key_of: dict[int, BlockKey] = {}        # block id -> (parent_hash, tokens)
+        self.on_register = None                      # (block, hash, key) -> None: the KV tier's write-through
 
     def __len__(self) -> int:
         return len(self.block_of)
@@ -42,6 +43,8 @@ class PrefixCache:
             self.block_of[h] = block
             self.hash_of[block] = h
             self.key_of[block] = (parent_hash, tokens)
+            if self.on_register is not None:
+                self.on_register(block, h, (parent_hash, tokens))
         return h
 
     def remove(self, block: int) -> None:

@@ -120,7 +120,8 @@ def test_stats_keys():
     assert set(s) == {"num_blocks", "block_size", "used_blocks", "free_blocks", "cached_blocks",
                       "internal_fragmentation_tokens", "kv_utilization", "prefix_cache_queries",
                       "prefix_cache_hits", "live_sequences", "shared_blocks", "kv_used_tokens",
-                      "kv_allocated_tokens"}
+                      "kv_allocated_tokens", "tier_blocks", "tier_used_blocks", "tier_queries", "tier_hits",
+                      "tier_saved_blocks", "tier_loaded_blocks"}
     assert s["kv_utilization"] == 0.0 and s["free_blocks"] == 8  # nothing reserved: nothing used
 
 

@@ -63,13 +63,26 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def write(self, sid, slots, values):
         assert len(slots) == len(values)
-        for s, v in zip(slots.tolist(), values):
-            self.kv[s] = v
+        self.store(slots.tolist(), values)
         self.toks[sid] += values
         self.nb[sid] = max(self.nb[sid], math.ceil(len(self.toks[sid]) / self.B))
 
     def live(self):
         return sorted(self.toks)
+
+    # The data plane. Here every write lands at once; test_kv_tier.py's machine runs them as the
+    # workers do, at a step boundary (flush), after the step's tier saves and loads.
+    def store(self, slots, values):
+        for s, v in zip(slots, values):
+            self.kv[s] = v
+
+    def copy(self, src, dst):
+        for o in range(self.B):
+            if src * self.B + o in self.kv:
+                self.kv[dst * self.B + o] = self.kv[src * self.B + o]
+
+    def flush(self):
+        pass
 
     # ---------------------------------------------------------------- rules
     @rule(sid=IDS, prompt=PROMPTS, extra=st.integers(0, 14))
@@ -80,20 +93,22 @@ class BlockManagerMachine(RuleBasedStateMachine):
         cached = self.m.prompt_cache_lookup(prompt)
         assert cached % self.B == 0 and cached <= max(0, len(prompt) - 1)
         n = extra
-        need = math.ceil((cached + n) / self.B) - cached // self.B
+        device = cached - self.m.prompt_tier_lookup(prompt)   # the rest is loaded into fresh blocks
+        need = math.ceil((cached + n) / self.B) - device // self.B
         # Hit blocks that were cached-free leave the free pool: between these bounds, either outcome.
         free = self.m.num_free_blocks
-        expect = True if need > free else False if need <= free - cached // self.B else None
+        expect = True if need > free else False if need <= free - device // self.B else None
         res = self.attempt(lambda: self.m.create_and_append(sid, prompt, n), expect)
         if res is None:
             return
         got_cached, slots = res
         assert got_cached == cached
+        self.toks[sid], self.prompt[sid], self.nb[sid] = list(prompt[:cached]), list(prompt), cached // self.B
+        self.write(sid, slots, self.model_tokens(sid, n, None))
+        self.flush()
         table = list(self.m.sequences[sid].block_table)
         for p in range(cached):                        # the hit blocks hold exactly the prompt
             assert self.kv[table[p // self.B] * self.B + p % self.B] == prompt[p]
-        self.toks[sid], self.prompt[sid], self.nb[sid] = list(prompt[:cached]), list(prompt), cached // self.B
-        self.write(sid, slots, self.model_tokens(sid, n, None))
 
     @precondition(lambda self: self.toks)
     @rule(data=st.data(), n=st.integers(0, 9), with_ids=st.booleans())
@@ -147,9 +162,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert ct[:L // self.B] == pt[:L // self.B]
         assert pairs == ([(pt[L // self.B], ct[L // self.B])] if partial else [])
         for src, dst in pairs:                         # the data plane's copy
-            for o in range(self.B):
-                if src * self.B + o in self.kv:
-                    self.kv[dst * self.B + o] = self.kv[src * self.B + o]
+            self.copy(src, dst)
         self.toks[child], self.prompt[child] = list(self.toks[parent]), self.prompt.get(parent, [])
         self.nb[child] = math.ceil(L / self.B)
 
@@ -210,6 +223,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def consistent(self):
         if not hasattr(self, "m"):
             return
+        self.flush()                                   # a rule's work is one step
         m, B = self.m, self.B
         assert m.check_invariants() == []
         free = m.pool.free_blocks()

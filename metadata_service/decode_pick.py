@@ -104,7 +104,7 @@ class DecodePicking:
                 slots = [self.manager.append_decode_rows(rows, arr)]
                 return decodes, chunks, (step_rows, ids, rows, arr, self.progress.rows_of(decodes)), slots
             except OutOfBlocksError:
-                victim = self._preempt_newest(slot)
+                victim = self._preempt_newest()
                 if victim is None:
                     return None
                 # the victim, or a whole beam group (preempt_beams), leaves both lists

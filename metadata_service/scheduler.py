@@ -13,7 +13,7 @@ Steps may be scheduled while earlier ones are in flight:
   token per sequence; if it turns out to end the sequence, the extra token is computed and dropped.
   Sequences whose next step needs that token on the host (penalties, grammar bitmasks) wait for it;
   they are staggered over the two steps in flight so one half computes while the other is prepared.
-When a decode cannot get a block, the newest running sequence of the slot is preempted: its blocks
+When a decode cannot get a block, the newest running sequence (of any slot) is preempted: its blocks
 are freed and it goes back to the front of the queue for recompute (`gen` goes up, so whatever of it
 is still in flight is ignored). Freeing blocks that an in-flight step still writes is safe because
 every stage runs steps in the order they were sent.
@@ -142,11 +142,13 @@ class Scheduler(DecodePicking, BatchPacking):
         slack = len(st.block_table) * self.manager.block_size - st.sequence_length
         return slack + self.manager.num_free_blocks * self.manager.block_size
 
-    def _preempt_newest(self, slot: int) -> Sequence | None:
-        mine = self.by_slot[slot]
-        if not mine:
+    def _preempt_newest(self) -> Sequence | None:
+        """Free the blocks of the newest running sequence, whichever micro-batch it is in: the
+        oldest always keeps going (first come, first served, as vLLM does). A victim chosen within
+        the short micro-batch would let two micro-batches preempt each other's oldest in turn."""
+        if not self.running:
             return None
-        s = mine[-1]
+        s = self.running[-1]
         if s.group is not None and s.group.beam:
             self.preempt_beams([b for b in s.group.live if b.chain is s.chain])
             return s
@@ -257,8 +259,9 @@ class Scheduler(DecodePicking, BatchPacking):
         if not decodes and not extra:
             if forked:
                 return self.schedule(slot)            # the new choices decode right away
-            if not any(s.inflight for s in self.by_slot[slot]):
-                self._preempt_newest(slot)  # everything stuck on blocks (only prefills): free the newest
+            mine = self.by_slot[slot]
+            if mine and not any(s.inflight for s in mine):
+                self._preempt_newest()  # everything stuck on blocks (only prefills): free the newest
             return None
         return self._build(decodes, extra, slots, slot, dec)
 

@@ -138,6 +138,20 @@ def test_e2e_32_concurrent_streams(two_workers, oracle):
     settle(two_workers.client)
 
 
+def test_e2e_pipeline_preempts_while_its_tokens_are_in_flight(ckpt):
+    # Two stages, async scheduling (inputs -1), a pool where the longest sequence needs every block:
+    # sequences are preempted while steps that sample them are still downstream, and come back
+    # under the same id. Their old tokens must not become the new run's input -1, and the two
+    # micro-batches must not take turns preempting each other's oldest (it once took thousands).
+    with LocalCluster(model=ckpt, workers=2, dtype="float64", block_size=4, num_blocks=16) as c:
+        batch = prompts(6, 20, 40, seed=31)
+        job = c.client.submit([{"prompt_token_ids": p, "max_new_tokens": 24, "ignore_eos": True} for p in batch])
+        results = c.client.wait(job)
+        assert [r.token_ids for r in results] == [load_oracle_ignore_eos(ckpt, p, 24) for p in batch]
+        st = settle(c.client)
+        assert 0 < st.preemptions < 60, st.preemptions
+
+
 def test_e2e_preemption_under_a_tiny_pool(ckpt, oracle):
     # 24 blocks of 4 tokens for 8 sequences of up to 30 + 12 tokens: some must be preempted
     with LocalCluster(model=ckpt, workers=2, dtype="float64", block_size=4, num_blocks=24) as c:

@@ -253,3 +253,29 @@ def test_sequences_that_wait_for_their_token_are_staggered_over_the_two_steps_in
             assert mine <= halves[0] or mine <= halves[1]
             inflight.append(nxt)
     assert all(len(s.output_token_ids) == 6 for s in seqs)
+
+
+def test_a_short_micro_batch_preempts_the_newest_sequence_of_any_micro_batch():
+    # Two micro-batches, one sequence each, a pool that holds only one of them to the end. The
+    # newest is preempted whichever micro-batch runs short (first come, first served): a victim
+    # chosen within the short micro-batch would preempt the oldest, and two micro-batches would
+    # take turns preempting each other's work. An empty micro-batch preempts nothing.
+    m, sch = make(num_blocks=6, block_size=4, budget=64, max_seqs=4, micro_batches=2)
+    SCHEDULERS[id(m)] = sch
+    old, new = seq(7, max_new=14, start=1), seq(7, max_new=14, start=40)
+    sch.add(old)
+    sch.add(new)
+    inflight, steps = [], 0
+    while sch.has_work():
+        for slot in (0, 1):                    # each micro-batch with nothing in flight sends a step
+            if not any(x.slot == slot for x in inflight) and (nxt := sch.schedule(slot)) is not None:
+                check_batch(m, nxt)            # the worker takes it (and its releases) as it is sent
+                inflight.append(nxt)
+        if steps == 0:
+            assert {s.slot for b in inflight for s in b.seqs} == {0, 1}
+        steps += 1
+        assert steps < 200 and inflight, "no progress"
+        apply(sch, inflight.pop(0))
+    assert old.preemptions == 0 and 1 <= new.preemptions <= 2
+    assert len(old.output_token_ids) == len(new.output_token_ids) == 14
+    assert m.num_free_blocks == 6 and m.invariants_ok()

@@ -154,3 +154,23 @@ def test_a_reply_for_a_row_rebound_to_another_sequence_is_ignored(plain):
         r._apply(b, worker_pb2.StepReply(sampled_token_ids=pack([4])))
     assert (list(new.output_token_ids), new.num_tokens, new.inflight) == before
     assert old.output_token_ids == [9] and r.generated_tokens == 1
+
+
+def test_a_token_of_a_released_run_never_lands_on_the_sequence_that_came_back():
+    # Stage 0 forwarded a step sampling sequence 5; the sequence was preempted (released) and came
+    # back under the same id with a new step in flight before the old step's token arrived. The
+    # old token belongs to the old run: it must neither become the input -1 of the new run nor
+    # count as the new step's token.
+    store = SequenceStore()
+    old = store.note_forwarded([5, 6])
+    store.release([5])
+    new = store.note_forwarded([5])
+    store.record_forwarded(old, np.array([11, 12]))
+    assert store.last_token[store.rows([6], create=False)].tolist() == [12]
+    with pytest.raises(StepPrecondition, match="did not come back"):
+        store.resolve_placeholders([5], timeout_s=0.01)        # still waiting for the new step
+    store.record_forwarded(new, np.array([21]))
+    assert store.resolve_placeholders([5, 6], timeout_s=0.01).tolist() == [21, 12]
+    store.release([6])
+    store.record_forwarded(old, None)                          # a late failure of the old step
+    assert store.resolve_placeholders([5], timeout_s=0.01).tolist() == [21]

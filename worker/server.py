@@ -38,7 +38,7 @@ from worker.first_stage import FirstStageLink
 from worker.next_stage import GRPC_OPTIONS, NextStage, insecure_channel
 from worker.step_execution import StepExecution
 from worker.step_rpcs import StepRpcs
-from worker.step_state import SequenceStore
+from worker.step_state import SequenceStore, Ticket
 from worker.validation import StepLimits
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WorkerService"].full_name
@@ -72,7 +72,7 @@ class WorkerServicer(StepExecution, StepRpcs, pb_grpc.WorkerServiceServicer):
         self.store = SequenceStore()  # remembered tables and sampled tokens, per cache epoch
         self.next_stage = NextStage(rpc_timeout_s)
         self.first_stage = FirstStageLink()   # the last stage of a pipeline: tokens back to stage 0
-        self.awaiting: dict[int, np.ndarray] = {}   # stage 0: step id -> sequences whose tokens it awaits
+        self.awaiting: dict[int, Ticket] = {}   # stage 0: step id -> sequences whose tokens it awaits
         # how to reach the next stage: plain by default, TLS when the worker was given a CA
         self.channel_factory = insecure_channel
         self.streams: set = set()     # live StepStreams (InitCache ends them: their epoch is over)

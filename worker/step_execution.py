@@ -103,7 +103,7 @@ class StepExecution:
             out.timings.append(timing)
             out.cache_epoch = self.epoch
             if self.runner.is_first and sampled.size and out.sampled_token_ids:
-                self.store.record_sampled(sampled, wire.unpack(out.sampled_token_ids), forwarded=False)
+                self.store.record_sampled(sampled, wire.unpack(out.sampled_token_ids))
             return StepOutcome(out, None, timing, sampled, ready_at)
         out.cache_epoch = self.next_stage.pin_epoch()
         out.upstream_timings.append(timing)

@@ -41,18 +41,18 @@ class StepRpcs:
         if o.reply is not None:
             return o.reply
         first = self.runner.is_first and o.sampled_ids.size > 0
-        if first:
-            self.store.note_forwarded(o.sampled_ids)   # a unary chain relays the tokens back through us
+        if first:   # a unary chain relays the tokens back through us
+            ticket = self.store.note_forwarded(o.sampled_ids)
         if o.hidden is not None:  # unary steps always carry the bytes inside the message
             o.forward.hidden_states = payload_bytes(o.hidden)
         try:
             down = self.next_stage.step(o.forward)
         except grpc.RpcError as e:
             if first:
-                self.store.record_sampled(o.sampled_ids, None, forwarded=True)
+                self.store.record_forwarded(ticket, None)
             context.abort(upstream_code(e.code()), f"next stage {self.next_stage.address}: {e.details()}")
         if first:
-            self.store.record_sampled(o.sampled_ids, wire.unpack(down.sampled_token_ids), forwarded=True)
+            self.store.record_forwarded(ticket, wire.unpack(down.sampled_token_ids))
         return relayed(down, request.step_id, self.epoch)
 
     def StepResults(self, request, context):
@@ -109,8 +109,7 @@ class StepRpcs:
 
     def await_tokens(self, step_id: int, sampled_ids: np.ndarray) -> None:
         """Stage 0 forwarded a first_gets_tokens step: a later -1 input of these sequences waits."""
-        self.awaiting[step_id] = sampled_ids
-        self.store.note_forwarded(sampled_ids)
+        self.awaiting[step_id] = self.store.note_forwarded(sampled_ids)
 
     def tokens_arrived(self, step_id: int, tokens: np.ndarray | None) -> None:
         """A step's tokens (from the last stage), or None: it failed, none is coming (step id 0:
@@ -120,10 +119,10 @@ class StepRpcs:
         else:
             steps = [step_id] if step_id in self.awaiting else []
         for sid in steps:
-            ids = self.awaiting.pop(sid, None)
-            if ids is not None:   # a count that does not match is no token either: fail, not wait
-                ok = tokens is not None and tokens.size == ids.size
-                self.store.record_sampled(ids, tokens if ok else None, forwarded=True)
+            ticket = self.awaiting.pop(sid, None)
+            if ticket is not None:   # a count that does not match is no token either: fail, not wait
+                ok = tokens is not None and tokens.size == ticket.size
+                self.store.record_forwarded(ticket, tokens if ok else None)
 
     def StepStream(self, request_iterator, context):
         stream = StepPipe(self)

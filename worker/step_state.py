@@ -28,6 +28,7 @@ class StepPrecondition(Exception):
 class SequenceStore:
     def __init__(self, max_sequences: int = DEFAULT_MAX_SEQUENCES):
         self.max_sequences = max_sequences
+        self.next_serial = 1      # never reset: a ticket of an earlier row or epoch never matches
         self.cond = threading.Condition()  # guards `pending` and `last_token` for placeholder waits
         self.clear()
 
@@ -39,6 +40,7 @@ class SequenceStore:
         self.last_token = np.full(rows, -1, dtype=np.int64)  # -1: none sampled yet
         self.pending = np.zeros(rows, dtype=np.int32)       # sampling steps forwarded, reply not back
         self.last_use = np.zeros(rows, dtype=np.int64)
+        self.serial = np.zeros(rows, dtype=np.int64)        # which life of the row (see Ticket)
         self.row_of: dict[int, int] = {}
         self.free_rows = list(range(rows - 1, -1, -1))
         self.clock = 0
@@ -54,6 +56,7 @@ class SequenceStore:
         self.tables = grow(self.tables, -1)
         self.held, self.pending = grow(self.held, 0), grow(self.pending, 0)
         self.last_token, self.last_use = grow(self.last_token, -1), grow(self.last_use, 0)
+        self.serial = grow(self.serial, 0)
         self.free_rows = list(range(2 * n - 1, n - 1, -1))
 
     def _evict_lru(self) -> None:
@@ -81,6 +84,8 @@ class SequenceStore:
                     if not self.free_rows:
                         self._grow_rows()
                     r = row_of[s] = self.free_rows.pop()
+                    self.serial[r] = self.next_serial
+                    self.next_serial += 1
                 out[i] = r
             if evicted:    # rows looked up before the eviction may be gone: look the batch up again
                 return self.rows(ids, create=True)
@@ -150,20 +155,33 @@ class SequenceStore:
         self.last_use[rows] = self.clock
 
     # ------------------------------------------------------------------ sampled tokens
-    def note_forwarded(self, sampled_seq_ids: list[int]) -> None:
+    # A preempted sequence is released and may come back (same id, a new row) while a step of its
+    # earlier run is still downstream: that step's token belongs to the old run. Stage 0 therefore
+    # holds a Ticket (rows and their serials) for each forwarded step, and a token lands only on a
+    # row still in the life it was forwarded in.
+    def note_forwarded(self, sampled_seq_ids) -> "Ticket":
         """Stage 0 sent a step that will sample these sequences downstream."""
         rows = self.rows(sampled_seq_ids, create=True)
         with self.cond:
             np.add.at(self.pending, rows, 1)
+        return Ticket(rows, self.serial[rows].copy())
 
-    def record_sampled(self, sampled_seq_ids: list[int], tokens: np.ndarray | None, forwarded: bool) -> None:
-        """Tokens of a finished step (None: the step failed, so no token is coming)."""
+    def record_forwarded(self, ticket: "Ticket", tokens: np.ndarray | None) -> None:
+        """The tokens of a forwarded step (None: the step failed, so no token is coming), on the rows
+        of its ticket that were not released since."""
+        with self.cond:
+            live = self.serial[ticket.rows] == ticket.serials
+            rows = ticket.rows[live]
+            self.last_token[rows] = -1 if tokens is None else tokens[live]
+            np.subtract.at(self.pending, rows, 1)
+            np.maximum(self.pending, 0, out=self.pending)
+            self.cond.notify_all()
+
+    def record_sampled(self, sampled_seq_ids, tokens: np.ndarray) -> None:
+        """Tokens this stage sampled itself (a one-stage chain: steps in order, nothing stale)."""
         rows = self.rows(sampled_seq_ids, create=True)
         with self.cond:
-            self.last_token[rows] = -1 if tokens is None else tokens
-            if forwarded:
-                np.subtract.at(self.pending, rows, 1)
-                np.maximum(self.pending, 0, out=self.pending)
+            self.last_token[rows] = tokens
             self.cond.notify_all()
 
     def resolve_placeholders(self, seq_ids: list[int], timeout_s: float) -> np.ndarray:
@@ -184,3 +202,15 @@ class SequenceStore:
             raise StepPrecondition(f"sequence {seq_ids[b]}: no sampled token to use as input -1 "
                                    f"(the step that was to sample it failed)")
         return toks
+
+
+class Ticket:
+    """Rows of a forwarded step's sampled sequences and the life (serial) each row was in."""
+    __slots__ = ("rows", "serials")
+
+    def __init__(self, rows: np.ndarray, serials: np.ndarray):
+        self.rows, self.serials = rows, serials
+
+    @property
+    def size(self) -> int:
+        return int(self.rows.size)

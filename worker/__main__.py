@@ -182,7 +182,8 @@ def main(argv=None) -> int:
     tune_for_serving()  # the model is loaded: freeze it out of the collector's sight
     servicer = WorkerServicer(runner, model_name=args.model, device=device, dtype=args.dtype,
                               backend=backend, kv_cache_bytes=budget, fixed_num_blocks=args.num_blocks,
-                              replica_group=args.replica_group, simulate=args.simulate)
+                              replica_group=args.replica_group, simulate=args.simulate,
+                              kv_tier_bytes=args.kv_tier_bytes)
     servicer.channel_factory = lambda address, options: make_channel(address, options, args.tls_ca,
                                                                      args.tls_cert, args.tls_key)
     served = serve(args, servicer)

@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
                           f"default {DEFAULT_GPU_MEMORY_FRACTION} on cuda")
     p.add_argument("--kv-cache-bytes", type=int, default=None,
                    help=f"K/V byte budget (default {DEFAULT_CPU_KV_BYTES} on cpu)")
+    p.add_argument("--kv-tier-bytes", type=int, default=0,
+                   help="byte budget of a second KV tier in host RAM behind the cache (default 0: none)")
     p.add_argument("--backend", choices=["torch", "pycuda"], default=None,
                    help="attention backend (default: torch on cpu, pycuda on cuda)")
     p.add_argument("--tls-cert", default="", help="serve TLS with this certificate (PEM)")
@@ -125,6 +127,8 @@ def resolve_args(argv=None) -> argparse.Namespace:
         parser.error("--num-blocks must be > 0")
     if args.kv_memory_fraction is not None and not 0 < args.kv_memory_fraction < 1:
         parser.error("--kv-memory-fraction must be in (0, 1): activations need room beyond the cache")
+    if args.kv_tier_bytes < 0:
+        parser.error("--kv-tier-bytes must be >= 0")
     if args.kv_cache_bytes is not None and args.kv_cache_bytes <= 0:
         parser.error("--kv-cache-bytes must be > 0")
     if not 0 <= args.port < 65536:

@@ -89,6 +89,38 @@ class PagedKVCache:
         for cache in (*self.key_cache, *self.value_cache):
             cache[dst] = cache[src]                           # gather first: overlapping pairs are safe
 
+    # ---- the second KV tier (docs/architecture.md section 9): host RAM, slot-granular -------------
+    def attach_tier(self, num_slots: int) -> None:
+        """Tier tensors, per layer K and V [num_slots, Hkv, block_size, D] in host RAM (pinned when
+        the cache is on a GPU, so copies are DMA transfers). The metadata plane owns the slots."""
+        shape = (num_slots, self.num_kv_heads, self.block_size, self.head_dim)
+        pin = torch.device(self.device).type == "cuda"
+        self.tier_key = [torch.zeros(shape, dtype=self.dtype, pin_memory=pin) for _ in range(self.num_layers)]
+        self.tier_value = [torch.zeros(shape, dtype=self.dtype, pin_memory=pin) for _ in range(self.num_layers)]
+
+    @property
+    def tier_slots(self) -> int:
+        tk = getattr(self, "tier_key", None)
+        return tk[0].shape[0] if tk else 0
+
+    def tier_moves(self, save_blocks, save_slots, load_slots, load_blocks) -> None:
+        """Saves (pool block -> tier slot) first, then loads (tier slot -> pool block), every layer.
+        Ids were validated by the caller (worker/validate_cache.py)."""
+        if not self.num_layers:
+            return
+        dev = self.key_cache[0].device
+        on_gpu = dev.type == "cuda"
+        sb, ss = _ids(save_blocks, dev), _ids(save_slots, "cpu")
+        ls, lb = _ids(load_slots, "cpu"), _ids(load_blocks, dev)
+        pairs = list(zip(self.key_cache, self.tier_key)) + list(zip(self.value_cache, self.tier_value))
+        if ss.numel():
+            for cache, tier in pairs:
+                tier[ss] = cache[sb].to("cpu")       # a gather on the device, one transfer down
+        if ls.numel():
+            for cache, tier in pairs:
+                rows = tier[ls]                        # a gather in host RAM, one transfer up
+                cache[lb] = rows.pin_memory().to(dev, non_blocking=True) if on_gpu else rows
+
     def checksum(self) -> float:
         """Cheap fingerprint of all K/V: per-block sums and norms weighted by block id (so moving
         data between blocks shows), accumulated in float64 without copying the cache."""

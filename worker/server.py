@@ -56,13 +56,14 @@ class WorkerServicer(StepExecution, StepRpcs, pb_grpc.WorkerServiceServicer):
     def __init__(self, runner, *, model_name: str, address: str = "", device: str = "cpu",
                  dtype: str = "float32", backend: str = "torch", kv_cache_bytes: int = 0,
                  fixed_num_blocks: int = 0, rpc_timeout_s: float = 120.0, replica_group: str = "",
-                 simulate: str = ""):
+                 simulate: str = "", kv_tier_bytes: int = 0):
         if not kv_cache_bytes and not fixed_num_blocks:
             raise ValueError("a worker needs a K/V capacity: kv_cache_bytes or fixed_num_blocks")
         self.runner, self.cfg = runner, runner.config
         self.model_name, self.address, self.device, self.dtype = model_name, address, device, dtype
         self.backend, self.kv_cache_bytes, self.fixed_num_blocks = backend, kv_cache_bytes, fixed_num_blocks
         self.rpc_timeout_s, self.replica_group, self.simulate = rpc_timeout_s, replica_group, simulate
+        self.kv_tier_bytes = kv_tier_bytes   # the second KV tier's budget; the service picks its slot count
         self.dtype_bytes = DTYPE_BYTES[dtype]
         self.lock = threading.Lock()  # one model, one cache: Steps run one at a time
         self.busy = BusyClock()       # Health's busy_ms: the age of the step computing now
@@ -98,7 +99,8 @@ class WorkerServicer(StepExecution, StepRpcs, pb_grpc.WorkerServiceServicer):
             block_size=self.block_size, backend=self.backend, dtype_bytes=self.dtype_bytes,
             replica_group=self.replica_group, simulate=self.simulate,
             weight_bytes=int(getattr(self.runner, "weight_bytes", 0)),
-            data_port=self.data_server.port if self.data_server is not None else 0)
+            data_port=self.data_server.port if self.data_server is not None else 0,
+            kv_tier_bytes=self.kv_tier_bytes)
 
     def Info(self, request, context):
         return self.info()
@@ -119,6 +121,11 @@ class WorkerServicer(StepExecution, StepRpcs, pb_grpc.WorkerServiceServicer):
                    f"{self.kv_cache_bytes} K/V bytes / {self.runner.kv_bytes_per_block(bs)} bytes per block")
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"num_blocks {nb} exceeds this stage's capacity of {limit} blocks of {bs} ({src})")
+        tier_limit = self.kv_tier_bytes // self.runner.kv_bytes_per_block(bs)
+        if not 0 <= request.tier_blocks <= tier_limit:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"tier_blocks {request.tier_blocks} exceeds this stage's KV tier of {tier_limit} blocks "
+                          f"of {bs} (--kv-tier-bytes {self.kv_tier_bytes})")
         for stream in list(self.streams):  # steps of the old epoch must not reach the new cache
             stream.cancel()
         if self.results is not None:
@@ -130,6 +137,8 @@ class WorkerServicer(StepExecution, StepRpcs, pb_grpc.WorkerServiceServicer):
             self.store.clear()
             try:
                 self.runner.init_cache(nb, bs)  # frees the old cache before allocating the new one
+                if request.tier_blocks:
+                    self.runner.kv_cache.attach_tier(request.tier_blocks)
             except (RuntimeError, MemoryError) as e:  # CPU OOM is a RuntimeError (torch's OOM is one too)
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"allocating {nb} blocks of {bs}: {e}")
             self.next_stage.connect(request.next_stage_address, request.next_stage_token, request.cache_epoch,
@@ -139,7 +148,7 @@ class WorkerServicer(StepExecution, StepRpcs, pb_grpc.WorkerServiceServicer):
             self.awaiting.clear()
             self.num_blocks, self.block_size = nb, bs
             self.limits = StepLimits(self.cfg.vocab_size, self.cfg.hidden_size, self.cfg.max_position_embeddings,
-                                     nb, bs, self.runner.is_first)
+                                     nb, bs, self.runner.is_first, request.tier_blocks)
             self.epoch = request.cache_epoch or new_epoch()  # the chain's epoch when the caller picks one
         return pb.InitCacheReply(cache_epoch=self.epoch, num_blocks=nb, block_size=bs)
 

@@ -20,6 +20,9 @@ L layers; all byte counts in the model dtype):
                          + L * 4 * heads * head_dim * sum_b q_b * (ctx_b - q_b / 2)   (causal attention)
     step seconds   t   = step_overhead + L * layer_overhead
                          + max((W + R + Wr) / (bandwidth * bandwidth_efficiency), F / (peak_flops * flops_efficiency))
+KV tier moves (saves device -> host, loads host -> device, each way at `host_link`) run on their
+own copy engine beside the compute, layer by layer: the step takes max(compute, copies) plus one
+layer's share of the copies (the first layer's loads cannot overlap anything).
 A profile may instead fix the step time (`fixed_step_s`). Capacity: the K/V budget is
 memory_bytes * memory_fraction - W_stage (this stage's weights), like vLLM's gpu_memory_utilization.
 
@@ -53,6 +56,7 @@ class Profile:
     layer_overhead_s: float = 10e-6      # per layer: ~10 kernel launches that are not hidden
     memory_fraction: float = 0.9         # share of memory for weights + K/V (vLLM's default 0.9)
     fixed_step_s: float = 0.0            # > 0: every step takes exactly this long (no roofline)
+    host_link: float = 55e9              # KV tier <-> device, bytes/s each way (PCIe Gen5 x16, ~55 GB/s achievable)
 
 
 BUILTIN = {"h200": Profile()}
@@ -101,15 +105,30 @@ class TimingModel:
         roof = max(moved / (p.bandwidth * p.bandwidth_efficiency), flops / (p.peak_flops * p.flops_efficiency))
         return p.step_overhead_s + self.layers * p.layer_overhead_s + roof
 
+    def copy_seconds(self, saved: int, loaded: int, block_size: int) -> float:
+        """KV tier moves of one step: each direction at the host link's bandwidth, both at once."""
+        return max(saved, loaded) * self.layers * self.kv_tok * block_size / self.profile.host_link
+
     def kv_budget_bytes(self) -> int:
         return max(0, int(self.profile.memory_bytes * self.profile.memory_fraction - self.weight_bytes))
 
 
 class _NoCache:
-    """Block copies (copy-on-write) have no data to move in a simulation."""
+    """Block copies (copy-on-write) have no data to move in a simulation; tier moves only take time
+    (SimRunner.execute reads and clears `moved`)."""
+    tier_slots = 0
+
+    def __init__(self):
+        self.moved = (0, 0)      # (saved, loaded) blocks of the step about to run
 
     def copy_blocks(self, src, dst) -> None:
         pass
+
+    def attach_tier(self, num_slots: int) -> None:
+        self.tier_slots = num_slots
+
+    def tier_moves(self, save_blocks, save_slots, load_slots, load_blocks) -> None:
+        self.moved = (len(save_blocks), len(load_blocks))
 
 
 @dataclass
@@ -156,6 +175,7 @@ class SimRunner:
 
     def init_cache(self, num_blocks: int, block_size: int):
         self.kv_cache = _NoCache()   # nothing is allocated: the capacity is only bookkeeping
+        self.block_size = block_size
         return self.kv_cache
 
     def make_batch(self, input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables) -> SimBatch:
@@ -166,6 +186,10 @@ class SimRunner:
         q_lens = np.diff(batch.query_start_loc)
         sampled = len(q_lens) if self.is_last else 0
         t = self.timing.step_seconds(q_lens, batch.seq_lens, sampled)
+        if self.kv_cache is not None and any(self.kv_cache.moved):
+            copy = self.timing.copy_seconds(*self.kv_cache.moved, self.block_size)
+            t = max(t, copy) + copy / max(self.timing.layers, 1)
+            self.kv_cache.moved = (0, 0)
         self.ready_at = max(time.monotonic(), self.ready_at) + t   # waited for by sleeping, never spinning
         self.last_step_s = t
         self.busy_s += t

@@ -74,6 +74,8 @@ class StepExecution:
                 self.store.release(a.release_ids)
                 if a.table_delta is not None:
                     self.store.commit_tables(a.seq_ids, a.block_tables, *a.table_delta)
+                if a.tier is not None:          # saves, then loads, then copies: the order the plan assumes
+                    self.runner.kv_cache.tier_moves(*a.tier)
                 if a.copy_src is not None and a.copy_src.size:
                     self.runner.kv_cache.copy_blocks(a.copy_src, a.copy_dst)
                 out, payload = self._compute(request, a)  # the sampled reply, or the next stage's request

@@ -63,6 +63,25 @@ def slot_mapping(req, lim: StepLimits, T: int, positions, tables, seq_of_token) 
     return slots
 
 
+def tier_moves(req, lim: StepLimits):
+    """The second KV tier's saves (pool block -> slot) and loads (slot -> pool block), or None."""
+    if not (req.tier_save_blocks or req.tier_save_slots or req.tier_load_slots or req.tier_load_blocks):
+        return None
+    if not lim.tier_blocks:
+        fail("tier moves in a step, but this stage has no KV tier (InitCache tier_blocks = 0)")
+    sb = wire.unpack(req.tier_save_blocks, wire.INT32, name="tier_save_blocks")
+    ss = wire.unpack(req.tier_save_slots, wire.INT32, name="tier_save_slots", count=sb.size)
+    ls = wire.unpack(req.tier_load_slots, wire.INT32, name="tier_load_slots")
+    lb = wire.unpack(req.tier_load_blocks, wire.INT32, name="tier_load_blocks", count=ls.size)
+    check_range("tier_save_blocks", sb, 0, lim.num_blocks)
+    check_range("tier_load_blocks", lb, 0, lim.num_blocks)
+    check_range("tier_save_slots", ss, 0, lim.tier_blocks)
+    check_range("tier_load_slots", ls, 0, lim.tier_blocks)
+    if np.unique(ss).size != ss.size or np.unique(lb).size != lb.size:
+        fail("tier moves: a slot saved twice or a block loaded twice in one step")
+    return sb, ss, ls, lb
+
+
 def copies(req, lim: StepLimits):
     """Copy-on-write block pairs to run before the step (forks)."""
     copy_src = copy_dst = None

@@ -17,6 +17,7 @@ class StepLimits:
     num_blocks: int
     block_size: int
     is_first: bool
+    tier_blocks: int = 0      # slots of the second KV tier (0 = none)
 
 
 class StepValidationError(ValueError):

@@ -23,7 +23,7 @@ from minipaged.id_index import has_duplicates
 from minipaged.wire import WireError
 from worker.prompt_logprobs import PromptRows, parse as parse_prompt_rows
 from worker.step_state import SequenceStore, StepPrecondition  # noqa: F401 (re-exported)
-from worker.validate_cache import block_tables, copies, slot_mapping
+from worker.validate_cache import block_tables, copies, slot_mapping, tier_moves
 from worker.validate_common import StepLimits, StepValidationError, check_range, fail
 from worker.validate_sampling import SamplingExtras, sampling_extras, sampling_params
 
@@ -53,6 +53,7 @@ class StepArrays:
     release_ids: list[int] = field(default_factory=list)
     copy_src: np.ndarray | None = None   # int32 [K] copy-on-write before the step
     copy_dst: np.ndarray | None = None
+    tier: tuple | None = None            # (save blocks, save slots, load slots, load blocks), before the copies
     extras: "SamplingExtras | None" = None
     prompt_rows: "PromptRows | None" = None  # prompt logprobs asked for (worker/prompt_logprobs.py)
 
@@ -79,6 +80,7 @@ def _validate(req, lim: StepLimits, store, placeholder_timeout_s, hidden_bytes=N
     slots = slot_mapping(req, lim, T, positions, tables, seq_of_token)
     do_sample, temperature, top_p, top_k, seeds, offsets = sampling_params(req, B)
     copy_src, copy_dst = copies(req, lim)
+    tier = tier_moves(req, lim)
     release = wire.unpack(req.release_sequence_ids, wire.INT64, name="release_sequence_ids").tolist()
     try:
         prompt_rows = parse_prompt_rows(req, qsl, lim.vocab_size)
@@ -87,7 +89,7 @@ def _validate(req, lim: StepLimits, store, placeholder_timeout_s, hidden_bytes=N
     return StepArrays(B, T, input_ids, hidden, req.hidden_dtype, positions, slots, qsl, seq_lens,
                       tables, do_sample.astype(bool), temperature, top_p, top_k, seeds, offsets,
                       seq_ids=seq_ids, table_delta=table_delta, placeholders=placeholders,
-                      release_ids=release, copy_src=copy_src, copy_dst=copy_dst,
+                      release_ids=release, copy_src=copy_src, copy_dst=copy_dst, tier=tier,
                       extras=sampling_extras(req, B, lim.vocab_size, do_sample), prompt_rows=prompt_rows)
 
 

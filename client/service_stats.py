@@ -44,6 +44,13 @@ class Stats:
     max_model_len: int = 0
     model_fingerprint: str = ""
     model_shape: str = ""
+    tier_blocks: int = 0               # the second KV tier (every chain): slots,
+    tier_used_blocks: int = 0          # slots holding a block,
+    tier_queries: int = 0              # prompt blocks looked up past the device prefix,
+    tier_hits: int = 0                 # and loaded instead of recomputed,
+    tier_saved_blocks: int = 0         # blocks saved,
+    tier_loaded_blocks: int = 0        # blocks loaded,
+    tier_block_bytes: int = 0          # bytes a block moves (bytes moved = blocks x this)
 
     @classmethod
     def from_proto(cls, r: pb.StatsReply) -> "Stats":
@@ -76,6 +83,14 @@ class Stats:
             ("preemptions", str(s.preemptions)),
             ("prefix cache hits", f"{s.prefix_cache_hits} / {s.prefix_cache_queries} blocks"
                                   f"  ({s.prefix_cache_hit_rate:.1%})"),
+        ]
+        if s.tier_blocks:
+            mib = s.tier_block_bytes / 2**20
+            rows += [("KV tier used / slots", f"{s.tier_used_blocks} / {s.tier_blocks} blocks"),
+                     ("KV tier hits", f"{s.tier_hits} / {s.tier_queries} blocks; saved {s.tier_saved_blocks} "
+                                      f"({s.tier_saved_blocks * mib:.1f} MiB), loaded {s.tier_loaded_blocks} "
+                                      f"({s.tier_loaded_blocks * mib:.1f} MiB)")]
+        rows += [
             ("steps", str(s.steps)),
             ("prompt / generated tokens", f"{s.prompt_tokens} / {s.generated_tokens}"),
             ("tokens/s", f"{s.tokens_per_second:.1f}"),

@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=0, help="default: the model's max_position_embeddings")
     p.add_argument("--max-waiting", type=int, default=4096, help="pending requests before RESOURCE_EXHAUSTED")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--kv-tier-policy", choices=["write-back", "write-through", "off"], default="write-back",
+                   help="the second KV tier, on chains whose workers have one (--kv-tier-bytes): save a cached "
+                        "block when the pool evicts it (write-back) or once it is computed (write-through)")
     p.add_argument("--no-block-api", action="store_true", help="switch the block API off (public ports)")
     p.add_argument("--worker-port", type=int, default=-1,
                    help="serve the internal surface (worker registration, heartbeats, block API) on this port "
@@ -172,7 +175,7 @@ def _build(args, jobs_store: JobStore) -> tuple:
                     worker_wait_s=args.worker_wait, registry=registry, micro_batches=args.micro_batches,
                     async_scheduling=not args.no_async_scheduling, router=args.router,
                     router_overlap_weight=args.router_overlap_weight,
-                    full_block_tables=args.full_block_tables)
+                    full_block_tables=args.full_block_tables, kv_tier_policy=args.kv_tier_policy)
     # the model the stored jobs were admitted for: after a restart, only its workers may take them
     engine.model_fingerprint = jobs_store.get_meta("model_fingerprint") or ""
     engine.model_label = jobs_store.get_meta("model_name") or ""

@@ -170,6 +170,8 @@ class MetadataServicer(JobRpcs, metadata_pb2_grpc.MetadataServiceServicer):
             prefix_cache_hits=c["prefix_cache_hits"], steps=c["steps"], steps_per_second=c["steps_per_second"],
             tokens_per_second=c["tokens_per_second"], cache_epoch=c["cache_epoch"], micro_batches=c["micro_batches"],
             group=c["group"], generated_tokens=c["generated_tokens"], invariants_ok=c["invariants_ok"],
+            tier_blocks=c["tier_blocks"], tier_used_blocks=c["tier_used_blocks"], tier_hits=c["tier_hits"],
+            tier_saved_blocks=c["tier_saved_blocks"], tier_loaded_blocks=c["tier_loaded_blocks"],
             stages=[metadata_pb2.StageStats(**stage) for stage in c["stages"]]) for c in st["chains"]]
         return metadata_pb2.StatsReply(
             num_blocks=st["num_blocks"], block_size=st["block_size"], used_blocks=st["used_blocks"],
@@ -185,7 +187,9 @@ class MetadataServicer(JobRpcs, metadata_pb2_grpc.MetadataServiceServicer):
             chains=chains, num_chains=st["num_chains"], standby_workers=st["standby_workers"],
             metadata_cpu_seconds=time.process_time(), model=self.engine.model_name,
             max_model_len=self.engine.max_model_len, model_fingerprint=self.engine.model_fingerprint,
-            model_shape=self.engine.model_shape)
+            model_shape=self.engine.model_shape, tier_block_bytes=st["tier_block_bytes"],
+            **{k: st[k] for k in ("tier_blocks", "tier_used_blocks", "tier_queries", "tier_hits",
+                                  "tier_saved_blocks", "tier_loaded_blocks")})
 
     def PoolSnapshot(self, request, context):
         max_blocks = request.max_blocks if request.max_blocks > 0 else 4096

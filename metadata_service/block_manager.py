@@ -200,9 +200,12 @@ class KVBlockManager(TokenAppend, PrefixHashing, TierMoves, PoolAccounting):
             prompt_list = prompt.tolist()
             hit, last_hash = self.pool.cache.match(prompt_list, max_hit)
             tier_slots, _ = self._tier_match(prompt_list, hit, last_hash, max_hit)
+        revived = sum(1 for b in hit if self.pool.ref_count[b] == 0)  # hits leave the free pool
+        if tier_slots:   # loads take fresh blocks: only as many as fit beside the appended tokens
+            room = self.pool.num_free - revived - blocks_for_tokens(num_tokens, self.block_size)
+            tier_slots = tier_slots[:max(0, room)]
         cached = (len(hit) + len(tier_slots)) * self.block_size
         needed = max(0, blocks_for_tokens(cached + num_tokens, self.block_size) - len(hit))
-        revived = sum(1 for b in hit if self.pool.ref_count[b] == 0)  # hits leave the free pool
         self._check_free(needed, f"sequence {sequence_id}", self.pool.num_free - revived)
         # ---- commit
         self.prefix_cache_queries += max_hit

@@ -22,6 +22,17 @@ from metadata_service.kv_tier import KVTier
 POLICIES = ("write-back", "write-through")
 
 
+class _Either:
+    """`h in view`: in one of two live containers."""
+    __slots__ = ("a", "b")
+
+    def __init__(self, a, b):
+        self.a, self.b = a, b
+
+    def __contains__(self, h) -> bool:
+        return h in self.a or h in self.b
+
+
 class TierMoves:
     """KVBlockManager's tier verbs (mixin; block_manager.py sets tier = None and the counters)."""
 
@@ -41,6 +52,8 @@ class TierMoves:
     def _tier_on_evict(self, block: int) -> None:
         """The pool is about to reuse a cached block (its hash still known): save it now if the
         policy keeps it and the tier lacks it."""
+        if self._tier_loads:          # a block loaded for a sequence that left before its step went out
+            self._tier_loads = [(s, b) for s, b in self._tier_loads if b != block]
         for pending in (self._through_new, self._through_old):
             slot = pending.pop(block, None)
             if slot is not None:
@@ -84,6 +97,10 @@ class TierMoves:
         self.tier_saved_blocks += len(saves)
         self.tier_loaded_blocks += len(loads)
         return saves, loads
+
+    def cached_hashes(self):
+        """The exact router's view: hashes this chain's pool or tier holds (read live)."""
+        return _Either(self.pool.cache.block_of, self.tier.slot_of) if self.tier else self.pool.cache.block_of
 
     def reset_tier(self) -> None:
         """The workers' tier is gone with their cache (a new epoch, a failed step): never guess."""

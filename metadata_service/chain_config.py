@@ -19,6 +19,7 @@ class ChainConfig:
     full_block_tables: bool = False  # send whole tables every step (the pre-delta wire, to compare)
     worker_token: str = ""
     step_timeout_s: float = 120.0    # --step-timeout: the deadline's fixed part (0: no deadline)
+    kv_tier_policy: str = "write-back"   # --kv-tier-policy (block_tiering.py); "off": no tier
 
 
 def default_micro_batches(stages: int, host_compute: bool = False) -> int:

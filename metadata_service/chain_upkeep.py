@@ -98,6 +98,8 @@ class ChainUpkeep:
             log.error("chain %s can hold no block of size %d", label, self.block_size)
             return
         epoch = secrets.randbits(62) + 1
+        # a tier only when every stage has one (a block's K/V live on every stage)
+        tier = 0 if self.cfg.kv_tier_policy == "off" else min(w.tier_capacity_blocks(self.block_size) for w in stages)
         try:
             for i in reversed(range(len(stages))):
                 nxt = stages[i + 1] if i + 1 < len(stages) else None
@@ -107,7 +109,7 @@ class ChainUpkeep:
                 reply = stages[i].connect(self.registry.channel_factory).InitCache(worker_pb2.InitCacheRequest(
                     num_blocks=cap, block_size=self.block_size, next_stage_address=nxt.address if nxt else "",
                     next_stage_token=self.worker_token or "", cache_epoch=epoch, next_stage_data_address=data,
-                    first_stage_address=first, first_stage_data_address=first_data), timeout=self.init_timeout_s, metadata=self._auth())
+                    first_stage_address=first, first_stage_data_address=first_data, tier_blocks=tier), timeout=self.init_timeout_s, metadata=self._auth())
             epoch = reply.cache_epoch  # stage 0's word is what Steps must carry
         except grpc.RpcError as e:
             log.warning("InitCache on chain %s failed: %s %s", label, e.code().name, e.details())
@@ -116,16 +118,19 @@ class ChainUpkeep:
         self._adopt_model(stages)
         self.max_pool_blocks = max(cap, self.max_pool_blocks if self.chains else 0)
         chain = ChainRunner(next(self._chain_ids), stages, cap, epoch, self.cfg, self, stages[0].info.replica_group)
+        if tier:
+            chain.manager.attach_tier(tier, self.cfg.kv_tier_policy)
         with self.route_lock:
             self.chains[chain.chain_id] = chain
             self.router.add_chain(chain.chain_id, cap, self.cfg.max_num_seqs * chain.micro_batches,
-                                  chain.manager.pool.cache.block_of)
+                                  chain.manager.cached_hashes())
         chain.start()
         for cb in self.on_chain_started:
             cb(chain)
         kv_bytes = cap * sum(w.block_bytes(self.block_size) for w in stages)
-        log.info("chain %d ready: %s, KV cache %s (%d stage(s)), %d micro-batches, epoch %d", chain.chain_id,
-                 label, kv_capacity(cap, self.block_size, kv_bytes), len(stages), chain.micro_batches, epoch)
+        log.info("chain %d ready: %s, KV cache %s (%d stage(s)), %d micro-batches, epoch %d%s", chain.chain_id,
+                 label, kv_capacity(cap, self.block_size, kv_bytes), len(stages), chain.micro_batches, epoch,
+                 f", KV tier {tier} blocks ({self.cfg.kv_tier_policy})" if tier else "")
 
     def _refresh_ready(self) -> None:
         ready = any(c.alive for c in list(self.chains.values()))

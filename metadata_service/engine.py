@@ -42,7 +42,7 @@ class Engine(SequenceRouting, ChainUpkeep, ServedModel):
                  max_model_len=0, enable_prefix_caching=True, worker_token=None, step_timeout_s=120.0,
                  worker_wait_s=60.0, registry: WorkerRegistry | None = None, micro_batches=0,
                  async_scheduling=True, router="exact", router_overlap_weight=OVERLAP_WEIGHT,
-                 full_block_tables=False, init_timeout_s=30.0, default_num_blocks=1024):
+                 full_block_tables=False, init_timeout_s=30.0, default_num_blocks=1024, kv_tier_policy="write-back"):
         self.block_size = block_size
         self.num_blocks_cap = num_blocks            # --num-blocks: an upper bound on each chain's pool
         self.max_model_len_flag = max_model_len
@@ -53,7 +53,7 @@ class Engine(SequenceRouting, ChainUpkeep, ServedModel):
                                max_num_seqs=max_num_seqs, micro_batches=micro_batches,
                                async_scheduling=async_scheduling, enable_prefix_caching=enable_prefix_caching,
                                full_block_tables=full_block_tables, worker_token=worker_token or "",
-                               step_timeout_s=step_timeout_s)
+                               step_timeout_s=step_timeout_s, kv_tier_policy=kv_tier_policy)
         self.registry = registry if registry is not None else WorkerRegistry()  # (an empty one is falsy)
         self.registry.pinned = self._pinned_model
         self.router = Router(router, block_size, router_overlap_weight)
@@ -125,7 +125,8 @@ class Engine(SequenceRouting, ChainUpkeep, ServedModel):
         chains = [c.stats() for c in self.pools()]
         keys = ("num_blocks", "used_blocks", "free_blocks", "cached_blocks", "shared_blocks",
                 "internal_fragmentation_tokens", "prefix_cache_queries", "prefix_cache_hits", "live_sequences",
-                "running", "waiting", "preemptions", "steps", "generated_tokens")
+                "running", "waiting", "preemptions", "steps", "generated_tokens", "tier_blocks", "tier_used_blocks",
+                "tier_queries", "tier_hits", "tier_saved_blocks", "tier_loaded_blocks")
         st = {k: sum(c.get(k, 0) for c in chains) for k in keys}
         if not chains:
             st.update({k: v for k, v in self.default_manager.stats().items() if k in keys})
@@ -140,5 +141,6 @@ class Engine(SequenceRouting, ChainUpkeep, ServedModel):
                   num_workers=len(self.registry), ready=self.ready, num_chains=len(chains),
                   cache_epoch=chains[0]["cache_epoch"] if chains else 0, chains=chains,
                   standby_workers=len(self.registry) - sum(len(c["stages"]) for c in chains),
-                  not_ready_reason="" if chains else self.not_ready_reason, prompt_tokens=self.prompt_tokens)
+                  not_ready_reason="" if chains else self.not_ready_reason, prompt_tokens=self.prompt_tokens,
+                  tier_block_bytes=max((c["tier_block_bytes"] for c in chains), default=0))
         return st

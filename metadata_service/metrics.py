@@ -55,6 +55,15 @@ def _service_families(st: dict, label: dict):
                    st["prefix_cache_queries"] * bs, label)
     yield _counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
                    st["prefix_cache_hits"] * bs, label)
+    # the second KV tier: vLLM names hits from outside the device cache "external" (KV connectors)
+    yield _counter("vllm:external_prefix_cache_queries", "Prompt tokens looked up in the KV tier",
+                   st["tier_queries"] * bs, label)
+    yield _counter("vllm:external_prefix_cache_hits", "Prompt tokens loaded from the KV tier",
+                   st["tier_hits"] * bs, label)
+    yield _counter("minipaged:kv_tier_saved_bytes", "Bytes saved into the KV tier",
+                   st["tier_saved_blocks"] * st["tier_block_bytes"], label)
+    yield _counter("minipaged:kv_tier_loaded_bytes", "Bytes loaded from the KV tier",
+                   st["tier_loaded_blocks"] * st["tier_block_bytes"], label)
     yield _counter("vllm:prompt_tokens", "Prompt tokens admitted", st["prompt_tokens"], label)
     yield _counter("vllm:generation_tokens", "Tokens generated", st["generated_tokens"], label)
     yield _counter("vllm:num_preemptions", "Sequences preempted (recomputed)", st["preemptions"], label)
@@ -64,7 +73,8 @@ def _service_families(st: dict, label: dict):
                      ("shared_blocks", "Blocks referenced by more than one sequence"),
                      ("internal_fragmentation_tokens", "Reserved but unused slots"),
                      ("metadata_ms_per_step", "Metadata-plane ms per step (schedule + pack + apply)"),
-                     ("num_chains", "Ready chains"), ("standby_workers", "Registered workers in no chain"),
+                     ("num_chains", "Ready chains"), ("tier_blocks", "KV tier slots, every chain"),
+                     ("tier_used_blocks", "KV tier slots holding a block"), ("standby_workers", "Registered workers in no chain"),
                      ("num_workers", "Registered workers")):
         yield _gauge(f"minipaged:{key}", doc, st[key], label)
     yield _gauge("minipaged:ready", "1 while a chain is ready", st["ready"], label)

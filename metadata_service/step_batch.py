@@ -37,6 +37,8 @@ class ScheduledBatch:
     block_tables: np.ndarray | None = None   # int32 [B, max_blocks], only when sending full tables
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) before the step
     prompt_rows: object = None   # prompt_logprobs.StepRows when a request of the step asked for them
+    tier_saves: list = field(default_factory=list)   # (pool block, tier slot), run first
+    tier_loads: list = field(default_factory=list)   # (tier slot, pool block), run second
 
     @property
     def num_tokens(self) -> int:
@@ -68,6 +70,7 @@ class BatchPacking:
         else:
             counts, new_blocks = self.manager.table_delta_rows(a["rows"], a["base"])
             self.progress.blocks_sent[a["prog"]] += counts
+        saves, loads = self.manager.take_tier_moves()
         return ScheduledBatch(
             seqs=seqs, gens=a["gens"], input_ids=a["input_ids"], positions=a["positions"].astype(np.int32, copy=False),
             slot_mapping=(slots[0] if len(slots) == 1 else np.concatenate(slots)).astype(np.int32, copy=False),
@@ -75,7 +78,7 @@ class BatchPacking:
             table_base=a["base"], new_block_counts=counts, new_blocks=new_blocks.astype(np.int32, copy=False),
             seq_ids=a["ids"], sample_offsets=a["offsets"], step_rows=a["step_rows"], manager_rows=a["rows"],
             progress_rows=a["prog"], special=self.num_special > 0, plain=a["plain"], slot=slot, block_tables=tables,
-            copies=self._take_copies(), prompt_rows=a["prompt_rows"])
+            copies=self._take_copies(), prompt_rows=a["prompt_rows"], tier_saves=saves, tier_loads=loads)
 
     def _decode_arrays(self, dec) -> dict:
         """The steady state, one token per sequence: columns of their STEP_ROWs, the block

@@ -39,6 +39,10 @@ def build_step_request(b: ScheduledBatch, release: list[int], step_id: int, epoc
         req.new_blocks = pack(b.new_blocks)
     if release:
         req.release_sequence_ids = pack(release, INT64)
+    if b.tier_saves:
+        req.tier_save_blocks, req.tier_save_slots = pack([m[0] for m in b.tier_saves]), pack([m[1] for m in b.tier_saves])
+    if b.tier_loads:
+        req.tier_load_slots, req.tier_load_blocks = pack([m[0] for m in b.tier_loads]), pack([m[1] for m in b.tier_loads])
     if b.copies:
         req.copy_src, req.copy_dst = pack([c[0] for c in b.copies]), pack([c[1] for c in b.copies])
     if b.special and any(s.params.extras for s in seqs):

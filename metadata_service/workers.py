@@ -60,6 +60,10 @@ class WorkerHandle:
             return i.fixed_num_blocks
         return int(i.kv_cache_bytes // max(self.block_bytes(block_size), 1))
 
+    def tier_capacity_blocks(self, block_size: int) -> int:
+        """Blocks of this stage's layers its second KV tier can hold (--kv-tier-bytes)."""
+        return int(self.info.kv_tier_bytes // max(self.block_bytes(block_size), 1))
+
     def connect(self, channel_factory) -> worker_pb2_grpc.WorkerServiceStub:
         if self.stub is None:
             self.channel = channel_factory(self.address, GRPC_OPTIONS)

@@ -93,8 +93,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         cached = self.m.prompt_cache_lookup(prompt)
         assert cached % self.B == 0 and cached <= max(0, len(prompt) - 1)
         n = extra
-        device = cached - self.m.prompt_tier_lookup(prompt)   # the rest is loaded into fresh blocks
-        need = math.ceil((cached + n) / self.B) - device // self.B
+        device = cached - self.m.prompt_tier_lookup(prompt)   # the rest is loaded into fresh blocks,
+        need = math.ceil((device + n) / self.B) - device // self.B   # as many as fit (maybe none)
         # Hit blocks that were cached-free leave the free pool: between these bounds, either outcome.
         free = self.m.num_free_blocks
         expect = True if need > free else False if need <= free - device // self.B else None
@@ -102,7 +102,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if res is None:
             return
         got_cached, slots = res
-        assert got_cached == cached
+        assert device <= got_cached <= cached and got_cached % self.B == 0
+        cached = got_cached
         self.toks[sid], self.prompt[sid], self.nb[sid] = list(prompt[:cached]), list(prompt), cached // self.B
         self.write(sid, slots, self.model_tokens(sid, n, None))
         self.flush()

@@ -84,17 +84,21 @@ class LocalCluster:
                  env: dict | None = None, startup_timeout: float = 120.0, grace: float = 5.0,
                  token: str | None = None, root: str | None = None, replicas: int = 1, standby: int = 0,
                  simulate: str | None = None, threads: int | None = None, http: bool = False,
-                 http_host: str = "127.0.0.1", http_port: int | None = None, extra_gateway_args=()):
+                 http_host: str = "127.0.0.1", http_port: int | None = None, extra_gateway_args=(),
+                 roles=None):
         """`workers` stages per chain, `replicas` chains (workers x replicas processes), plus
         `standby` spare workers for the last stage's layers: they wait, outside any chain, to replace
         a lost stage (with one stage per chain a spare is simply one more replica). `simulate` ('h200' or a profile JSON) starts
         simulated workers (no weights; dtype None = their default, bfloat16). `threads`: torch
         threads per worker (default: the machine's cores shared out among the CPU workers).
-        `http_host`/`http_port` (default: a free port) and `extra_gateway_args` go to the gateway."""
+        `http_host`/`http_port` (default: a free port) and `extra_gateway_args` go to the gateway.
+        `roles`: one worker --role per replica (["prefill", "decode"]: disaggregated prefill/decode)."""
         self.model, self.root, self.grace = model, root or ROOT, grace
         self.startup_timeout = startup_timeout
         if replicas < 1 or standby < 0:
             raise ValueError("replicas must be >= 1 and standby >= 0")
+        if roles is not None and (len(roles) != replicas or not set(roles) <= {"prefill", "decode", "both"}):
+            raise ValueError(f"roles: one of prefill / decode / both per replica ({replicas}), got {roles}")
         stages = split_layers(load_model_config(model).num_hidden_layers, workers)  # may raise
         self.layers = stages * replicas + [stages[-1]] * standby
         self.replicas = replicas
@@ -109,7 +113,8 @@ class LocalCluster:
         service_cmd += (["--token", token] if token else []) + [str(x) for x in extra_service_args]
         self._procs = [Proc("metadata_service", service_cmd, self._log_path("metadata_service"))]
         worker_flags = _worker_flags(dtype, simulate, device, threads, num_blocks, extra_worker_args)
-        self._procs += [self._worker_proc(i, a, b, worker_flags) for i, (a, b) in enumerate(self.layers)]
+        role = lambda i: ["--role", roles[i // workers]] if roles is not None and i < workers * replicas else []
+        self._procs += [self._worker_proc(i, a, b, worker_flags + role(i)) for i, (a, b) in enumerate(self.layers)]
         self.client = Client(self.address, token=token)
         self.http_url: str | None = None
         self._http = (http_host, http_port, [str(x) for x in extra_gateway_args])

@@ -51,6 +51,9 @@ class Stats:
     tier_saved_blocks: int = 0         # blocks saved,
     tier_loaded_blocks: int = 0        # blocks loaded,
     tier_block_bytes: int = 0          # bytes a block moves (bytes moved = blocks x this)
+    kv_moves: int = 0                  # prefill -> decode moves (worker --role), every chain,
+    kv_moved_blocks: int = 0           # the blocks they moved,
+    kv_move_failures: int = 0          # and moves that failed (those prompts recomputed)
 
     @classmethod
     def from_proto(cls, r: pb.StatsReply) -> "Stats":
@@ -90,6 +93,10 @@ class Stats:
                      ("KV tier hits", f"{s.tier_hits} / {s.tier_queries} blocks; saved {s.tier_saved_blocks} "
                                       f"({s.tier_saved_blocks * mib:.1f} MiB), loaded {s.tier_loaded_blocks} "
                                       f"({s.tier_loaded_blocks * mib:.1f} MiB)")]
+        if s.kv_moves or s.kv_move_failures:
+            mib = s.tier_block_bytes / 2**20
+            rows.append(("prefill -> decode moves", f"{s.kv_moves} ({s.kv_moved_blocks} blocks, "
+                                                   f"{s.kv_moved_blocks * mib:.1f} MiB), {s.kv_move_failures} failed"))
         rows += [
             ("steps", str(s.steps)),
             ("prompt / generated tokens", f"{s.prompt_tokens} / {s.generated_tokens}"),

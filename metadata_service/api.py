@@ -172,6 +172,8 @@ class MetadataServicer(JobRpcs, metadata_pb2_grpc.MetadataServiceServicer):
             group=c["group"], generated_tokens=c["generated_tokens"], invariants_ok=c["invariants_ok"],
             tier_blocks=c["tier_blocks"], tier_used_blocks=c["tier_used_blocks"], tier_hits=c["tier_hits"],
             tier_saved_blocks=c["tier_saved_blocks"], tier_loaded_blocks=c["tier_loaded_blocks"],
+            role=c["role"], kv_moves=c["kv_moves"], kv_moved_blocks=c["kv_moved_blocks"],
+            kv_move_failures=c["kv_move_failures"],
             stages=[metadata_pb2.StageStats(**stage) for stage in c["stages"]]) for c in st["chains"]]
         return metadata_pb2.StatsReply(
             num_blocks=st["num_blocks"], block_size=st["block_size"], used_blocks=st["used_blocks"],
@@ -189,7 +191,8 @@ class MetadataServicer(JobRpcs, metadata_pb2_grpc.MetadataServiceServicer):
             max_model_len=self.engine.max_model_len, model_fingerprint=self.engine.model_fingerprint,
             model_shape=self.engine.model_shape, tier_block_bytes=st["tier_block_bytes"],
             **{k: st[k] for k in ("tier_blocks", "tier_used_blocks", "tier_queries", "tier_hits",
-                                  "tier_saved_blocks", "tier_loaded_blocks")})
+                                  "tier_saved_blocks", "tier_loaded_blocks", "kv_moves", "kv_moved_blocks",
+                                  "kv_move_failures")})
 
     def PoolSnapshot(self, request, context):
         max_blocks = request.max_blocks if request.max_blocks > 0 else 4096

@@ -67,6 +67,8 @@ class PoolAccounting:
                 errs.append(f"sequence {sid}: a block it still writes is shared")
             if any(int(b) in self.pool.cache for b in writable):
                 errs.append(f"sequence {sid}: a block it still writes is in the prefix cache")
+        for blocks in self.held.values():           # prefill -> decode moves in progress
+            np.add.at(counts, np.asarray(blocks, dtype=np.int64), 1)
         if not np.array_equal(counts, self.pool.ref_count):
             errs.append("ref counts differ from the number of tables holding each block")
         free_rows = set(self._free_rows)

@@ -104,6 +104,7 @@ class KVBlockManager(TokenAppend, PrefixHashing, TierMoves, PoolAccounting):
         self._through_new: dict[int, int] = {}           # write-through: block -> slot, hashed this step
         self._through_old: dict[int, int] = {}           # ... hashed before it: saved by the next Step
         self.tier_queries = self.tier_hits = self.tier_saved_blocks = self.tier_loaded_blocks = 0
+        self.held: dict[object, list[int]] = {}          # key -> blocks a K/V move reads or writes
         self.sequences = _SequencesView(self)
 
     # ------------------------------------------------------------------ rows
@@ -255,6 +256,18 @@ class KVBlockManager(TokenAppend, PrefixHashing, TierMoves, PoolAccounting):
         if prow in self._prompts:
             self._prompts[crow] = self._prompts[prow]
         return copies
+
+    # ------------------------------------------------------------------ holds (prefill -> decode moves)
+    def hold(self, key, blocks, fresh=()) -> None:
+        """Blocks no table holds whose content a K/V move reads or writes: a reference each (cached-
+        free ones revive); `fresh` ones came from the pool's allocate and have theirs already."""
+        self.pool.touch(blocks)
+        self.held[key] = list(blocks) + list(fresh)
+
+    def unhold(self, key) -> int:
+        """Drop a hold (tail first, as a sequence's release); returns how many blocks became free."""
+        blocks = self.held.pop(key, None)
+        return self.pool.release(blocks[::-1]) if blocks else 0
 
     def release_sequence(self, sequence_id: int) -> int:
         """Drop the sequence; returns how many of its blocks became unreferenced."""

@@ -33,6 +33,7 @@ from .apply import apply_plain, apply_reply
 from .block_manager import KVBlockManager
 from .chain_config import ChainConfig, InflightStep, default_micro_batches
 from .chain_stats import ChainStats
+from .kv_moves import KvMoves
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import SeqStatus, Sequence
 from .step_channel import SocketResultsChannel, open_channels
@@ -46,7 +47,7 @@ BATCH_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL, grpc
                 grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
-class ChainRunner(ChainStats):
+class ChainRunner(ChainStats, KvMoves):
     def __init__(self, chain_id: int, stages: list, num_blocks: int, epoch: int, cfg: ChainConfig, engine,
                  group: str = ""):
         self.chain_id, self.stages, self.epoch, self.cfg, self.engine = chain_id, stages, epoch, cfg, engine
@@ -88,6 +89,7 @@ class ChainRunner(ChainStats):
         # on the step path nor under Stats (the gateway polls Stats for /health and /metrics)
         self.invariants_checked = True
         self._invariants_dirty = False
+        self._init_moves()                     # role, and prefill -> decode moves (kv_moves.py)
 
     @property
     def label(self) -> str:
@@ -163,6 +165,10 @@ class ChainRunner(ChainStats):
                 with self.lock:
                     self.scheduler.remove(item)
                 self.engine.finish(item, "cancelled")
+        elif kind == "move_in":
+            self._move_in(item)
+        elif kind == "unhold":
+            self._unhold(item)
         elif kind == "broken":
             self._lose(item)
         elif kind == "lost":
@@ -171,7 +177,8 @@ class ChainRunner(ChainStats):
     def step_deadline_s(self, step: InflightStep) -> float:
         """--step-timeout, plus 4x what this chain's slowest step per token so far predicts for
         this step's tokens: a legitimate long prefill chunk on a slow device never trips it."""
-        return self.cfg.step_timeout_s + 4.0 * step.batch.num_tokens * self.slowest_s_per_token
+        tokens = step.batch.num_tokens if step.batch is not None else 0     # (a K/V move: no tokens)
+        return self.cfg.step_timeout_s + 4.0 * tokens * self.slowest_s_per_token
 
     def _check_deadline(self) -> None:
         """The oldest step in flight must come back within its deadline, counted from when it was
@@ -225,6 +232,9 @@ class ChainRunner(ChainStats):
             return  # an acknowledgement, or a step of an earlier epoch
         t0 = time.perf_counter()
         self.last_reply_at = time.monotonic()
+        if step.batch is None:                         # a prefill -> decode K/V move (kv_moves.py)
+            self._move_done(step.step_id, reply)
+            return
         b = step.batch
         self.slot_inflight[b.slot] -= 1
         if reply.error_code:
@@ -256,6 +266,8 @@ class ChainRunner(ChainStats):
             self._invariants_dirty = True
             for seq in done:
                 self.engine.finish(seq, "length")
+        if self.role == "prefill":
+            self._hand_off(b.seqs)
         self.steps += 1
         self.metadata_s += time.perf_counter() - t0
 
@@ -287,7 +299,7 @@ class ChainRunner(ChainStats):
             if c is not None:
                 c.cancel()
         with self.lock:
-            seqs = self.scheduler.drain()
+            seqs = self.scheduler.drain() + self._moving_seqs()
             self.inflight.clear()
         self.engine.on_chain_lost(self, seqs, why)
 

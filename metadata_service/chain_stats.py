@@ -43,6 +43,8 @@ class ChainStats:
                   generated_tokens=self.generated_tokens, steps_per_second=self.steps / wall,
                   tokens_per_second=self.generated_tokens / wall, cache_epoch=self.epoch,
                   micro_batches=self.micro_batches, metadata_s=self.metadata_s, wire_bytes=self.wire_bytes,
+                  role=self.role, kv_moves=self.moves_in, kv_moved_blocks=self.moved_blocks,
+                  kv_move_failures=self.moves_failed,
                   tier_block_bytes=sum(w.block_bytes(self.cfg.block_size) for w in self.stages),
                   stages=[dict(address=w.address, layer_start=w.info.layer_start, layer_end=w.info.layer_end,
                                busy_fraction=min(1.0, busy / 1e3 / wall),

@@ -126,7 +126,8 @@ class Engine(SequenceRouting, ChainUpkeep, ServedModel):
         keys = ("num_blocks", "used_blocks", "free_blocks", "cached_blocks", "shared_blocks",
                 "internal_fragmentation_tokens", "prefix_cache_queries", "prefix_cache_hits", "live_sequences",
                 "running", "waiting", "preemptions", "steps", "generated_tokens", "tier_blocks", "tier_used_blocks",
-                "tier_queries", "tier_hits", "tier_saved_blocks", "tier_loaded_blocks")
+                "tier_queries", "tier_hits", "tier_saved_blocks", "tier_loaded_blocks", "kv_moves",
+                "kv_moved_blocks", "kv_move_failures")
         st = {k: sum(c.get(k, 0) for c in chains) for k in keys}
         if not chains:
             st.update({k: v for k, v in self.default_manager.stats().items() if k in keys})

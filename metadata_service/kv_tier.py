@@ -91,6 +91,19 @@ class KVTier:
             self._lru.move_to_end(s)
             self.pinned.add(s)
 
+    def forget(self, slots) -> None:
+        """Their saves never ran (the Step carrying them failed): the slots hold nothing."""
+        for s in slots:
+            h = self.hash_of.pop(s, None)
+            if h is None:
+                continue
+            del self.slot_of[h]
+            del self.key_of[s]
+            self._lru.pop(s, None)
+            self.unsaved.discard(s)
+            self.pinned.discard(s)
+            self._free.append(s)
+
     def clear(self) -> None:
         """The workers' tier content is gone (a new cache epoch): forget every slot."""
         self._free = list(range(self.num_blocks - 1, -1, -1))

@@ -239,7 +239,7 @@ class Scheduler(DecodePicking, BatchPacking):
                 # prompt logprobs need every prompt position's logits: no cached blocks for them
                 cached = self.manager.create_sequence(s.seq_id, s.all_token_ids, reuse_cached=s.prompt_lp is None)
                 s.num_computed_tokens = cached
-                if s.preemptions == 0:
+                if s.preemptions == 0 and not s.handed_off:   # (a moved-in prompt keeps its own figure)
                     s.num_cached_tokens = cached
             todo = self._todo(s)
             n = min(todo, budget, self._room(s))

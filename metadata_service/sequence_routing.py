@@ -4,7 +4,9 @@ A new or re-routed sequence goes to a ready chain (the policy is router.py's; a 
 stay on one chain, since beam.py forks their tables there), or is parked until a chain forms. A
 chain that is lost hands its unfinished sequences back here, and they recompute elsewhere from
 their tokens, exactly (sampling is a pure function of seed and position). `finish` ends a sequence
-exactly once, from whichever thread ends it, and tells its sink.
+exactly once, from whichever thread ends it, and tells its sink. With prefill and decode chains
+(worker --role), prompts go to prefill chains and a prefilled request moves to a decode chain
+(`route_to_decode`; metadata_service/kv_moves.py).
 
 Threading: `route_lock` guards `chains`, the router and `parked`; sinks are told outside it."""
 from __future__ import annotations
@@ -13,6 +15,7 @@ import time
 from typing import TYPE_CHECKING
 
 from .sequence import SeqEvent, Sequence, SeqStatus
+from .step_channel import data_address
 
 if TYPE_CHECKING:
     from .chain import ChainRunner
@@ -74,9 +77,41 @@ class SequenceRouting:
                                    error_code=code if error else "", new_top=top))
 
     # ------------------------------------------------------------------ routing
+    def reroute(self, seqs: list[Sequence]) -> None:
+        """Sequences that left their chain without finishing: they recompute on another."""
+        with self.route_lock:
+            for s in seqs:
+                if s.chain is not None:
+                    self.router.done(s.chain.chain_id, s.route)
+                s.chain = s.route = None
+        self._route(seqs)
+
+    def decode_chains_for(self, src: ChainRunner) -> list[ChainRunner]:
+        """Live decode chains a prefill chain's requests can move to: the same layer split (a move
+        pairs stages of equal layer ranges), and every prefill stage offers its data link."""
+        split = [(w.info.layer_start, w.info.layer_end) for w in src.stages]
+        if not all(data_address(w) for w in src.stages):
+            return []
+        return [c for c in list(self.chains.values()) if c.alive and c.role == "decode"
+                and [(w.info.layer_start, w.info.layer_end) for w in c.stages] == split]
+
+    def route_to_decode(self, seq: Sequence, src: ChainRunner) -> ChainRunner | None:
+        """The decode chain a prefilled request moves to (routed like a new request among them: the
+        exact router prefers the one that already holds most of its blocks), or None."""
+        with self.route_lock:
+            chains = self.decode_chains_for(src)
+            if not chains:
+                return None
+            cid, route = self.router.choose([c.chain_id for c in chains], seq.all_token_ids, seq.params.max_new_tokens)
+            self.router.done(src.chain_id, seq.route)
+            seq.chain, seq.route = self.chains[cid], route
+            return seq.chain
+
     def _route(self, seqs: list[Sequence]) -> None:
         with self.route_lock:
             live = [c for c in self.chains.values() if c.alive]
+            # prompts go to chains that prefill (decode chains only get moved-in requests) when any is up
+            live = [c for c in live if c.role != "decode"] or live
             if not live:
                 self.parked.extend(s for s in seqs if not s.abort_requested)
                 cancelled = [s for s in seqs if s.abort_requested]
@@ -104,6 +139,7 @@ class SequenceRouting:
             self.router.remove_chain(chain.chain_id)
             for s in seqs:
                 s.chain = None
+                s.handed_off = False              # recomputed on a prefill chain, it may move again
         self._events.put(("lost", chain))
         live = [s for s in seqs if s.status is not SeqStatus.FINISHED]
         for s in live:

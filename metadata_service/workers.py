@@ -49,6 +49,10 @@ class WorkerHandle:
     def address(self) -> str:
         return self.info.address
 
+    @property
+    def role(self) -> str:
+        return self.info.role or "both"
+
     def block_bytes(self, block_size: int) -> int:
         """K and V of one block over this worker's layers."""
         i = self.info
@@ -168,9 +172,9 @@ class WorkerRegistry:
         """New chains from the workers not in `busy` (ids of workers already in a chain)."""
         with self.lock:
             free = [w for w in self.workers.values() if w.worker_id not in busy]
-        groups: dict[str, list[WorkerHandle]] = {}
-        for w in sorted(free, key=lambda w: w.info.address):
-            groups.setdefault(w.info.replica_group, []).append(w)
+        groups: dict[tuple, list[WorkerHandle]] = {}
+        for w in sorted(free, key=lambda w: w.info.address):   # a chain's stages share a role
+            groups.setdefault((w.info.replica_group, w.role), []).append(w)
         chains = []
         for members in groups.values():
             while True:

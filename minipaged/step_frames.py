@@ -12,14 +12,18 @@ ring name (empty: none). The server answers b"OS" (ring opened), b"OK" or b"NO" 
 - RESULTS_MAGIC (the last stage, at the chain's epoch): StepResults as frames, u32 length, a
   StepReply, for every step of the epoch, in order.
 - TOKENS_MAGIC (the last stage to stage 0, at the chain's epoch): SampledTokens as frames, u32
-  length, a SampledTokens message; nothing comes back."""
+  length, a SampledTokens message; nothing comes back.
+- KV_MAGIC (a decode stage reading a prefill stage's blocks, at the source's epoch): one request,
+  u32 count, int32 block ids; back b"K", u64 length, the blocks' bytes (PagedKVCache.read_blocks),
+  or b"E", u64 length, an error message. Then the link closes."""
 from __future__ import annotations
 
 import socket
 import struct
 
 HELLO, STEP, REPLY, RING = struct.Struct("<4sI"), struct.Struct("<cIQ"), struct.Struct("<I"), struct.Struct("<QQ")
-STEPS_MAGIC, RESULTS_MAGIC, TOKENS_MAGIC = b"MPD2", b"MPR1", b"MPT1"
+STEPS_MAGIC, RESULTS_MAGIC, TOKENS_MAGIC, KV_MAGIC = b"MPD2", b"MPR1", b"MPT1", b"MPK1"
+KV_ANSWER = struct.Struct("<cQ")
 
 
 def recv_exact(sock: socket.socket, n: int, into: bytearray | None = None) -> bytearray:

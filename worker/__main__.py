@@ -183,7 +183,7 @@ def main(argv=None) -> int:
     servicer = WorkerServicer(runner, model_name=args.model, device=device, dtype=args.dtype,
                               backend=backend, kv_cache_bytes=budget, fixed_num_blocks=args.num_blocks,
                               replica_group=args.replica_group, simulate=args.simulate,
-                              kv_tier_bytes=args.kv_tier_bytes)
+                              kv_tier_bytes=args.kv_tier_bytes, role=args.role)
     servicer.channel_factory = lambda address, options: make_channel(address, options, args.tls_ca,
                                                                      args.tls_cert, args.tls_key)
     served = serve(args, servicer)

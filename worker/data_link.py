@@ -29,9 +29,10 @@ import threading
 import grpc
 from google.protobuf.message import DecodeError
 
-from minipaged.step_frames import HELLO as _HELLO, REPLY as _REPLY, RESULTS_MAGIC, RING as _RING, \
+from minipaged.step_frames import HELLO as _HELLO, KV_MAGIC, REPLY as _REPLY, RESULTS_MAGIC, RING as _RING, \
     STEP as _STEP, STEPS_MAGIC, TOKENS_MAGIC, connect, read_reply, recv_exact as _recv_exact
 from minipaged.v1 import worker_pb2 as pb
+from worker.kv_move import serve_kv_read
 from worker.shm_ring import ShmRingReader, ShmRingWriter, capacity_from_env
 from worker.step_stream import StepPipe, wait_until
 
@@ -72,7 +73,7 @@ class DataServer:
     def _serve(self, conn: socket.socket) -> None:
         try:
             magic, n = _HELLO.unpack(_recv_exact(conn, _HELLO.size))
-            if magic not in (STEPS_MAGIC, RESULTS_MAGIC, TOKENS_MAGIC) or n > 4096:
+            if magic not in (STEPS_MAGIC, RESULTS_MAGIC, TOKENS_MAGIC, KV_MAGIC) or n > 4096:
                 conn.close()
                 return
             token = bytes(_recv_exact(conn, n))
@@ -91,6 +92,8 @@ class DataServer:
                 return self._serve_results(conn)
             if magic == TOKENS_MAGIC:
                 return self._serve_tokens(conn)
+            if magic == KV_MAGIC:
+                return serve_kv_read(self.s, conn)
             ring = None
             if name:
                 try:

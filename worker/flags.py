@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch CPU threads for this worker (default: torch's own choice, all cores)")
     p.add_argument("--replica-group", default="",
                    help="chains form among workers of the same group (default: one group for all)")
+    p.add_argument("--role", choices=["prefill", "decode", "both"], default="both",
+                   help="disaggregated prefill/decode: prompts run on prefill chains, their K/V move to a decode "
+                        "chain, which generates (a chain's stages share one role; default both)")
     p.add_argument("--simulate", default="", metavar="h200|PROFILE.json",
                    help="a simulated worker: no weights, no compute; each step sleeps for a roofline timing "
                         "model's time (worker/simulator.py) and returns deterministic pseudo-random tokens")

@@ -121,6 +121,37 @@ class PagedKVCache:
                 rows = tier[ls]                        # a gather in host RAM, one transfer up
                 cache[lb] = rows.pin_memory().to(dev, non_blocking=True) if on_gpu else rows
 
+    # ---- disaggregated prefill/decode (docs/architecture.md section 9): blocks as bytes ------------
+    def read_blocks(self, ids) -> bytes:
+        """Blocks `ids` of every layer of this stage, as one byte string: all layers' K, then all V,
+        each [n, Hkv, block_size, D] (the layout write_blocks expects of a stage with equal layers)."""
+        idx = _ids(ids, self.key_cache[0].device) if self.num_layers else None
+        if idx is None or idx.numel() == 0:
+            return b""
+        parts = [c.index_select(0, idx).reshape(-1) for c in (*self.key_cache, *self.value_cache)]
+        return torch.cat(parts).view(torch.uint8).cpu().numpy().tobytes()
+
+    def check_block_bytes(self, n: int, nbytes: int) -> None:
+        """ValueError unless nbytes is what read_blocks gives for n blocks of this stage's layout."""
+        want = n * bytes_per_block(self.num_layers, self.num_kv_heads, self.block_size, self.head_dim, self.dtype)
+        if nbytes != want:
+            raise ValueError(f"{nbytes} bytes of K/V for {n} blocks, expected {want} ({self.num_layers} layers, "
+                             f"{self.dtype}): the source's layout differs")
+
+    def write_blocks(self, ids, data) -> None:
+        """The inverse of read_blocks (the size is checked first: a source whose layout differs
+        leaves this cache untouched)."""
+        n = len(ids)
+        self.check_block_bytes(n, len(data))
+        if not n:
+            return
+        dev = self.key_cache[0].device
+        rows = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype)
+        rows = rows.view(2 * self.num_layers, n, self.num_kv_heads, self.block_size, self.head_dim)
+        idx = _ids(ids, dev)
+        for i, cache in enumerate((*self.key_cache, *self.value_cache)):
+            cache[idx] = rows[i].to(dev, non_blocking=True)
+
     def checksum(self) -> float:
         """Cheap fingerprint of all K/V: per-block sums and norms weighted by block id (so moving
         data between blocks shows), accumulated in float64 without copying the cache."""

@@ -56,7 +56,7 @@ class WorkerServicer(StepExecution, StepRpcs, pb_grpc.WorkerServiceServicer):
     def __init__(self, runner, *, model_name: str, address: str = "", device: str = "cpu",
                  dtype: str = "float32", backend: str = "torch", kv_cache_bytes: int = 0,
                  fixed_num_blocks: int = 0, rpc_timeout_s: float = 120.0, replica_group: str = "",
-                 simulate: str = "", kv_tier_bytes: int = 0):
+                 simulate: str = "", kv_tier_bytes: int = 0, role: str = "both"):
         if not kv_cache_bytes and not fixed_num_blocks:
             raise ValueError("a worker needs a K/V capacity: kv_cache_bytes or fixed_num_blocks")
         self.runner, self.cfg = runner, runner.config
@@ -64,6 +64,8 @@ class WorkerServicer(StepExecution, StepRpcs, pb_grpc.WorkerServiceServicer):
         self.backend, self.kv_cache_bytes, self.fixed_num_blocks = backend, kv_cache_bytes, fixed_num_blocks
         self.rpc_timeout_s, self.replica_group, self.simulate = rpc_timeout_s, replica_group, simulate
         self.kv_tier_bytes = kv_tier_bytes   # the second KV tier's budget; the service picks its slot count
+        self.role = role                     # prefill, decode or both: which chains this stage joins
+        self.peer_token = ""                 # the token other workers' data links expect (InitCache's)
         self.dtype_bytes = DTYPE_BYTES[dtype]
         self.lock = threading.Lock()  # one model, one cache: Steps run one at a time
         self.busy = BusyClock()       # Health's busy_ms: the age of the step computing now
@@ -100,7 +102,7 @@ class WorkerServicer(StepExecution, StepRpcs, pb_grpc.WorkerServiceServicer):
             replica_group=self.replica_group, simulate=self.simulate,
             weight_bytes=int(getattr(self.runner, "weight_bytes", 0)),
             data_port=self.data_server.port if self.data_server is not None else 0,
-            kv_tier_bytes=self.kv_tier_bytes)
+            kv_tier_bytes=self.kv_tier_bytes, role=self.role)
 
     def Info(self, request, context):
         return self.info()
@@ -146,6 +148,7 @@ class WorkerServicer(StepExecution, StepRpcs, pb_grpc.WorkerServiceServicer):
             self.first_stage.connect(request.first_stage_address, request.next_stage_token, self.channel_factory,
                                      GRPC_OPTIONS, request.first_stage_data_address, request.cache_epoch)
             self.awaiting.clear()
+            self.peer_token = request.next_stage_token
             self.num_blocks, self.block_size = nb, bs
             self.limits = StepLimits(self.cfg.vocab_size, self.cfg.hidden_size, self.cfg.max_position_embeddings,
                                      nb, bs, self.runner.is_first, request.tier_blocks)

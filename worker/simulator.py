@@ -23,6 +23,8 @@ L layers; all byte counts in the model dtype):
 KV tier moves (saves device -> host, loads host -> device, each way at `host_link`) run on their
 own copy engine beside the compute, layer by layer: the step takes max(compute, copies) plus one
 layer's share of the copies (the first layer's loads cannot overlap anything).
+A prefill -> decode move (a step with no rows) reads its blocks at `kv_link` and runs inline, as
+the real worker's does: it holds the decode stage for blocks * block bytes / kv_link.
 A profile may instead fix the step time (`fixed_step_s`). Capacity: the K/V budget is
 memory_bytes * memory_fraction - W_stage (this stage's weights), like vLLM's gpu_memory_utilization.
 
@@ -57,6 +59,7 @@ class Profile:
     memory_fraction: float = 0.9         # share of memory for weights + K/V (vLLM's default 0.9)
     fixed_step_s: float = 0.0            # > 0: every step takes exactly this long (no roofline)
     host_link: float = 55e9              # KV tier <-> device, bytes/s each way (PCIe Gen5 x16, ~55 GB/s achievable)
+    kv_link: float = 50e9                # prefill -> decode K/V moves, bytes/s (one 400 Gb/s NIC per GPU)
 
 
 BUILTIN = {"h200": Profile()}
@@ -120,6 +123,7 @@ class _NoCache:
 
     def __init__(self):
         self.moved = (0, 0)      # (saved, loaded) blocks of the step about to run
+        self.pulled = 0          # blocks a prefill -> decode move wrote (SimRunner.move_done)
 
     def copy_blocks(self, src, dst) -> None:
         pass
@@ -129,6 +133,12 @@ class _NoCache:
 
     def tier_moves(self, save_blocks, save_slots, load_slots, load_blocks) -> None:
         self.moved = (len(save_blocks), len(load_blocks))
+
+    def read_blocks(self, ids) -> bytes:
+        return b""                # no content: the reading stage times the bytes it would move
+
+    def write_blocks(self, ids, data) -> None:
+        self.pulled = len(ids)
 
 
 @dataclass
@@ -196,6 +206,15 @@ class SimRunner:
         if hidden_in is not None:
             return SimHidden(hidden_in.input_ids, batch.positions, hidden_in.payload)
         return SimHidden(np.asarray(batch.input_ids, dtype=np.int32), batch.positions)
+
+    def move_done(self) -> float:
+        """Time the K/V move that write_blocks just recorded: bytes over the K/V link, inline."""
+        t = self.kv_cache.pulled * self.kv_bytes_per_block(self.block_size) / self.timing.profile.kv_link
+        self.kv_cache.pulled = 0
+        self.ready_at = max(time.monotonic(), self.ready_at) + t
+        self.last_step_s = t
+        self.busy_s += t
+        return t
 
     def encode_hidden(self, hidden: SimHidden) -> tuple[bytes | tuple, str]:
         """The size real hidden states have: the input ids, then zeros (a later stage passes the

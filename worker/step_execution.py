@@ -17,6 +17,9 @@ from minipaged import wire
 from minipaged.v1 import worker_pb2 as pb
 from worker import prompt_logprobs
 from worker.data_link import payload_bytes
+from worker.kv_move import MOVE_TIMEOUT_S, parse_move, read_remote_blocks
+from worker.validate_cache import tier_moves
+from worker.validate_common import StepValidationError as _Invalid
 from worker.step_stream import StepError
 from worker.validation import StepPrecondition, StepValidationError, validate_step
 
@@ -65,6 +68,8 @@ class StepExecution:
         """Validate, then run one step on this stage. Raises StepError; a rejected step leaves the
         cache and the remembered state untouched. `hidden`: the previous stage's hidden states when
         they came outside the message (the TCP data link)."""
+        if request.kv_pull_dst_blocks or request.kv_sources:
+            return self._process_move(request)
         with self.lock:
             self._check_epoch(request.cache_epoch)
             a = self._validated(request, hidden)
@@ -93,6 +98,51 @@ class StepExecution:
             timing = pb.StageTiming(layer_start=self.runner.layer_start, layer_end=self.runner.layer_end,
                                     compute_ms=1e3 * (device_s if device_s is not None else time.perf_counter() - t0))
             return self._outcome(request, a, out, payload, timing)
+
+    def _process_move(self, request) -> StepOutcome:
+        """A prefill -> decode move (worker/kv_move.py): a Step with no rows. Its tier saves, then the
+        source stage's blocks into this cache; the next stage does the same for its layers."""
+        sid = request.step_id
+        with self.lock:
+            self._check_epoch(request.cache_epoch)
+            try:
+                mv = parse_move(request, self.num_blocks, self.runner.layer_start, self.runner.layer_end)
+                tier = tier_moves(request, self.limits)
+            except (_Invalid, wire.WireError) as e:
+                raise StepError(grpc.StatusCode.INVALID_ARGUMENT, f"step {sid}: {e}") from None
+            t0 = time.perf_counter()
+            self.busy.begin()
+            try:
+                data = read_remote_blocks(mv.address, self.peer_token, mv.epoch, mv.src, MOVE_TIMEOUT_S)
+                check = getattr(self.runner.kv_cache, "check_block_bytes", None)
+                if check is not None:
+                    check(mv.dst.size, len(data))       # a source of another layout: nothing written
+            except (OSError, ConnectionError, ValueError) as e:
+                self.busy.end()
+                raise StepError(grpc.StatusCode.UNAVAILABLE,
+                                f"step {sid}: K/V move from {mv.address}: {type(e).__name__}: {e}") from None
+            if tier is not None:            # evictions that made room for the move: saved first
+                self.runner.kv_cache.tier_moves(*tier)
+            self.runner.kv_cache.write_blocks(mv.dst, data)
+            timed = getattr(self.runner, "move_done", None)
+            device_s = timed() if timed is not None else None
+            self.busy.end(device_s, getattr(self.runner, "ready_at", 0.0))
+            timing = pb.StageTiming(layer_start=self.runner.layer_start, layer_end=self.runner.layer_end,
+                                    compute_ms=1e3 * (device_s if device_s is not None else time.perf_counter() - t0))
+            self.compute_s += timing.compute_ms / 1e3
+            self.steps_served += 1
+            ready_at = getattr(self.runner, "ready_at", 0.0)
+            none = np.zeros(0, dtype=np.int64)
+            if self.runner.is_last:
+                reply = pb.StepReply(step_id=sid, cache_epoch=self.epoch)
+                reply.timings.extend(request.upstream_timings)
+                reply.timings.append(timing)
+                return StepOutcome(reply, None, timing, none, ready_at)
+            fwd = pb.StepRequest()
+            fwd.CopyFrom(request)
+            fwd.cache_epoch = self.next_stage.pin_epoch()
+            fwd.upstream_timings.append(timing)
+            return StepOutcome(None, fwd, timing, none, ready_at, b"" if self.next_stage.data_address else None)
 
     def _outcome(self, request, a, out, payload, timing: pb.StageTiming) -> StepOutcome:
         """Count the step and stamp what leaves this stage: the reply (last stage) or the forward."""

@@ -212,7 +212,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("num_blocks", "block_size", "used_blocks", "free_blocks", "cached_blocks", "internal_fragmentation_tokens", "kv_utilization", "running", "waiting", "preemptions", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate", "invariants_ok", "steps", "generated_tokens", "prompt_tokens", "tokens_per_second", "metadata_ms_per_step", "num_workers", "ready", "cache_epoch", "live_sequences", "shared_blocks", "not_ready_reason", "chains", "num_chains", "standby_workers", "metadata_cpu_seconds", "model", "max_model_len", "model_fingerprint", "model_shape", "tier_blocks", "tier_used_blocks", "tier_queries", "tier_hits", "tier_saved_blocks", "tier_loaded_blocks", "tier_block_bytes")
+    __slots__ = ("num_blocks", "block_size", "used_blocks", "free_blocks", "cached_blocks", "internal_fragmentation_tokens", "kv_utilization", "running", "waiting", "preemptions", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_hit_rate", "invariants_ok", "steps", "generated_tokens", "prompt_tokens", "tokens_per_second", "metadata_ms_per_step", "num_workers", "ready", "cache_epoch", "live_sequences", "shared_blocks", "not_ready_reason", "chains", "num_chains", "standby_workers", "metadata_cpu_seconds", "model", "max_model_len", "model_fingerprint", "model_shape", "tier_blocks", "tier_used_blocks", "tier_queries", "tier_hits", "tier_saved_blocks", "tier_loaded_blocks", "tier_block_bytes", "kv_moves", "kv_moved_blocks", "kv_move_failures")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -253,6 +253,9 @@ class StatsReply(_message.Message):
     TIER_SAVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TIER_LOADED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TIER_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_MOVES_FIELD_NUMBER: _ClassVar[int]
+    KV_MOVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_MOVE_FAILURES_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     block_size: int
     used_blocks: int
@@ -293,7 +296,10 @@ class StatsReply(_message.Message):
     tier_saved_blocks: int
     tier_loaded_blocks: int
     tier_block_bytes: int
-    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., internal_fragmentation_tokens: _Optional[int] = ..., kv_utilization: _Optional[float] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., invariants_ok: _Optional[bool] = ..., steps: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., metadata_ms_per_step: _Optional[float] = ..., num_workers: _Optional[int] = ..., ready: _Optional[bool] = ..., cache_epoch: _Optional[int] = ..., live_sequences: _Optional[int] = ..., shared_blocks: _Optional[int] = ..., not_ready_reason: _Optional[str] = ..., chains: _Optional[_Iterable[_Union[ChainStats, _Mapping]]] = ..., num_chains: _Optional[int] = ..., standby_workers: _Optional[int] = ..., metadata_cpu_seconds: _Optional[float] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., model_shape: _Optional[str] = ..., tier_blocks: _Optional[int] = ..., tier_used_blocks: _Optional[int] = ..., tier_queries: _Optional[int] = ..., tier_hits: _Optional[int] = ..., tier_saved_blocks: _Optional[int] = ..., tier_loaded_blocks: _Optional[int] = ..., tier_block_bytes: _Optional[int] = ...) -> None: ...
+    kv_moves: int
+    kv_moved_blocks: int
+    kv_move_failures: int
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., internal_fragmentation_tokens: _Optional[int] = ..., kv_utilization: _Optional[float] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., invariants_ok: _Optional[bool] = ..., steps: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., metadata_ms_per_step: _Optional[float] = ..., num_workers: _Optional[int] = ..., ready: _Optional[bool] = ..., cache_epoch: _Optional[int] = ..., live_sequences: _Optional[int] = ..., shared_blocks: _Optional[int] = ..., not_ready_reason: _Optional[str] = ..., chains: _Optional[_Iterable[_Union[ChainStats, _Mapping]]] = ..., num_chains: _Optional[int] = ..., standby_workers: _Optional[int] = ..., metadata_cpu_seconds: _Optional[float] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., model_shape: _Optional[str] = ..., tier_blocks: _Optional[int] = ..., tier_used_blocks: _Optional[int] = ..., tier_queries: _Optional[int] = ..., tier_hits: _Optional[int] = ..., tier_saved_blocks: _Optional[int] = ..., tier_loaded_blocks: _Optional[int] = ..., tier_block_bytes: _Optional[int] = ..., kv_moves: _Optional[int] = ..., kv_moved_blocks: _Optional[int] = ..., kv_move_failures: _Optional[int] = ...) -> None: ...
 
 class StageStats(_message.Message):
     __slots__ = ("address", "layer_start", "layer_end", "busy_fraction", "step_ms")
@@ -310,7 +316,7 @@ class StageStats(_message.Message):
     def __init__(self, address: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., busy_fraction: _Optional[float] = ..., step_ms: _Optional[float] = ...) -> None: ...
 
 class ChainStats(_message.Message):
-    __slots__ = ("chain_id", "ready", "num_blocks", "used_blocks", "free_blocks", "cached_blocks", "shared_blocks", "running", "waiting", "prefix_cache_queries", "prefix_cache_hits", "steps", "steps_per_second", "tokens_per_second", "stages", "cache_epoch", "micro_batches", "group", "generated_tokens", "invariants_ok", "tier_blocks", "tier_used_blocks", "tier_hits", "tier_saved_blocks", "tier_loaded_blocks")
+    __slots__ = ("chain_id", "ready", "num_blocks", "used_blocks", "free_blocks", "cached_blocks", "shared_blocks", "running", "waiting", "prefix_cache_queries", "prefix_cache_hits", "steps", "steps_per_second", "tokens_per_second", "stages", "cache_epoch", "micro_batches", "group", "generated_tokens", "invariants_ok", "tier_blocks", "tier_used_blocks", "tier_hits", "tier_saved_blocks", "tier_loaded_blocks", "role", "kv_moves", "kv_moved_blocks", "kv_move_failures")
     CHAIN_ID_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -336,6 +342,10 @@ class ChainStats(_message.Message):
     TIER_HITS_FIELD_NUMBER: _ClassVar[int]
     TIER_SAVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TIER_LOADED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    KV_MOVES_FIELD_NUMBER: _ClassVar[int]
+    KV_MOVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_MOVE_FAILURES_FIELD_NUMBER: _ClassVar[int]
     chain_id: int
     ready: bool
     num_blocks: int
@@ -361,7 +371,11 @@ class ChainStats(_message.Message):
     tier_hits: int
     tier_saved_blocks: int
     tier_loaded_blocks: int
-    def __init__(self, chain_id: _Optional[int] = ..., ready: _Optional[bool] = ..., num_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., shared_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., steps: _Optional[int] = ..., steps_per_second: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., stages: _Optional[_Iterable[_Union[StageStats, _Mapping]]] = ..., cache_epoch: _Optional[int] = ..., micro_batches: _Optional[int] = ..., group: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., invariants_ok: _Optional[bool] = ..., tier_blocks: _Optional[int] = ..., tier_used_blocks: _Optional[int] = ..., tier_hits: _Optional[int] = ..., tier_saved_blocks: _Optional[int] = ..., tier_loaded_blocks: _Optional[int] = ...) -> None: ...
+    role: str
+    kv_moves: int
+    kv_moved_blocks: int
+    kv_move_failures: int
+    def __init__(self, chain_id: _Optional[int] = ..., ready: _Optional[bool] = ..., num_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., shared_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., steps: _Optional[int] = ..., steps_per_second: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., stages: _Optional[_Iterable[_Union[StageStats, _Mapping]]] = ..., cache_epoch: _Optional[int] = ..., micro_batches: _Optional[int] = ..., group: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., invariants_ok: _Optional[bool] = ..., tier_blocks: _Optional[int] = ..., tier_used_blocks: _Optional[int] = ..., tier_hits: _Optional[int] = ..., tier_saved_blocks: _Optional[int] = ..., tier_loaded_blocks: _Optional[int] = ..., role: _Optional[str] = ..., kv_moves: _Optional[int] = ..., kv_moved_blocks: _Optional[int] = ..., kv_move_failures: _Optional[int] = ...) -> None: ...
 
 class PoolSnapshotRequest(_message.Message):
     __slots__ = ("max_blocks", "max_sequences")

@@ -11,7 +11,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("address", "model_name", "model_fingerprint", "num_layers", "layer_start", "layer_end", "hidden_size", "vocab_size", "num_attention_heads", "num_kv_heads", "head_dim", "dtype", "device", "max_position_embeddings", "eos_token_ids", "kv_cache_bytes", "fixed_num_blocks", "cache_epoch", "num_blocks", "block_size", "backend", "dtype_bytes", "replica_group", "simulate", "weight_bytes", "data_port", "kv_tier_bytes")
+    __slots__ = ("address", "model_name", "model_fingerprint", "num_layers", "layer_start", "layer_end", "hidden_size", "vocab_size", "num_attention_heads", "num_kv_heads", "head_dim", "dtype", "device", "max_position_embeddings", "eos_token_ids", "kv_cache_bytes", "fixed_num_blocks", "cache_epoch", "num_blocks", "block_size", "backend", "dtype_bytes", "replica_group", "simulate", "weight_bytes", "data_port", "kv_tier_bytes", "role")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class WorkerInfo(_message.Message):
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     KV_TIER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     address: str
     model_name: str
     model_fingerprint: str
@@ -66,7 +67,8 @@ class WorkerInfo(_message.Message):
     weight_bytes: int
     data_port: int
     kv_tier_bytes: int
-    def __init__(self, address: _Optional[str] = ..., model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_layers: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[bytes] = ..., kv_cache_bytes: _Optional[int] = ..., fixed_num_blocks: _Optional[int] = ..., cache_epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., backend: _Optional[str] = ..., dtype_bytes: _Optional[int] = ..., replica_group: _Optional[str] = ..., simulate: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., data_port: _Optional[int] = ..., kv_tier_bytes: _Optional[int] = ...) -> None: ...
+    role: str
+    def __init__(self, address: _Optional[str] = ..., model_name: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_layers: _Optional[int] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., hidden_size: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_attention_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_position_embeddings: _Optional[int] = ..., eos_token_ids: _Optional[bytes] = ..., kv_cache_bytes: _Optional[int] = ..., fixed_num_blocks: _Optional[int] = ..., cache_epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., backend: _Optional[str] = ..., dtype_bytes: _Optional[int] = ..., replica_group: _Optional[str] = ..., simulate: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., data_port: _Optional[int] = ..., kv_tier_bytes: _Optional[int] = ..., role: _Optional[str] = ...) -> None: ...
 
 class InitCacheRequest(_message.Message):
     __slots__ = ("num_blocks", "block_size", "next_stage_address", "next_stage_token", "cache_epoch", "next_stage_data_address", "first_stage_address", "first_stage_data_address", "tier_blocks")
@@ -101,7 +103,7 @@ class InitCacheReply(_message.Message):
     def __init__(self, cache_epoch: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "cache_epoch", "sequence_ids", "input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables", "max_blocks_per_seq", "do_sample", "temperature", "top_p", "top_k", "seeds", "sample_offsets", "return_logprobs", "hidden_states", "hidden_dtype", "return_logits", "delta_tables", "table_base", "new_block_counts", "new_blocks", "release_sequence_ids", "copy_src", "copy_dst", "min_tokens_suppress", "suppress_counts", "suppress_ids", "repetition_penalty", "presence_penalty", "frequency_penalty", "penalty_counts", "penalty_prompt_lens", "penalty_tokens", "top_logprobs", "first_gets_tokens", "upstream_timings", "grammar_rows", "grammar_bitmask", "prompt_logprob_rows", "prompt_logprob_targets", "prompt_top_logprobs", "tier_save_blocks", "tier_save_slots", "tier_load_slots", "tier_load_blocks")
+    __slots__ = ("step_id", "cache_epoch", "sequence_ids", "input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables", "max_blocks_per_seq", "do_sample", "temperature", "top_p", "top_k", "seeds", "sample_offsets", "return_logprobs", "hidden_states", "hidden_dtype", "return_logits", "delta_tables", "table_base", "new_block_counts", "new_blocks", "release_sequence_ids", "copy_src", "copy_dst", "min_tokens_suppress", "suppress_counts", "suppress_ids", "repetition_penalty", "presence_penalty", "frequency_penalty", "penalty_counts", "penalty_prompt_lens", "penalty_tokens", "top_logprobs", "first_gets_tokens", "upstream_timings", "grammar_rows", "grammar_bitmask", "prompt_logprob_rows", "prompt_logprob_targets", "prompt_top_logprobs", "tier_save_blocks", "tier_save_slots", "tier_load_slots", "tier_load_blocks", "kv_sources", "kv_pull_src_blocks", "kv_pull_dst_blocks")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +152,9 @@ class StepRequest(_message.Message):
     TIER_SAVE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     TIER_LOAD_SLOTS_FIELD_NUMBER: _ClassVar[int]
     TIER_LOAD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_SOURCES_FIELD_NUMBER: _ClassVar[int]
+    KV_PULL_SRC_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_PULL_DST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     cache_epoch: int
     sequence_ids: bytes
@@ -198,7 +203,22 @@ class StepRequest(_message.Message):
     tier_save_slots: bytes
     tier_load_slots: bytes
     tier_load_blocks: bytes
-    def __init__(self, step_id: _Optional[int] = ..., cache_epoch: _Optional[int] = ..., sequence_ids: _Optional[bytes] = ..., input_ids: _Optional[bytes] = ..., positions: _Optional[bytes] = ..., slot_mapping: _Optional[bytes] = ..., query_start_loc: _Optional[bytes] = ..., seq_lens: _Optional[bytes] = ..., block_tables: _Optional[bytes] = ..., max_blocks_per_seq: _Optional[int] = ..., do_sample: _Optional[bytes] = ..., temperature: _Optional[bytes] = ..., top_p: _Optional[bytes] = ..., top_k: _Optional[bytes] = ..., seeds: _Optional[bytes] = ..., sample_offsets: _Optional[bytes] = ..., return_logprobs: _Optional[bool] = ..., hidden_states: _Optional[bytes] = ..., hidden_dtype: _Optional[str] = ..., return_logits: _Optional[bool] = ..., delta_tables: _Optional[bool] = ..., table_base: _Optional[bytes] = ..., new_block_counts: _Optional[bytes] = ..., new_blocks: _Optional[bytes] = ..., release_sequence_ids: _Optional[bytes] = ..., copy_src: _Optional[bytes] = ..., copy_dst: _Optional[bytes] = ..., min_tokens_suppress: _Optional[bytes] = ..., suppress_counts: _Optional[bytes] = ..., suppress_ids: _Optional[bytes] = ..., repetition_penalty: _Optional[bytes] = ..., presence_penalty: _Optional[bytes] = ..., frequency_penalty: _Optional[bytes] = ..., penalty_counts: _Optional[bytes] = ..., penalty_prompt_lens: _Optional[bytes] = ..., penalty_tokens: _Optional[bytes] = ..., top_logprobs: _Optional[int] = ..., first_gets_tokens: _Optional[bool] = ..., upstream_timings: _Optional[_Iterable[_Union[StageTiming, _Mapping]]] = ..., grammar_rows: _Optional[bytes] = ..., grammar_bitmask: _Optional[bytes] = ..., prompt_logprob_rows: _Optional[bytes] = ..., prompt_logprob_targets: _Optional[bytes] = ..., prompt_top_logprobs: _Optional[int] = ..., tier_save_blocks: _Optional[bytes] = ..., tier_save_slots: _Optional[bytes] = ..., tier_load_slots: _Optional[bytes] = ..., tier_load_blocks: _Optional[bytes] = ...) -> None: ...
+    kv_sources: _containers.RepeatedCompositeFieldContainer[KvSource]
+    kv_pull_src_blocks: bytes
+    kv_pull_dst_blocks: bytes
+    def __init__(self, step_id: _Optional[int] = ..., cache_epoch: _Optional[int] = ..., sequence_ids: _Optional[bytes] = ..., input_ids: _Optional[bytes] = ..., positions: _Optional[bytes] = ..., slot_mapping: _Optional[bytes] = ..., query_start_loc: _Optional[bytes] = ..., seq_lens: _Optional[bytes] = ..., block_tables: _Optional[bytes] = ..., max_blocks_per_seq: _Optional[int] = ..., do_sample: _Optional[bytes] = ..., temperature: _Optional[bytes] = ..., top_p: _Optional[bytes] = ..., top_k: _Optional[bytes] = ..., seeds: _Optional[bytes] = ..., sample_offsets: _Optional[bytes] = ..., return_logprobs: _Optional[bool] = ..., hidden_states: _Optional[bytes] = ..., hidden_dtype: _Optional[str] = ..., return_logits: _Optional[bool] = ..., delta_tables: _Optional[bool] = ..., table_base: _Optional[bytes] = ..., new_block_counts: _Optional[bytes] = ..., new_blocks: _Optional[bytes] = ..., release_sequence_ids: _Optional[bytes] = ..., copy_src: _Optional[bytes] = ..., copy_dst: _Optional[bytes] = ..., min_tokens_suppress: _Optional[bytes] = ..., suppress_counts: _Optional[bytes] = ..., suppress_ids: _Optional[bytes] = ..., repetition_penalty: _Optional[bytes] = ..., presence_penalty: _Optional[bytes] = ..., frequency_penalty: _Optional[bytes] = ..., penalty_counts: _Optional[bytes] = ..., penalty_prompt_lens: _Optional[bytes] = ..., penalty_tokens: _Optional[bytes] = ..., top_logprobs: _Optional[int] = ..., first_gets_tokens: _Optional[bool] = ..., upstream_timings: _Optional[_Iterable[_Union[StageTiming, _Mapping]]] = ..., grammar_rows: _Optional[bytes] = ..., grammar_bitmask: _Optional[bytes] = ..., prompt_logprob_rows: _Optional[bytes] = ..., prompt_logprob_targets: _Optional[bytes] = ..., prompt_top_logprobs: _Optional[int] = ..., tier_save_blocks: _Optional[bytes] = ..., tier_save_slots: _Optional[bytes] = ..., tier_load_slots: _Optional[bytes] = ..., tier_load_blocks: _Optional[bytes] = ..., kv_sources: _Optional[_Iterable[_Union[KvSource, _Mapping]]] = ..., kv_pull_src_blocks: _Optional[bytes] = ..., kv_pull_dst_blocks: _Optional[bytes] = ...) -> None: ...
+
+class KvSource(_message.Message):
+    __slots__ = ("layer_start", "layer_end", "data_address", "cache_epoch")
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    layer_start: int
+    layer_end: int
+    data_address: str
+    cache_epoch: int
+    def __init__(self, layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., data_address: _Optional[str] = ..., cache_epoch: _Optional[int] = ...) -> None: ...
 
 class SampledTokens(_message.Message):
     __slots__ = ("step_id", "cache_epoch", "sequence_ids", "token_ids")

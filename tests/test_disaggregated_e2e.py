@@ -1,0 +1,64 @@
+"""Disaggregated prefill/decode end to end (docs/architecture.md section 9): prefill workers and
+decode workers (--role) in separate chains, float64, every token checked against Hugging Face
+transformers. Prompts run on the prefill chain; their K/V move to the decode chain, which generates;
+a prefill worker killed while moves are in flight loses nothing but cache (the moves that fail
+recompute on the decode chain)."""
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from client import LocalCluster
+from tests.test_e2e import ckpt, load_oracle_ignore_eos, prompts, settle  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.slow
+BLOCK = 4
+
+
+def _cluster(ckpt, workers, num_blocks=64):
+    return LocalCluster(model=ckpt, workers=workers, replicas=2, roles=["prefill", "decode"], dtype="float64",
+                        block_size=BLOCK, num_blocks=num_blocks)
+
+
+def _check(client, ckpt, batch, n):
+    job = client.submit([{"prompt_token_ids": p, "max_new_tokens": n, "ignore_eos": True} for p in batch])
+    for p, r in zip(batch, client.wait(job)):
+        assert r.token_ids == load_oracle_ignore_eos(ckpt, p, n), f"prompt {p}"
+
+
+def _roles(st) -> dict:
+    return {c["role"]: c for c in st.chains}
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_prompts_prefill_on_one_chain_and_decode_on_the_other(ckpt, workers):
+    with _cluster(ckpt, workers) as c:
+        batch = prompts(6, 9, 30, seed=41)
+        _check(c.client, ckpt, batch, 12)
+        st = settle(c.client)
+        chains = _roles(st)
+        assert set(chains) == {"prefill", "decode"}, st.chains
+        full = sum(len(p) // BLOCK for p in batch)
+        assert st.kv_moves == len(batch) and st.kv_move_failures == 0
+        assert st.kv_moved_blocks == full, "every full prompt block moves once"
+        assert int(chains["decode"]["generated_tokens"]) > int(chains["prefill"]["generated_tokens"])
+        assert st.invariants_ok and st.free_blocks == st.num_blocks, "holds are released on both ends"
+        # the same prompts again: the decode chain has their blocks, nothing moves but the count
+        _check(c.client, ckpt, batch[:2], 6)
+        st2 = settle(c.client)
+        assert st2.kv_moves == st.kv_moves + 2 and st2.kv_moved_blocks == st.kv_moved_blocks
+
+
+def test_a_prefill_worker_killed_during_moves_loses_only_cache(ckpt):
+    with _cluster(ckpt, 1) as c:
+        batch = prompts(8, 20, 40, seed=43)
+        job = c.client.submit([{"prompt_token_ids": p, "max_new_tokens": 16, "ignore_eos": True} for p in batch])
+        time.sleep(0.4)                                   # prompts prefilled and moving
+        c.kill_worker(0, signal.SIGKILL)                  # worker 0 is the prefill chain's
+        c.restart_worker(0)
+        for p, r in zip(batch, c.client.wait(job)):
+            assert r.token_ids == load_oracle_ignore_eos(ckpt, p, 16)
+        st = settle(c.client)
+        assert st.invariants_ok and st.free_blocks == st.num_blocks

@@ -17,9 +17,9 @@ pytestmark = pytest.mark.slow
 BLOCK = 4
 
 
-def _cluster(ckpt, workers, num_blocks=64):
+def _cluster(ckpt, workers, num_blocks=64, lease_s=4.0):
     return LocalCluster(model=ckpt, workers=workers, replicas=2, roles=["prefill", "decode"], dtype="float64",
-                        block_size=BLOCK, num_blocks=num_blocks)
+                        block_size=BLOCK, num_blocks=num_blocks, extra_service_args=["--worker-lease", lease_s])
 
 
 def _check(client, ckpt, batch, n):
@@ -49,6 +49,31 @@ def test_prompts_prefill_on_one_chain_and_decode_on_the_other(ckpt, workers):
         _check(c.client, ckpt, batch[:2], 6)
         st2 = settle(c.client)
         assert st2.kv_moves == st.kv_moves + 2 and st2.kv_moved_blocks == st.kv_moved_blocks
+
+
+def test_moves_from_a_prefill_worker_that_died_recompute_on_the_decode_chain(ckpt):
+    # the decode worker is paused, so the moves wait in its pipe while the prefill worker dies and
+    # comes back (another epoch): every move then fails, and its request recomputes exactly
+    with _cluster(ckpt, 1, lease_s=30.0) as c:
+        decode = c.processes[2]                           # worker 1: the decode chain
+        batch = prompts(4, 20, 40, seed=47)
+        decode.send_signal(signal.SIGSTOP)
+        try:
+            job = c.client.submit([{"prompt_token_ids": p, "max_new_tokens": 8, "ignore_eos": True} for p in batch])
+            deadline = time.monotonic() + 60
+            while _roles(c.client.stats())["prefill"]["generated_tokens"] in (0, "0"):
+                assert time.monotonic() < deadline, "the prefill chain never sampled"
+                time.sleep(0.05)
+            time.sleep(0.5)                               # every prompt prefilled and handed over
+            c.kill_worker(0, signal.SIGKILL)
+            c.restart_worker(0, wait=False)
+        finally:
+            decode.send_signal(signal.SIGCONT)
+        for p, r in zip(batch, c.client.wait(job)):
+            assert r.token_ids == load_oracle_ignore_eos(ckpt, p, 8)
+        st = settle(c.client)
+        assert st.kv_move_failures == len(batch) and st.kv_moves == 0, (st.kv_moves, st.kv_move_failures)
+        assert st.invariants_ok and st.free_blocks == st.num_blocks
 
 
 def test_a_prefill_worker_killed_during_moves_loses_only_cache(ckpt):

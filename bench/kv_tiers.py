@@ -29,11 +29,12 @@ device prefix-cache and tier hit rates (prompt blocks), the bytes moved each way
     random weights of the real 0.6B shape from bench/shapes.py), smaller conversations; every row's
     tokens are compared with the tier-off row's (greedy: they must be identical).
 
-    .venv/bin/python bench/kv_tiers.py [--only routing,tier] [--tenants 48] [--per 8] [--num-blocks 1024]
+    .venv/bin/python bench/kv_tiers.py [--only routing,tier,disagg] [--tenants 48] [--per 8] [--num-blocks 1024]
         [--new 32] [--rate 0 | --concurrency 32] [--repeat 5] [--convs 48] [--turns 4]
         [--tier-num-blocks 1024] [--cpu-models tiny,qwen3-0.6b] [--quick]
 
-(The disaggregated prefill/decode section of issue 22 is not built yet.)
+Section `disagg` (bench/pd_split.py): a mixed load of long prompts and short chats, 4 colocated
+replicas against 2 prefill + 2 decode chains, simulated H200s.
 """
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ from scale import shared_prefix_requests, sim_cluster, table, ttfts  # noqa: E40
 
 from client import AsyncClient, LocalCluster  # noqa: E402
 from scale import CONFIG_8B  # noqa: E402
+from pd_split import add_arguments, bench_disagg  # noqa: E402
 
 POLICIES = ("off", "write-through", "write-back")
 
@@ -215,7 +217,7 @@ def bench_tier_cpu(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", default="routing,tier")
+    ap.add_argument("--only", default="routing,tier,disagg")
     ap.add_argument("--tenants", type=int, default=48)
     ap.add_argument("--per", type=int, default=8, help="requests per tenant")
     ap.add_argument("--num-blocks", type=int, default=1024, help="each chain's pool (blocks of 16 tokens)")
@@ -233,9 +235,11 @@ def main() -> None:
     ap.add_argument("--cpu-num-blocks", type=int, default=64, help="tier: the CPU worker's pool (blocks of 16)")
     ap.add_argument("--cpu-tier-bytes", type=int, default=2 << 30)
     ap.add_argument("--quick", action="store_true", help="a smoke run: small loads, one repetition")
+    add_arguments(ap)
     args = ap.parse_args()
     if args.quick:
         args.tenants, args.per, args.repeat = 8, 2, 1
+        args.pd_requests, args.pd_repeat = 16, 1
         args.convs, args.turns, args.tier_new, args.cpu_convs, args.cpu_models = 4, 2, 4, 2, "tiny"
     only = args.only.split(",")
     if "routing" in only:
@@ -243,6 +247,8 @@ def main() -> None:
     if "tier" in only:
         bench_tier_sim(args)
         bench_tier_cpu(args)
+    if "disagg" in only:
+        bench_disagg(args)
 
 
 if __name__ == "__main__":

@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=0, help="default: the model's max_position_embeddings")
     p.add_argument("--max-waiting", type=int, default=4096, help="pending requests before RESOURCE_EXHAUSTED")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--kv-move-part-bytes", type=int, default=64 << 20,
+                   help="disaggregated prefill/decode: a move's K/V go in Steps of about this many bytes, one "
+                        "between two decode steps of the decode chain (default 64 MiB: ~1.3 ms at 50 GB/s)")
     p.add_argument("--kv-tier-policy", choices=["write-back", "write-through", "off"], default="write-back",
                    help="the second KV tier, on chains whose workers have one (--kv-tier-bytes): save a cached "
                         "block when the pool evicts it (write-back) or once it is computed (write-through)")
@@ -122,6 +125,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.worker_token_file:
         args.worker_token = _read_secret(parser, args.worker_token_file)
     args.worker_host = args.worker_host or args.host
+    if args.kv_move_part_bytes < 1:
+        parser.error("--kv-move-part-bytes must be >= 1")
     internal = (args.worker_host, args.worker_port) if args.worker_port >= 0 else (args.host, args.port)
     if not args.worker_token and not is_loopback(internal[0]):
         parser.error(f"refusing to accept worker registration on {internal[0]}:{internal[1]} without a worker "
@@ -175,7 +180,8 @@ def _build(args, jobs_store: JobStore) -> tuple:
                     worker_wait_s=args.worker_wait, registry=registry, micro_batches=args.micro_batches,
                     async_scheduling=not args.no_async_scheduling, router=args.router,
                     router_overlap_weight=args.router_overlap_weight,
-                    full_block_tables=args.full_block_tables, kv_tier_policy=args.kv_tier_policy)
+                    full_block_tables=args.full_block_tables, kv_tier_policy=args.kv_tier_policy,
+                    kv_move_part_bytes=args.kv_move_part_bytes)
     # the model the stored jobs were admitted for: after a restart, only its workers may take them
     engine.model_fingerprint = jobs_store.get_meta("model_fingerprint") or ""
     engine.model_label = jobs_store.get_meta("model_name") or ""

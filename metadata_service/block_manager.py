@@ -14,6 +14,8 @@ costs what it did when they were one class):
   block_append.py      appending tokens: slots for prefill chunks and decode steps, step tensors
   block_hashing.py     prefix caching: hashing the blocks tokens fill, cache lookups
   block_accounting.py  usage stats, invariants, the debug snapshot tests compare
+  block_tiering.py     the second KV tier's saves and loads
+  block_moves.py       blocks held for prefill -> decode moves
 
 Fork is EAGER copy-on-write: full blocks are shared (ref + 1); a partial last block is copied to a
 fresh block at fork time and the (src, dst) pair is returned for the data plane to copy.
@@ -31,6 +33,7 @@ import numpy as np
 from metadata_service.block_accounting import PoolAccounting, kv_utilization  # noqa: F401
 from metadata_service.block_append import TokenAppend, blocks_for_tokens, slot_for  # noqa: F401
 from metadata_service.block_hashing import PrefixHashing
+from metadata_service.block_moves import MoveHolds
 from metadata_service.block_tiering import TierMoves
 from metadata_service.block_pool import (BlockManagerError, BlockPool, DoubleReleaseError,  # noqa: F401
                                          DuplicateSequenceError, InvalidArgumentError, OutOfBlocksError,
@@ -72,7 +75,7 @@ class _SequencesView(Mapping):
         return len(self._m._row_of)
 
 
-class KVBlockManager(TokenAppend, PrefixHashing, TierMoves, PoolAccounting):
+class KVBlockManager(TokenAppend, PrefixHashing, TierMoves, MoveHolds, PoolAccounting):
     def __init__(self, num_physical_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  *, max_seqs: int = 64, hash_fn: HashFn | None = None):
         if num_physical_blocks <= 0 or block_size <= 0:
@@ -105,6 +108,7 @@ class KVBlockManager(TokenAppend, PrefixHashing, TierMoves, PoolAccounting):
         self._through_old: dict[int, int] = {}           # ... hashed before it: saved by the next Step
         self.tier_queries = self.tier_hits = self.tier_saved_blocks = self.tier_loaded_blocks = 0
         self.held: dict[object, list[int]] = {}          # key -> blocks a K/V move reads or writes
+        self._move_keys: dict[object, list] = {}         # key -> (fresh block, its prefix-cache key)
         self.sequences = _SequencesView(self)
 
     # ------------------------------------------------------------------ rows
@@ -256,18 +260,6 @@ class KVBlockManager(TokenAppend, PrefixHashing, TierMoves, PoolAccounting):
         if prow in self._prompts:
             self._prompts[crow] = self._prompts[prow]
         return copies
-
-    # ------------------------------------------------------------------ holds (prefill -> decode moves)
-    def hold(self, key, blocks, fresh=()) -> None:
-        """Blocks no table holds whose content a K/V move reads or writes: a reference each (cached-
-        free ones revive); `fresh` ones came from the pool's allocate and have theirs already."""
-        self.pool.touch(blocks)
-        self.held[key] = list(blocks) + list(fresh)
-
-    def unhold(self, key) -> int:
-        """Drop a hold (tail first, as a sequence's release); returns how many blocks became free."""
-        blocks = self.held.pop(key, None)
-        return self.pool.release(blocks[::-1]) if blocks else 0
 
     def release_sequence(self, sequence_id: int) -> int:
         """Drop the sequence; returns how many of its blocks became unreferenced."""

@@ -217,6 +217,10 @@ class ChainRunner(ChainStats, KvMoves):
             self.slot_inflight[slot] += 1
             self.metadata_s += time.perf_counter() - t0
             tried = 0
+            if self.move_parts and len(self.inflight) < self.depth:
+                self._send_move_part()                 # a K/V move's part between decode steps
+        while self.alive and self.move_parts and len(self.inflight) < self.depth:
+            self._send_move_part()                     # nothing else to run: the moves go on
 
     def _step_request(self, b: ScheduledBatch, release: list[int]) -> worker_pb2.StepRequest:
         step_id, self.next_step_id = self.next_step_id, self.next_step_id + 1

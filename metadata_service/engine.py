@@ -42,7 +42,8 @@ class Engine(SequenceRouting, ChainUpkeep, ServedModel):
                  max_model_len=0, enable_prefix_caching=True, worker_token=None, step_timeout_s=120.0,
                  worker_wait_s=60.0, registry: WorkerRegistry | None = None, micro_batches=0,
                  async_scheduling=True, router="exact", router_overlap_weight=OVERLAP_WEIGHT,
-                 full_block_tables=False, init_timeout_s=30.0, default_num_blocks=1024, kv_tier_policy="write-back"):
+                 full_block_tables=False, init_timeout_s=30.0, default_num_blocks=1024, kv_tier_policy="write-back",
+                 kv_move_part_bytes=64 << 20):
         self.block_size = block_size
         self.num_blocks_cap = num_blocks            # --num-blocks: an upper bound on each chain's pool
         self.max_model_len_flag = max_model_len
@@ -53,7 +54,8 @@ class Engine(SequenceRouting, ChainUpkeep, ServedModel):
                                max_num_seqs=max_num_seqs, micro_batches=micro_batches,
                                async_scheduling=async_scheduling, enable_prefix_caching=enable_prefix_caching,
                                full_block_tables=full_block_tables, worker_token=worker_token or "",
-                               step_timeout_s=step_timeout_s, kv_tier_policy=kv_tier_policy)
+                               step_timeout_s=step_timeout_s, kv_tier_policy=kv_tier_policy,
+                               kv_move_part_bytes=kv_move_part_bytes)
         self.registry = registry if registry is not None else WorkerRegistry()  # (an empty one is falsy)
         self.registry.pinned = self._pinned_model
         self.router = Router(router, block_size, router_overlap_weight)

@@ -4,10 +4,11 @@ ChainRunner, both ends of a move.
 A prefill chain (its stages' --role) runs a request's prompt and samples its first token; then it
 hands the request over (`_hand_off`): the Engine picks a decode chain (the router, over decode chains
 of the same layer split), the prefill chain holds the prompt's full blocks and forgets the sequence.
-The decode chain (`_move_in`) names the blocks it lacks, reserves a fresh block for each, and sends
-a Step with no rows: each of its stages reads the held blocks from the prefill stage of its own layer
-range and writes them into the reserved ones (worker/kv_move.py). When that Step comes back
-(`_move_done`) the reserved blocks enter the decode chain's prefix cache under the prompt's hashes,
+The decode chain (`_move_in`) finds the blocks it lacks, reserves a fresh block for each, and sends
+Steps with no rows, parts of about --kv-move-part-bytes (64 MiB: a long prompt's move then holds the
+decode chain ~1 ms at a time at 50 GB/s, not 20), one between two of its decode steps: each of its
+stages reads the held blocks from the prefill stage of its own layer range and writes them into the
+reserved ones (worker/kv_move.py). When every part is back (`_move_done`) the reserved blocks enter the decode chain's prefix cache under the prompt's hashes,
 the sequence joins its queue and is admitted with those blocks as cache hits: only the prompt's
 partial last block and the first token are computed there. The prefill chain's blocks are released
 and stay in its prefix cache.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from minipaged.v1 import worker_pb2
@@ -37,9 +39,10 @@ class Move:
     seq: Sequence
     src: object                                   # the prefill ChainRunner
     src_blocks: list[int]                         # the prompt's full blocks in its pool, held there
-    dst_blocks: list[int] = field(default_factory=list)   # reserved here, in pairs with src_blocks[first:]
-    keys: list = field(default_factory=list)      # (parent hash, tokens) of each reserved block
-    saved_slots: list[int] = field(default_factory=list)  # tier saves the move Step carried
+    dst_blocks: list[int] = field(default_factory=list)   # fresh blocks reserved here (block_moves.py)
+    saved_slots: list[int] = field(default_factory=list)  # tier saves its first part carried
+    parts: int = 0                                # Steps of the move still out
+    failed: bool = False
 
 
 class KvMoves:
@@ -47,7 +50,8 @@ class KvMoves:
 
     def _init_moves(self) -> None:
         self.role = self.stages[0].role
-        self.moving: dict[int, Move] = {}         # step id -> the move it carries
+        self.moving: dict[int, Move] = {}         # step id -> the move it carries part of
+        self.move_parts: deque = deque()          # (move, src blocks, dst blocks, saves) Steps to send
         self.moves_in = self.moves_failed = self.moved_blocks = 0
 
     # ------------------------------------------------------------------ the prefill end
@@ -82,40 +86,33 @@ class KvMoves:
         """Reserve blocks for the prompt blocks this pool lacks and send the Step that fills them."""
         s, m = mv.seq, self.manager
         if s.abort_requested or s.finish_reason:
-            m.hold(("in", s.seq_id), ())
             self._moved(mv, ok=False)
             return
-        B, cache = m.block_size, m.pool.cache
-        hits, pairs, parent = [], [], None
         with self.lock:
-            for j, src in enumerate(mv.src_blocks):
-                key = (parent, tuple(s.prompt_token_ids[j * B:(j + 1) * B]))
-                parent = cache.hash_fn(*key)
-                b = cache.block_of.get(parent)
-                if b is not None and cache.key_of[b] == key:
-                    hits.append(b)                 # held, so reserving the others cannot evict it
-                    m.pool.touch([b])
-                elif m.pool.num_free:
-                    mv.dst_blocks.append(m.pool.allocate_one())   # an eviction's tier save rides along
-                    mv.keys.append(key)
-                    pairs.append(src)
-                else:
-                    break                          # no room: the rest of the prompt recomputes
-            m.hold(("in", s.seq_id), (), fresh=hits + mv.dst_blocks)
-            saves, loads = m.take_tier_moves() if pairs else ([], [])
-        if not pairs:                              # this pool had every block already
+            todo, mv.dst_blocks = m.reserve_move(("in", s.seq_id), s.prompt_token_ids, len(mv.src_blocks))
+            saves, loads = m.take_tier_moves() if todo else ([], [])
+        if not todo:                               # this pool had every block already (or no room)
             self._moved(mv, ok=True)
             return
+        src = [mv.src_blocks[j] for j in todo]
+        per = max(1, self.cfg.kv_move_part_bytes // max(1, sum(w.block_bytes(m.block_size) for w in self.stages)))
+        mv.parts = -(-len(src) // per)
+        mv.saved_slots = [t for _, t in saves]
+        for i in range(0, len(src), per):          # the first part carries the tier moves: it runs first
+            self.move_parts.append((mv, src[i:i + per], mv.dst_blocks[i:i + per], (saves, loads) if i == 0 else None))
+
+    def _send_move_part(self) -> None:
+        mv, src, dst, tier = self.move_parts.popleft()
         req = worker_pb2.StepRequest(step_id=self.next_step_id, cache_epoch=self.epoch,
-                                     kv_pull_src_blocks=pack(pairs), kv_pull_dst_blocks=pack(mv.dst_blocks))
+                                     kv_pull_src_blocks=pack(src), kv_pull_dst_blocks=pack(dst))
         self.next_step_id += 1
         for w in mv.src.stages:
             req.kv_sources.add(layer_start=w.info.layer_start, layer_end=w.info.layer_end,
                                data_address=data_address(w), cache_epoch=mv.src.epoch)
+        saves, loads = tier or ((), ())
         if saves:
             req.tier_save_blocks, req.tier_save_slots = pack([b for b, _ in saves]), pack([t for _, t in saves])
-            mv.saved_slots = [t for _, t in saves]
-        if loads:   # (none: loads are taken with the batch that admits their sequence)
+        if loads:   # (none in practice: loads leave with the batch that admits their sequence)
             req.tier_load_slots, req.tier_load_blocks = pack([t for t, _ in loads]), pack([b for _, b in loads])
         self.wire_bytes += self.channel.send(req)
         self.inflight[req.step_id] = InflightStep(None, req.step_id, time.monotonic())
@@ -123,28 +120,28 @@ class KvMoves:
 
     def _move_done(self, step_id: int, reply: worker_pb2.StepReply) -> None:
         mv = self.moving.pop(step_id)
-        ok = not reply.error_code
-        if not ok:
+        if reply.error_code and not mv.failed:
+            mv.failed = True
             log.warning("chain %d: K/V move of sequence %d from chain %d failed (%s): it recomputes here",
                         self.chain_id, mv.seq.seq_id, mv.src.chain_id, reply.error)
-        self._moved(mv, ok)
+        mv.parts -= 1
+        if mv.parts == 0:
+            self._moved(mv, not mv.failed)
 
     def _moved(self, mv: Move, ok: bool) -> None:
         """The move is over (or never needed a Step): name what arrived, let go of both holds, and
         queue the sequence (or end it, if it was cancelled meanwhile)."""
         s, m = mv.seq, self.manager
         with self.lock:
+            moved = m.finish_move(("in", s.seq_id), ok)
             if ok:
-                for d, (parent, toks) in zip(mv.dst_blocks, mv.keys):
-                    m.pool.cache.register(d, parent, toks)
                 self.moves_in += 1
-                self.moved_blocks += len(mv.dst_blocks)
-                s.kv_moved_tokens = len(mv.dst_blocks) * m.block_size
+                self.moved_blocks += moved
+                s.kv_moved_tokens = moved * m.block_size
             elif mv.dst_blocks:
                 self.moves_failed += 1
                 if m.tier is not None and mv.saved_slots:
                     m.tier.forget(mv.saved_slots)      # the Step failed before its saves ran
-            m.unhold(("in", s.seq_id))
             self._invariants_dirty = True
             live = not (s.abort_requested or s.finish_reason)
             if live:
@@ -156,8 +153,10 @@ class KvMoves:
     def _moving_seqs(self) -> list[Sequence]:
         """A lost chain's sequences in the middle of a move, or still queued for it (moves and adds
         not handled yet): they recompute elsewhere, and their prefill chains let go of the blocks."""
-        moves, added = list(self.moving.values()), []
+        moves = list({id(mv): mv for mv in [*self.moving.values(), *(p[0] for p in self.move_parts)]}.values())
+        added = []
         self.moving.clear()
+        self.move_parts.clear()
         while True:
             try:
                 kind, item = self.events.get_nowait()

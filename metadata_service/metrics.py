@@ -64,6 +64,13 @@ def _service_families(st: dict, label: dict):
                    st["tier_saved_blocks"] * st["tier_block_bytes"], label)
     yield _counter("minipaged:kv_tier_loaded_bytes", "Bytes loaded from the KV tier",
                    st["tier_loaded_blocks"] * st["tier_block_bytes"], label)
+    # disaggregated prefill/decode (worker --role): requests moved prefill -> decode chain
+    yield _counter("minipaged:kv_moves", "Requests whose K/V moved from a prefill to a decode chain",
+                   st["kv_moves"], label)
+    yield _counter("minipaged:kv_moved_bytes", "Bytes moved from prefill to decode chains",
+                   st["kv_moved_blocks"] * st["tier_block_bytes"], label)
+    yield _counter("minipaged:kv_move_failures", "Moves that failed (the prompt was recomputed)",
+                   st["kv_move_failures"], label)
     yield _counter("vllm:prompt_tokens", "Prompt tokens admitted", st["prompt_tokens"], label)
     yield _counter("vllm:generation_tokens", "Tokens generated", st["generated_tokens"], label)
     yield _counter("vllm:num_preemptions", "Sequences preempted (recomputed)", st["preemptions"], label)

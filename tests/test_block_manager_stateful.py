@@ -32,6 +32,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.nb: dict = {}        # sid -> expected len(block_table)
         self.kv: dict = {}        # slot -> token: the data plane
         self.unknown = 0
+        self.out_holds: dict = {}  # prefill end of a move: key -> {slot: token} it must keep
+        self.in_moves: dict = {}   # decode end: key -> (prompt, block indexes to move, fresh blocks)
+        self.keys = 0
 
     # ---------------------------------------------------------------- helpers
     def fresh_unknown(self):
@@ -196,6 +199,54 @@ class BlockManagerMachine(RuleBasedStateMachine):
             d.pop(sid, None)
         self.create(sid, known, max(0, len(known) - self.m.prompt_cache_lookup(known)))
 
+    # ---------------------------------------------------------------- prefill -> decode moves
+    @precondition(lambda self: self.toks)
+    @rule(data=st.data())
+    def move_out(self, data):
+        """The prefill end: hold a sequence's full blocks, then forget the sequence."""
+        sid = data.draw(st.sampled_from(self.live()))
+        full = len(self.toks[sid]) // self.B
+        blocks = list(self.m.sequences[sid].block_table[:full])
+        self.keys += 1
+        self.m.hold(("out", self.keys), blocks)
+        self.out_holds[("out", self.keys)] = {b * self.B + o: self.kv[b * self.B + o]
+                                              for b in blocks for o in range(self.B)}
+        self.m.release_sequence(sid)
+        for d in (self.toks, self.prompt, self.nb):
+            d.pop(sid, None)
+
+    @precondition(lambda self: self.out_holds)
+    @rule(data=st.data())
+    def move_out_done(self, data):
+        key = data.draw(st.sampled_from(sorted(self.out_holds)))
+        del self.out_holds[key]
+        self.m.unhold(key)
+
+    @rule(prompt=PROMPTS)
+    def move_in(self, prompt):
+        """The decode end: reserve blocks for the prompt's full blocks this pool lacks."""
+        self.keys += 1
+        key, n = ("in", self.keys), len(prompt) // self.B
+        todo, fresh = self.m.reserve_move(key, prompt, n)
+        held = self.m.held[key]
+        hits = [j for j in range(len(held)) if j not in todo]
+        assert len(todo) == len(fresh) and held[len(held) - len(fresh):] == fresh
+        for j, b in zip(hits, held):                   # what it found is the prompt's block
+            assert [self.kv[b * self.B + o] for o in range(self.B)] == prompt[j * self.B:(j + 1) * self.B]
+        self.in_moves[key] = (prompt, todo, fresh)
+
+    @precondition(lambda self: self.in_moves)
+    @rule(data=st.data(), ok=st.booleans())
+    def move_in_done(self, data, ok):
+        key = data.draw(st.sampled_from(sorted(self.in_moves)))
+        prompt, todo, fresh = self.in_moves.pop(key)
+        if ok:                                         # the move Step wrote the blocks
+            B = self.B
+            self.store([b * B + o for b in fresh for o in range(B)],
+                       [prompt[j * B + o] for j in todo for o in range(B)])
+        assert self.m.finish_move(key, ok) == (len(fresh) if ok else 0)
+        assert key not in self.m.held
+
     @rule(sid=IDS)
     def unknown_id(self, sid):
         if sid not in self.toks:
@@ -249,7 +300,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 if slot in owner:                      # shared: read-only, full in both holders
                     assert ref[blk] > 1 and pos // B < L // B and owner[slot][1]
                 owner[slot] = (sid, pos // B < L // B)
+        for blocks in m.held.values():               # moves in progress hold theirs
+            for b in blocks:
+                holders[b] += 1
         assert holders == ref
+        for kept in self.out_holds.values():          # nothing writes a block a move reads
+            assert all(self.kv.get(slot) == tok for slot, tok in kept.items())
         if self.toks:
             lens = m.get_seq_lens_tensor(self.live()).tolist()
             assert lens == [len(self.toks[s]) for s in self.live()]

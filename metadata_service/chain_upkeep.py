@@ -25,6 +25,18 @@ from .step_channel import data_address
 log = logging.getLogger("metadata_service.engine")
 
 
+def load_beats_recompute(stages, block_size: int) -> bool:
+    """Section 9's rule for the tier: a load instead of a recompute (and a swap-out instead of a
+    recompute after preemption) only when bytes / link bandwidth < FLOPs / achievable FLOP/s. The
+    stages load in parallel and recompute one after another. Unknown figures (CPU workers, whose
+    tier is their own RAM: loads win by ~100x) count as a win for the load."""
+    load = [w.load_seconds(block_size) for w in stages]
+    compute = [w.recompute_seconds(block_size) for w in stages]
+    if not all(load) or not all(compute):
+        return True
+    return max(load) < sum(compute)
+
+
 class ChainUpkeep:
     """Mixed into Engine: uses its registry, chains, route_lock, events and readiness fields."""
 
@@ -100,6 +112,10 @@ class ChainUpkeep:
         epoch = secrets.randbits(62) + 1
         # a tier only when every stage has one (a block's K/V live on every stage)
         tier = 0 if self.cfg.kv_tier_policy == "off" else min(w.tier_capacity_blocks(self.block_size) for w in stages)
+        if tier and not load_beats_recompute(stages, self.block_size):
+            log.info("chain %s: no KV tier: loading a block over the host link would take longer than "
+                     "recomputing it", " -> ".join(w.address for w in stages))
+            tier = 0
         try:
             for i in reversed(range(len(stages))):
                 nxt = stages[i + 1] if i + 1 < len(stages) else None

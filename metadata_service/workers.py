@@ -68,6 +68,18 @@ class WorkerHandle:
         """Blocks of this stage's layers its second KV tier can hold (--kv-tier-bytes)."""
         return int(self.info.kv_tier_bytes // max(self.block_bytes(block_size), 1))
 
+    def load_seconds(self, block_size: int) -> float:
+        """A tier load of one block into this stage (0: its link is unknown)."""
+        link = self.info.host_link_bytes_per_s
+        return self.block_bytes(block_size) / link if link > 0 else 0.0
+
+    def recompute_seconds(self, block_size: int) -> float:
+        """Recomputing one block's tokens on this stage: 2 FLOPs a weight a token (0: unknown)."""
+        i = self.info
+        if i.peak_flops <= 0 or i.weight_bytes <= 0:
+            return 0.0
+        return 2.0 * i.weight_bytes / max(1, i.dtype_bytes) * block_size / i.peak_flops
+
     def connect(self, channel_factory) -> worker_pb2_grpc.WorkerServiceStub:
         if self.stub is None:
             self.channel = channel_factory(self.address, GRPC_OPTIONS)

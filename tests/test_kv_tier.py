@@ -11,6 +11,9 @@ from hypothesis.stateful import initialize
 from metadata_service.block_manager import KVBlockManager
 from metadata_service.kv_tier import KVTier
 from metadata_service.prefix_cache import default_block_hash
+from metadata_service.chain_upkeep import load_beats_recompute
+from metadata_service.workers import WorkerHandle
+from minipaged.v1 import worker_pb2
 from tests.test_block_manager_stateful import BlockManagerMachine
 
 B = 4
@@ -156,3 +159,22 @@ def test_tier_hit_counts_as_cached_and_the_router_view_includes_it(policy):
     st_ = m.stats()
     assert st_["tier_hits"] == 2 and st_["tier_queries"] >= 2
     assert np.all(np.asarray(m.sequences[3].block_table) >= 0)
+
+
+def _stage(layers, kv_heads, params, link, flops):
+    return WorkerHandle("w", worker_pb2.WorkerInfo(layer_start=0, layer_end=layers, num_kv_heads=kv_heads, head_dim=128,
+                                                   dtype_bytes=2, weight_bytes=int(2 * params),
+                                                   host_link_bytes_per_s=link, peak_flops=flops))
+
+
+def test_the_tier_loads_only_when_the_copy_beats_the_recompute():
+    h200 = dict(link=55e9, flops=989e12 * 0.6)
+    # Qwen3-8B: a block of 16 is 2.25 MiB (41 us at 55 GB/s) against 0.26 ms of GEMMs
+    assert load_beats_recompute([_stage(36, 8, 8.2e9, **h200)], 16)
+    # a 0.2B model with the 8B's K/V width: the copy (1.8 MiB) is slower than 11 us of GEMMs
+    assert not load_beats_recompute([_stage(28, 8, 0.2e9, **h200)], 16)
+    # two stages load at once but recompute one after the other
+    half = _stage(18, 8, 0.15e9, **h200)
+    assert load_beats_recompute([half, half], 16) == (half.load_seconds(16) < 2 * half.recompute_seconds(16))
+    # unknown figures (a CPU worker: the tier is its own RAM): load
+    assert load_beats_recompute([_stage(28, 8, 0.6e9, link=0.0, flops=0.0)], 16)

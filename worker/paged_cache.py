@@ -146,7 +146,8 @@ class PagedKVCache:
         if not n:
             return
         dev = self.key_cache[0].device
-        rows = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype)
+        buf = data if isinstance(data, bytearray) else bytearray(data)   # (the link's buffer: no copy)
+        rows = torch.frombuffer(buf, dtype=torch.uint8).view(self.dtype)
         rows = rows.view(2 * self.num_layers, n, self.num_kv_heads, self.block_size, self.head_dim)
         idx = _ids(ids, dev)
         for i, cache in enumerate((*self.key_cache, *self.value_cache)):

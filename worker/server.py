@@ -102,7 +102,8 @@ class WorkerServicer(StepExecution, StepRpcs, pb_grpc.WorkerServiceServicer):
             replica_group=self.replica_group, simulate=self.simulate,
             weight_bytes=int(getattr(self.runner, "weight_bytes", 0)),
             data_port=self.data_server.port if self.data_server is not None else 0,
-            kv_tier_bytes=self.kv_tier_bytes, role=self.role)
+            kv_tier_bytes=self.kv_tier_bytes, role=self.role,
+            host_link_bytes_per_s=getattr(self.runner, "host_link", 0.0), peak_flops=getattr(self.runner, "peak_flops", 0.0))
 
     def Info(self, request, context):
         return self.info()

@@ -166,6 +166,7 @@ class SimRunner:
         self.dtype_name, self.bytes = dtype, DTYPE_BYTES[dtype]
         self.timing = TimingModel(profile, self.config, layer_start, layer_end, self.bytes)
         self.weight_bytes = self.timing.weight_bytes
+        self.host_link, self.peak_flops = profile.host_link, profile.peak_flops * profile.flops_efficiency
         # never the fingerprint of real weights: simulated and real workers cannot share a chain
         key = json.dumps([asdict(self.config), "simulated", dtype], sort_keys=True, default=str)
         self.fingerprint = "sim-" + hashlib.sha256(key.encode()).hexdigest()[:24]

@@ -156,7 +156,7 @@ def tier_run(policy: str, convs, args, cluster) -> dict:
                 dev=d("prefix_cache_hits") / max(1, d("prefix_cache_queries")),
                 tier=d("tier_hits") / max(1, d("prefix_cache_queries")),
                 saved=d("tier_saved_blocks") * a.tier_block_bytes, loaded=d("tier_loaded_blocks") * a.tier_block_bytes,
-                tps=gen / wall, wall=wall, outputs=outputs, slots=a.tier_blocks)
+                tps=gen / wall, wall=wall, outputs=outputs)
 
 
 def tier_table(title: str, runs: dict, check_tokens: bool) -> None:

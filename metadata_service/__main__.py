@@ -61,9 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=0, help="default: the model's max_position_embeddings")
     p.add_argument("--max-waiting", type=int, default=4096, help="pending requests before RESOURCE_EXHAUSTED")
     p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--kv-move-part-bytes", type=int, default=64 << 20,
-                   help="disaggregated prefill/decode: a move's K/V go in Steps of about this many bytes, one "
-                        "between two decode steps of the decode chain (default 64 MiB: ~1.3 ms at 50 GB/s)")
+    p.add_argument("--kv-move-part-bytes", type=int, default=0,
+                   help="disaggregated prefill/decode: send a move's K/V in Steps of about this many bytes, one "
+                        "between two decode steps of the decode chain (default 0: the whole move in one Step)")
     p.add_argument("--kv-tier-policy", choices=["write-back", "write-through", "off"], default="write-back",
                    help="the second KV tier, on chains whose workers have one (--kv-tier-bytes): save a cached "
                         "block when the pool evicts it (write-back) or once it is computed (write-through)")
@@ -125,8 +125,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.worker_token_file:
         args.worker_token = _read_secret(parser, args.worker_token_file)
     args.worker_host = args.worker_host or args.host
-    if args.kv_move_part_bytes < 1:
-        parser.error("--kv-move-part-bytes must be >= 1")
+    if args.kv_move_part_bytes < 0:
+        parser.error("--kv-move-part-bytes must be >= 0")
     internal = (args.worker_host, args.worker_port) if args.worker_port >= 0 else (args.host, args.port)
     if not args.worker_token and not is_loopback(internal[0]):
         parser.error(f"refusing to accept worker registration on {internal[0]}:{internal[1]} without a worker "

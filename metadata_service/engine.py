@@ -43,7 +43,7 @@ class Engine(SequenceRouting, ChainUpkeep, ServedModel):
                  worker_wait_s=60.0, registry: WorkerRegistry | None = None, micro_batches=0,
                  async_scheduling=True, router="exact", router_overlap_weight=OVERLAP_WEIGHT,
                  full_block_tables=False, init_timeout_s=30.0, default_num_blocks=1024, kv_tier_policy="write-back",
-                 kv_move_part_bytes=64 << 20):
+                 kv_move_part_bytes=0):
         self.block_size = block_size
         self.num_blocks_cap = num_blocks            # --num-blocks: an upper bound on each chain's pool
         self.max_model_len_flag = max_model_len

@@ -5,8 +5,10 @@ A prefill chain (its stages' --role) runs a request's prompt and samples its fir
 hands the request over (`_hand_off`): the Engine picks a decode chain (the router, over decode chains
 of the same layer split), the prefill chain holds the prompt's full blocks and forgets the sequence.
 The decode chain (`_move_in`) finds the blocks it lacks, reserves a fresh block for each, and sends
-Steps with no rows, parts of about --kv-move-part-bytes (64 MiB: a long prompt's move then holds the
-decode chain ~1 ms at a time at 50 GB/s, not 20), one between two of its decode steps: each of its
+a Step with no rows (or, with --kv-move-part-bytes, parts of about that many bytes, one between two
+of its decode steps: a long prompt's move then holds the decode chain a little several times rather
+than ~20 ms once at 50 GB/s, but each part waits for a decode step's host round trip; on this 2-core
+host that made moves ~50x slower, so one Step is the default): each of its
 stages reads the held blocks from the prefill stage of its own layer range and writes them into the
 reserved ones (worker/kv_move.py). When every part is back (`_move_done`) the reserved blocks enter the decode chain's prefix cache under the prompt's hashes,
 the sequence joins its queue and is admitted with those blocks as cache hits: only the prompt's
@@ -95,7 +97,8 @@ class KvMoves:
             self._moved(mv, ok=True)
             return
         src = [mv.src_blocks[j] for j in todo]
-        per = max(1, self.cfg.kv_move_part_bytes // max(1, sum(w.block_bytes(m.block_size) for w in self.stages)))
+        part = self.cfg.kv_move_part_bytes
+        per = max(1, part // max(1, sum(w.block_bytes(m.block_size) for w in self.stages))) if part else len(src)
         mv.parts = -(-len(src) // per)
         mv.saved_slots = [t for _, t in saves]
         for i in range(0, len(src), per):          # the first part carries the tier moves: it runs first

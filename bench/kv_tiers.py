@@ -122,13 +122,19 @@ def conversations(seed: int, convs: int, first: tuple, user: tuple, vocab: int) 
     return [(ids(*first), [ids(*user) for _ in range(8)]) for _ in range(convs)]
 
 
-async def run_conversations(address: str, convs: list[tuple], turns: int, new: int):
-    """Every conversation at once, its turns one after another (a turn's prompt is the history so
+async def run_conversations(address: str, convs: list[tuple], turns: int, new: int, at_once: int = 0):
+    """The conversations, `at_once` at a time (0: all; a new one starts when one ends), each one's
+    turns one after another (a turn's prompt is the history so
     far: earlier prompts, their answers, a new user message). Returns (first turns' TTFTs, later
     turns' TTFTs, every turn's tokens, tokens generated)."""
     first, later, outputs = [], [], []
+    gate = asyncio.Semaphore(at_once or len(convs))
     async with AsyncClient(address) as c:
         async def one(conv):
+            async with gate:
+                return await turns_of(conv)
+
+        async def turns_of(conv):
             history, msgs, mine = list(conv[0]), conv[1], []
             for t in range(turns):
                 t0, toks = time.perf_counter(), []
@@ -147,7 +153,8 @@ def tier_run(policy: str, convs, args, cluster) -> dict:
     with cluster(policy) as c:
         b = c.client.stats()
         t0 = time.perf_counter()
-        first, later, outputs, gen = asyncio.run(run_conversations(c.address, convs, args.turns, args.tier_new))
+        first, later, outputs, gen = asyncio.run(run_conversations(c.address, convs, args.turns, args.tier_new,
+                                                                   args.at_once))
         wall = time.perf_counter() - t0
         a = c.client.stats()
     d = lambda k: getattr(a, k) - getattr(b, k)  # noqa: E731
@@ -189,7 +196,8 @@ def bench_tier_sim(args) -> None:
             runs[p].append(tier_run(p, convs, args, cluster))
     med = {p: {k: sorted(x[k] for x in v)[len(v) // 2] if k != "outputs" else v[0][k] for k in v[0]}
            for p, v in runs.items()}
-    tier_table(f"multi-turn conversations, simulated H200, Qwen3-8B shape: {args.convs} at once x {args.turns} turns "
+    gate = f"{args.at_once} at a time" if args.at_once else "at once"
+    tier_table(f"multi-turn conversations, simulated H200, Qwen3-8B shape: {args.convs} {gate} x {args.turns} turns "
                f"(first prompt 1-2k ids, user turns 32-128, {args.tier_new} new); pool {args.tier_num_blocks} blocks "
                f"of 16, tier {tier_bytes / 2**30:.1f} GiB host RAM; "
                f"median of {args.repeat}", med, check_tokens=False)
@@ -227,6 +235,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--convs", type=int, default=48, help="tier: conversations at once (simulated)")
     ap.add_argument("--turns", type=int, default=4, help="tier: turns per conversation")
+    ap.add_argument("--at-once", type=int, default=0,
+                    help="tier: conversations in flight at a time (0: all; another starts when one ends)")
     ap.add_argument("--tier-new", type=int, default=64, help="tier: new tokens per turn")
     ap.add_argument("--tier-num-blocks", type=int, default=2048, help="tier: the simulated chain's pool")
     ap.add_argument("--tier-slots", type=int, default=32768, help="tier: simulated tier slots (blocks of 16)")

@@ -78,11 +78,11 @@ def test_moves_from_a_prefill_worker_that_died_recompute_on_the_decode_chain(ckp
         assert st.invariants_ok and st.free_blocks == st.num_blocks
 
 
-def test_a_prefill_worker_killed_during_moves_loses_only_cache(ckpt):
+def test_a_prefill_worker_killed_mid_job_loses_only_cache(ckpt):
     with _cluster(ckpt, 1) as c:
         batch = prompts(8, 20, 40, seed=43)
         job = c.client.submit([{"prompt_token_ids": p, "max_new_tokens": 16, "ignore_eos": True} for p in batch])
-        time.sleep(0.4)                                   # prompts prefilled and moving
+        time.sleep(0.4)                                   # mid-job (the paused test above makes moves fail for sure)
         c.kill_worker(0, signal.SIGKILL)                  # worker 0 is the prefill chain's
         c.restart_worker(0)
         for p, r in zip(batch, c.client.wait(job)):

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 
 class MoveHolds:
-    def hold(self, key, blocks, fresh=()) -> None:
-        """A reference on each of `blocks` (cached-free ones revive); `fresh` ones came from the
-        pool's allocate with theirs already."""
+    def hold(self, key, blocks) -> None:
+        """A reference on each of `blocks` (cached-free ones revive)."""
         self.pool.touch(blocks)
-        self.held[key] = list(blocks) + list(fresh)
+        self.held[key] = list(blocks)
 
     def unhold(self, key) -> int:
         """Drop a hold (tail first, as a sequence's release); returns how many blocks became free."""

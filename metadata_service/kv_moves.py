@@ -8,10 +8,10 @@ The decode chain (`_move_in`) finds the blocks it lacks, reserves a fresh block 
 a Step with no rows (or, with --kv-move-part-bytes, parts of about that many bytes, one between two
 of its decode steps: a long prompt's move then holds the decode chain a little several times rather
 than ~20 ms once at 50 GB/s, but each part waits for a decode step's host round trip; on this 2-core
-host that made moves ~50x slower, so one Step is the default): each of its
-stages reads the held blocks from the prefill stage of its own layer range and writes them into the
-reserved ones (worker/kv_move.py). When every part is back (`_move_done`) the reserved blocks enter the decode chain's prefix cache under the prompt's hashes,
-the sequence joins its queue and is admitted with those blocks as cache hits: only the prompt's
+host that made moves ~50x slower, so one Step is the default): each of its stages reads the held
+blocks from the prefill stage of its own layer range and writes them into the reserved ones
+(worker/kv_move.py). When every part is back (`_move_done`) the reserved blocks enter the decode
+chain's prefix cache under the prompt's hashes, the sequence joins its queue and is admitted with those blocks as cache hits: only the prompt's
 partial last block and the first token are computed there. The prefill chain's blocks are released
 and stay in its prefix cache.
 
@@ -32,6 +32,7 @@ from minipaged.wire import pack
 from .chain_config import InflightStep
 from .sequence import SeqStatus, Sequence
 from .step_channel import data_address
+from .step_request import add_tier_moves
 
 log = logging.getLogger("metadata_service.chain")
 
@@ -53,7 +54,7 @@ class KvMoves:
     def _init_moves(self) -> None:
         self.role = self.stages[0].role
         self.moving: dict[int, Move] = {}         # step id -> the move it carries part of
-        self.move_parts: deque = deque()          # (move, src blocks, dst blocks, saves) Steps to send
+        self.move_parts: deque = deque()          # (move, src blocks, dst blocks, tier moves | None) to send
         self.moves_in = self.moves_failed = self.moved_blocks = 0
 
     # ------------------------------------------------------------------ the prefill end
@@ -70,7 +71,7 @@ class KvMoves:
                 blocks = self.manager.sequences[s.seq_id].block_table[:full].tolist()
                 self.manager.hold(("out", s.seq_id), blocks)
                 self.scheduler.remove(s)
-            s.status, s.num_computed_tokens, s.kv_moved_tokens = SeqStatus.WAITING, 0, 0
+            s.status, s.num_computed_tokens = SeqStatus.WAITING, 0
             dst = self.engine.route_to_decode(s, self)
             if dst is None:                        # the decode chains left meanwhile: recompute
                 self._unhold(s.seq_id)
@@ -112,11 +113,7 @@ class KvMoves:
         for w in mv.src.stages:
             req.kv_sources.add(layer_start=w.info.layer_start, layer_end=w.info.layer_end,
                                data_address=data_address(w), cache_epoch=mv.src.epoch)
-        saves, loads = tier or ((), ())
-        if saves:
-            req.tier_save_blocks, req.tier_save_slots = pack([b for b, _ in saves]), pack([t for _, t in saves])
-        if loads:   # (none in practice: loads leave with the batch that admits their sequence)
-            req.tier_load_slots, req.tier_load_blocks = pack([t for t, _ in loads]), pack([b for _, b in loads])
+        add_tier_moves(req, *(tier or ((), ())))
         self.wire_bytes += self.channel.send(req)
         self.inflight[req.step_id] = InflightStep(None, req.step_id, time.monotonic())
         self.moving[req.step_id] = mv
@@ -140,7 +137,6 @@ class KvMoves:
             if ok:
                 self.moves_in += 1
                 self.moved_blocks += moved
-                s.kv_moved_tokens = moved * m.block_size
             elif mv.dst_blocks:
                 self.moves_failed += 1
                 if m.tier is not None and mv.saved_slots:
@@ -157,7 +153,7 @@ class KvMoves:
         """A lost chain's sequences in the middle of a move, or still queued for it (moves and adds
         not handled yet): they recompute elsewhere, and their prefill chains let go of the blocks."""
         moves = list({id(mv): mv for mv in [*self.moving.values(), *(p[0] for p in self.move_parts)]}.values())
-        added = []
+        added = []                                 # (a move in several parts appears once)
         self.moving.clear()
         self.move_parts.clear()
         while True:

@@ -118,7 +118,6 @@ class Sequence:
     suppress_ids: tuple = ()                 # EOS + stop ids, masked while output < min_new_tokens
     matcher: object = None                   # xgrammar GrammarMatcher when params.grammar is set
     handed_off: bool = False                 # left its prefill chain for a decode chain (or chose to stay)
-    kv_moved_tokens: int = 0                 # prompt tokens whose K/V a prefill -> decode move brought
 
     step_row: bytes = b""                    # its fixed facts packed once, at admission (step_rows.py)
     prompt_lp: object = None                 # PromptState when the request asked for prompt logprobs

@@ -39,10 +39,7 @@ def build_step_request(b: ScheduledBatch, release: list[int], step_id: int, epoc
         req.new_blocks = pack(b.new_blocks)
     if release:
         req.release_sequence_ids = pack(release, INT64)
-    if b.tier_saves:
-        req.tier_save_blocks, req.tier_save_slots = pack([m[0] for m in b.tier_saves]), pack([m[1] for m in b.tier_saves])
-    if b.tier_loads:
-        req.tier_load_slots, req.tier_load_blocks = pack([m[0] for m in b.tier_loads]), pack([m[1] for m in b.tier_loads])
+    add_tier_moves(req, b.tier_saves, b.tier_loads)
     if b.copies:
         req.copy_src, req.copy_dst = pack([c[0] for c in b.copies]), pack([c[1] for c in b.copies])
     if b.special and any(s.params.extras for s in seqs):
@@ -52,6 +49,14 @@ def build_step_request(b: ScheduledBatch, release: list[int], step_id: int, epoc
     if b.prompt_rows is not None:
         prompt_logprobs.add_to_request(req, b.prompt_rows)
     return req
+
+
+def add_tier_moves(req: worker_pb2.StepRequest, saves, loads) -> None:
+    """The KV tier's (pool block, slot) saves and (slot, pool block) loads a Step runs first."""
+    if saves:
+        req.tier_save_blocks, req.tier_save_slots = pack([m[0] for m in saves]), pack([m[1] for m in saves])
+    if loads:
+        req.tier_load_slots, req.tier_load_blocks = pack([m[0] for m in loads]), pack([m[1] for m in loads])
 
 
 def _add_grammar(req: worker_pb2.StepRequest, b: ScheduledBatch, vocab_size: int) -> None:

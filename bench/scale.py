@@ -78,14 +78,24 @@ def proc_cpu_s(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def tree_cpu_s(pid):
+    """proc_cpu_s of a process and its children (a sharded service's shards)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            kids = [int(x) for x in f.read().split()]
+    except OSError:
+        kids = []
+    return proc_cpu_s(pid) + sum(tree_cpu_s(k) for k in kids)
+
+
 def timed_job(cluster, reqs):
     """run_job plus host CPU per generated token: (tps, wall, before, after, service us/token,
     worker us/token). The worker figure is each worker's CPU over the tokens that went through it
     (a replica's worker sees its share, a stage sees every token of its chain), averaged."""
     procs = cluster.processes
-    cpu0 = [proc_cpu_s(p.pid) for p in procs]
+    cpu0 = [tree_cpu_s(procs[0].pid)] + [proc_cpu_s(p.pid) for p in procs[1:]]
     tps, wall, b, a = run_job(cluster, reqs)
-    cpu1 = [proc_cpu_s(p.pid) for p in procs]
+    cpu1 = [tree_cpu_s(procs[0].pid)] + [proc_cpu_s(p.pid) for p in procs[1:]]
     tokens = tps * wall
     per_worker_tokens = tokens / cluster.replicas
     service_us = 1e6 * (cpu1[0] - cpu0[0]) / tokens
@@ -122,14 +132,20 @@ def bench_workers(args, kind: str):
     for name in args.prompts:
         lo, hi, new = args.workloads[name]
         rows, base = [], {}
-        for n in getattr(args, kind):
+        points = [(n, k) for n in getattr(args, kind) for k in (args.shards if kind == "replicas" else [1])
+                  if k == 1 or k <= n]
+        for n, shards in points:
             for label, root in trees:
                 kw = dict(replicas=n) if kind == "replicas" else dict(stages=n)
-                with sim_cluster(root=root, **kw) as c:
+                extra = ["--shards", str(shards)] if shards > 1 else []
+                with sim_cluster(root=root, extra=extra, **kw) as c:
                     run_job(c, requests(8 * n, 64, 128, 4, seed=99))          # warm-up
-                    tps, wall, b, a, svc_us, wrk_us = timed_job(c, requests(args.per_worker * n, lo, hi, new, seed=n))
+                    runs = sorted((timed_job(c, requests(args.per_worker * n, lo, hi, new, seed=n + 100 * i))
+                                   for i in range(args.repeat_rows)), key=lambda r: r[0])
+                    tps, wall, b, a, svc_us, wrk_us = runs[len(runs) // 2]   # the median run by tok/s
                 base.setdefault(label, tps)
-                setup = f"{n} {kind if n > 1 else kind[:-1]}" + (f" ({label or 'this tree'})" if args.against else "")
+                setup = (f"{n} {kind if n > 1 else kind[:-1]}" + (f", {shards} shards" if shards > 1 else "")
+                         + (f" ({label or 'this tree'})" if args.against else ""))
                 busy = [" ".join(f"{x:.0%}" for x in busy_fractions(b, a, wall))] if kind == "stages" else []
                 rows.append((setup, f"{tps:,.0f}", f"{tps / base[label]:.2f}x", *busy, f"{cpu_percent(b, a, wall):.0f}%",
                              f"{svc_us:.1f}", f"{wrk_us:.1f}", f"{wall:.1f}"))
@@ -316,7 +332,13 @@ def main() -> int:
                     help="replica and stage rows also run this other checkout's code, alternating row by row")
     ap.add_argument("--prompts", default="short,long",
                     help="workloads of the replica and stage tables: short (64-256 ids), long (512-1536); 128 new")
+    ap.add_argument("--shards", default="1",
+                    help="replica rows also run with the service split into this many shards (e.g. 1,2,4; a "
+                         "shard count above the replicas is skipped)")
+    ap.add_argument("--repeat-rows", type=int, default=1,
+                    help="replica and stage rows: run the job this many times on the same cluster, report the median")
     args = ap.parse_args()
+    args.shards = [int(x) for x in args.shards.split(",")]
     q = args.quick
     args.replicas = [1, 2] if q else [1, 2, 4, 8]
     args.stages = [1, 2] if q else [1, 2, 4, 8]

@@ -99,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-stats-interval", type=float, default=10.0, metavar="S",
                    help="log running/waiting requests, throughput, KV usage and prefix hits every S seconds "
                         "while there is activity (0: never)")
+    p.add_argument("--shards", type=int, default=1,
+                   help="run N shard services (each a whole metadata service in a process of its own: its "
+                        "chains never wait for another's interpreter lock) behind this one address")
+    p.add_argument("--shard-addresses", default="", metavar="HOST:PORT,...",
+                   help="front shard services already running (on this or other hosts) instead of starting them")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -127,6 +132,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.worker_host = args.worker_host or args.host
     if args.kv_move_part_bytes < 0:
         parser.error("--kv-move-part-bytes must be >= 0")
+    if args.shards < 1:
+        parser.error("--shards must be >= 1")
+    if (args.shards > 1 or args.shard_addresses) and (args.worker_port >= 0 or args.metrics_port >= 0):
+        parser.error("--worker-port and --metrics-port are a shard's: give them to each shard started with "
+                     "--shard-addresses, not to a sharded front")
     internal = (args.worker_host, args.worker_port) if args.worker_port >= 0 else (args.host, args.port)
     if not args.worker_token and not is_loopback(internal[0]):
         parser.error(f"refusing to accept worker registration on {internal[0]}:{internal[1]} without a worker "
@@ -260,6 +270,9 @@ def main(argv=None) -> int:
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     log = logging.getLogger("metadata_service")
+    if args.shards > 1 or args.shard_addresses:
+        from .front import run_front
+        return run_front(args, sys.argv[1:] if argv is None else list(argv), _serve, _wait_for_signal, log)
     try:  # first: a store another service owns (or a bad path) is a start error, before any port
         jobs_store = JobStore(args.db, owner=_owner(args, args.port))
     except JobStoreError as e:

@@ -5,6 +5,8 @@ themselves in JobManager (jobs.py). Every handler validates before it changes an
 from __future__ import annotations
 
 import math
+import re
+import sqlite3
 import threading
 
 import grpc
@@ -14,6 +16,8 @@ from minipaged.v1 import metadata_pb2
 from .requests import RequestError
 from .workers import clip
 
+JOB_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+
 
 class JobRpcs:
     """SubmitJob .. WatchJob; uses the servicer's `jobs`, `_admit` and `_done`."""
@@ -21,14 +25,29 @@ class JobRpcs:
     def SubmitJob(self, request, context):
         if not request.requests:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a job needs at least one request")
+        self._check_job_id(request.job_id, context)
         try:
             reqs = self._admit(request.requests, context)
         except RequestError as e:  # pragma: no cover - _admit aborts
             context.abort(e.code, e.message)
-        job_id = self.jobs.submit(reqs)
+        try:
+            job_id = self.jobs.submit(reqs, request.job_id)
+        except sqlite3.IntegrityError:  # the same id submitted twice at once: the store keeps the first
+            self._done(len(reqs))
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, f"job id {clip(request.job_id)} is taken")
         job = self.jobs.get(job_id)
         threading.Thread(target=self._release_when_done, args=(job,), daemon=True).start()
         return metadata_pb2.SubmitJobReply(job_id=job_id)
+
+    def _check_job_id(self, job_id: str, context) -> None:
+        """A caller-chosen id (the sharded front's): well-formed and unused."""
+        if not job_id:
+            return
+        if not JOB_ID.fullmatch(job_id):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"job id {clip(job_id)} must be 1-128 letters, digits, '_' or '-'")
+        if self.jobs.get(job_id) is not None:
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, f"job id {clip(job_id)} is taken")
 
     def _release_when_done(self, job) -> None:
         with job.cond:

@@ -103,11 +103,15 @@ class JobStore:
                model_fingerprint: str = "") -> None:
         with self._lock:
             self._db.execute("BEGIN")
-            self._db.execute("INSERT INTO jobs (job_id, created, state, total, model_name, model_fingerprint) "
-                             "VALUES (?, ?, 'queued', ?, ?, ?)",
-                             (job_id, time.time(), len(requests), model_name, model_fingerprint))
-            self._db.executemany("INSERT INTO requests VALUES (?, ?, ?, NULL)",
-                                 [(job_id, i, r.SerializeToString()) for i, r in enumerate(requests)])
+            try:  # a taken id (a caller-chosen one) leaves the store as it was
+                self._db.execute("INSERT INTO jobs (job_id, created, state, total, model_name, model_fingerprint) "
+                                 "VALUES (?, ?, 'queued', ?, ?, ?)",
+                                 (job_id, time.time(), len(requests), model_name, model_fingerprint))
+                self._db.executemany("INSERT INTO requests VALUES (?, ?, ?, NULL)",
+                                     [(job_id, i, r.SerializeToString()) for i, r in enumerate(requests)])
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
             self._db.execute("COMMIT")
 
     @contextlib.contextmanager

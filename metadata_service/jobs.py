@@ -55,9 +55,9 @@ class JobManager:
         self.lock = threading.Lock()
         self.cancel_command = "minipaged jobs --cancel-all"  # main() adds --address when not the default
 
-    def submit(self, requests: list[metadata_pb2.GenerateRequest]) -> str:
+    def submit(self, requests: list[metadata_pb2.GenerateRequest], job_id: str = "") -> str:
         """Requests must already be normalised. Persisted before the id is returned."""
-        job_id = uuid.uuid4().hex
+        job_id = job_id or uuid.uuid4().hex
         model = (self.engine.model_name, self.engine.model_fingerprint)
         self.store.create(job_id, requests, *model)
         self._start(job_id, len(requests), {}, list(enumerate(requests)), model)

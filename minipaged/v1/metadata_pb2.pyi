@@ -146,10 +146,12 @@ class GenerationResult(_message.Message):
     def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., error: _Optional[str] = ..., logprobs: _Optional[bytes] = ..., choices: _Optional[_Iterable[_Union[GenerationResult, _Mapping]]] = ..., top_logprob_ids: _Optional[bytes] = ..., top_logprobs: _Optional[bytes] = ..., choice: _Optional[int] = ..., cumulative_logprob: _Optional[float] = ..., beam_score: _Optional[float] = ..., prompt_logprobs: _Optional[bytes] = ..., prompt_top_logprob_ids: _Optional[bytes] = ..., prompt_top_logprobs: _Optional[bytes] = ...) -> None: ...
 
 class SubmitJobRequest(_message.Message):
-    __slots__ = ("requests",)
+    __slots__ = ("requests", "job_id")
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
     requests: _containers.RepeatedCompositeFieldContainer[GenerateRequest]
-    def __init__(self, requests: _Optional[_Iterable[_Union[GenerateRequest, _Mapping]]] = ...) -> None: ...
+    job_id: str
+    def __init__(self, requests: _Optional[_Iterable[_Union[GenerateRequest, _Mapping]]] = ..., job_id: _Optional[str] = ...) -> None: ...
 
 class SubmitJobReply(_message.Message):
     __slots__ = ("job_id",)

@@ -1,0 +1,210 @@
+"""The sharded metadata service's front: one address, N shard services behind it (shards.py).
+
+Jobs are split over the shards by their ready chains (front_jobs.py); a Generate stream goes to the
+least busy shard; a worker registers into one shard (stages of one chain together); Stats and pool
+snapshots are the shards' merged; the block API is shard 0's. The front keeps no state that a
+restart would lose: job ids say how they were split, worker ids say their shard."""
+from __future__ import annotations
+
+import time
+
+import grpc
+
+from minipaged.v1 import metadata_pb2, metadata_pb2_grpc
+
+from .front_jobs import FrontJobRpcs
+from .shards import ShardSet
+from .workers import clip
+
+CHAIN_ID_STRIDE = 1000   # shard k's chain c is chain k * 1000 + c in Stats and pool snapshots
+SUMMED = ("num_blocks", "used_blocks", "free_blocks", "cached_blocks", "internal_fragmentation_tokens",
+          "running", "waiting", "preemptions", "prefix_cache_queries", "prefix_cache_hits", "steps",
+          "generated_tokens", "prompt_tokens", "tokens_per_second", "num_workers", "live_sequences",
+          "shared_blocks", "num_chains", "standby_workers", "metadata_cpu_seconds", "tier_blocks",
+          "tier_used_blocks", "tier_queries", "tier_hits", "tier_saved_blocks", "tier_loaded_blocks",
+          "kv_moves", "kv_moved_blocks", "kv_move_failures")
+FIRST = ("block_size", "model", "max_model_len", "model_fingerprint", "model_shape", "tier_block_bytes")
+
+
+def merge_stats(parts: list[metadata_pb2.StatsReply], front_cpu_s: float) -> metadata_pb2.StatsReply:
+    out = metadata_pb2.StatsReply()
+    for name in SUMMED:
+        setattr(out, name, sum(getattr(p, name) for p in parts))
+    ready = [p for p in parts if p.ready] or parts
+    for name in FIRST:
+        setattr(out, name, next((getattr(p, name) for p in ready if getattr(p, name)), getattr(out, name)))
+    out.metadata_cpu_seconds += front_cpu_s
+    out.ready = any(p.ready for p in parts)
+    out.invariants_ok = all(p.invariants_ok for p in parts)
+    out.cache_epoch = max((p.cache_epoch for p in parts), default=0)
+    out.prefix_cache_hit_rate = out.prefix_cache_hits / out.prefix_cache_queries if out.prefix_cache_queries else 0.0
+    out.kv_utilization = max((p.kv_utilization for p in parts), default=0.0)
+    busy = [p for p in parts if p.steps]
+    out.metadata_ms_per_step = sum(p.metadata_ms_per_step for p in busy) / len(busy) if busy else 0.0
+    if not out.ready:
+        out.not_ready_reason = "; ".join(f"shard {k}: {p.not_ready_reason}" for k, p in enumerate(parts))
+    for k, p in enumerate(parts):
+        for c in p.chains:
+            c.chain_id += k * CHAIN_ID_STRIDE
+            out.chains.append(c)
+    return out
+
+
+class FrontServicer(FrontJobRpcs, metadata_pb2_grpc.MetadataServiceServicer):
+    def __init__(self, shards: ShardSet):
+        self.shards = shards
+
+    # ------------------------------------------------------------------ forwarding
+    @staticmethod
+    def _metadata(context) -> tuple:
+        """What a shard must see of the caller: its token."""
+        return tuple((k, v) for k, v in context.invocation_metadata() if k == "authorization")
+
+    @staticmethod
+    def _timeout(context) -> float | None:
+        """The caller's deadline, for the call to a shard (no deadline: a huge number, which gRPC refuses)."""
+        left = context.time_remaining()
+        return None if left is None or left > 1e6 else max(0.0, left)
+
+    def _forward(self, k: int, method: str, request, context):
+        try:
+            return getattr(self.shards.stubs[k], method)(request, metadata=self._metadata(context),
+                                                         timeout=self._timeout(context))
+        except grpc.RpcError as e:
+            context.abort(e.code(), e.details())
+
+    def _each(self, calls: dict, method: str, context) -> dict:
+        """{shard: request} -> {shard: reply or grpc.RpcError}, the calls made at once."""
+        md, left = self._metadata(context), self._timeout(context)
+        futures = {k: getattr(self.shards.stubs[k], method).future(r, metadata=md, timeout=left)
+                   for k, r in calls.items()}
+        out = {}
+        for k, f in futures.items():
+            try:
+                out[k] = f.result()
+            except grpc.RpcError as e:
+                out[k] = e
+        return out
+
+    # ------------------------------------------------------------------ generation
+    def Generate(self, request, context):
+        k = self.shards.least_busy()
+        stream = self.shards.stubs[k].Generate(request, metadata=self._metadata(context),
+                                               timeout=self._timeout(context))
+        context.add_callback(stream.cancel)
+        try:
+            yield from stream
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.CANCELLED or context.is_active():
+                context.abort(e.code(), e.details())
+
+    # ------------------------------------------------------------------ stats
+    def Stats(self, request, context):
+        answers = self._each({k: request for k in range(len(self.shards))}, "Stats", context)
+        parts = [a for a in answers.values() if not isinstance(a, grpc.RpcError)]
+        if not parts:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "no shard answers")
+        out = merge_stats(parts, time.process_time())
+        if len(parts) < len(self.shards):
+            out.invariants_ok = False
+            down = [k for k, a in answers.items() if isinstance(a, grpc.RpcError)]
+            out.not_ready_reason = (out.not_ready_reason + f"; shards {down} do not answer").lstrip("; ")
+        return out
+
+    def PoolSnapshot(self, request, context):
+        answers = self._each({k: request for k in range(len(self.shards))}, "PoolSnapshot", context)
+        out = metadata_pb2.PoolSnapshotReply(time=time.time())
+        for k, a in sorted(answers.items()):
+            if isinstance(a, grpc.RpcError):
+                context.abort(a.code(), a.details())
+            for c in a.chains:
+                c.chain_id += k * CHAIN_ID_STRIDE
+                out.chains.append(c)
+        return out
+
+    # ------------------------------------------------------------------ block API: shard 0's pool
+    def CreateSequence(self, request, context):
+        return self._forward(0, "CreateSequence", request, context)
+
+    def AppendTokens(self, request, context):
+        return self._forward(0, "AppendTokens", request, context)
+
+    def ForkSequence(self, request, context):
+        return self._forward(0, "ForkSequence", request, context)
+
+    def ReleaseSequence(self, request, context):
+        return self._forward(0, "ReleaseSequence", request, context)
+
+    def GetBlockTables(self, request, context):
+        return self._forward(0, "GetBlockTables", request, context)
+
+    # ------------------------------------------------------------------ workers
+    def RegisterWorker(self, request, context):
+        info = request.info
+        for s in self.shards.stats:  # every shard serves one model: a worker of another is refused here
+            if s is not None and s.model_fingerprint and s.model_fingerprint != info.model_fingerprint:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"model mismatch: worker {clip(info.address)} serves {clip(info.model_name)} "
+                              f"(fingerprint {info.model_fingerprint[:12]}) but this service serves "
+                              f"{clip(s.model)} (fingerprint {s.model_fingerprint[:12]})")
+        k = self.shards.shard_for_worker(info)
+        reply = self._forward(k, "RegisterWorker", request, context)
+        reply.worker_id = f"{k}/{reply.worker_id}"
+        return reply
+
+    def _worker_shard(self, worker_id: str) -> tuple[int, str] | None:
+        k, _, wid = worker_id.partition("/")
+        return (int(k), wid) if k.isdigit() and int(k) < len(self.shards) and wid else None
+
+    def Heartbeat(self, request, context):
+        where = self._worker_shard(request.worker_id)
+        if where is None:
+            return metadata_pb2.HeartbeatReply(known=False)
+        return self._forward(where[0], "Heartbeat", metadata_pb2.HeartbeatRequest(
+            worker_id=where[1], cache_epoch=request.cache_epoch, steps_served=request.steps_served), context)
+
+    def DeregisterWorker(self, request, context):
+        where = self._worker_shard(request.worker_id)
+        if where is None:
+            return metadata_pb2.DeregisterWorkerReply(known=False)
+        return self._forward(where[0], "DeregisterWorker",
+                             metadata_pb2.DeregisterWorkerRequest(worker_id=where[1]), context)
+
+
+def run_front(args, argv: list[str], serve, wait_for_signal, log) -> int:
+    """main() of a sharded service: start (or reach) the shards, serve the one address, stop them."""
+    from grpc_health.v1 import health_pb2
+    from .auth import TokenInterceptor
+    from .shards import spawn_shards, stop_shards
+    from minipaged.rpc import DecodeGuardInterceptor
+    procs, addresses = [], [a for a in args.shard_addresses.split(",") if a]
+    if not addresses:
+        try:
+            procs, addresses = spawn_shards(args.shards, argv, args.db)
+        except RuntimeError as e:
+            print(f"error: {e}", file=__import__("sys").stderr, flush=True)
+            return 1
+    shards = ShardSet(addresses).start()
+    auth = [TokenInterceptor(args.token, args.worker_token)] if args.token or args.worker_token else []
+    server, port, health = serve(f"{args.host}:{args.port}", FrontServicer(shards), auth + [DecodeGuardInterceptor()],
+                                 (args.tls_cert, args.tls_key, args.tls_client_ca), args.max_waiting)
+    if port == 0:
+        stop_shards(procs)
+        print(f"error: cannot serve on {args.host}:{args.port}: the port is taken or the address is not "
+              f"this machine's", file=__import__("sys").stderr, flush=True)
+        return 1
+    name = metadata_pb2.DESCRIPTOR.services_by_name["MetadataService"].full_name
+    health.set("", health_pb2.HealthCheckResponse.SERVING)
+    shards.on_ready_changed.append(lambda ok: health.set(name, health_pb2.HealthCheckResponse.SERVING if ok
+                                                         else health_pb2.HealthCheckResponse.NOT_SERVING))
+    health.set(name, health_pb2.HealthCheckResponse.SERVING if shards._ready
+               else health_pb2.HealthCheckResponse.NOT_SERVING)
+    server.start()
+    log.info("sharded metadata service listening on %s:%d, shards at %s", args.host, port, ", ".join(addresses))
+    print(f"LISTENING {args.host}:{port}", flush=True)
+    wait_for_signal()
+    health.enter_graceful_shutdown()
+    server.stop(args.grace).wait()
+    shards.stop()
+    stop_shards(procs, args.grace)
+    return 0

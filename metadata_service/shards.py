@@ -1,0 +1,177 @@
+"""The shard services behind a sharded front (`--shards N` or `--shard-addresses`): how they start,
+how the front reaches them, what it knows of them, and which shard a worker joins.
+
+Each shard is a whole metadata service (its chains, schedulers, KVBlockManagers, job store) in a
+process of its own, so chains in different shards never wait for one interpreter lock. The front
+keeps only what it can learn again: each shard's latest Stats (polled) and which shard each worker
+address and replica group went to (a worker that registers again returns to its shard)."""
+from __future__ import annotations
+
+import ctypes
+import logging
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+
+from minipaged.constants import grpc_options
+from minipaged.v1 import metadata_pb2, metadata_pb2_grpc
+
+log = logging.getLogger("metadata_service.shards")
+
+# flags the front keeps for itself: its address, its store (each shard gets PATH.shardK), its TLS
+# (shards serve plain gRPC on loopback), and the sharding flags themselves
+FRONT_ONLY = {"--shards": 1, "--shard-addresses": 1, "--host": 1, "--port": 1, "--db": 1, "--tls-cert": 1,
+              "--tls-key": 1, "--tls-client-ca": 1, "--grace": 1}
+STATS_PERIOD_S = 0.5
+
+
+def shard_argv(argv: list[str]) -> list[str]:
+    """The front's command line minus what only the front uses."""
+    out, skip = [], 0
+    for a in argv:
+        if skip:
+            skip -= 1
+            continue
+        name = a.split("=", 1)[0]
+        if name in FRONT_ONLY:
+            skip = 0 if "=" in a else FRONT_ONLY[name]
+            continue
+        out.append(a)
+    return out
+
+
+def _die_with_parent() -> None:
+    """A shard ends with its front, even when the front is killed -9 (Linux prctl PR_SET_PDEATHSIG)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+    except OSError:  # pragma: no cover - not Linux
+        pass
+
+
+def spawn_shards(n: int, argv: list[str], db: str, timeout_s: float = 60.0) -> tuple[list, list[str]]:
+    """Start n shard services on loopback ports of their own: (processes, addresses)."""
+    def start(k):
+        cmd = [sys.executable, "-m", "metadata_service", "--host", "127.0.0.1", "--port", "0"]
+        cmd += (["--db", f"{db}.shard{k}"] if db else []) + shard_argv(argv)
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, preexec_fn=_die_with_parent)
+
+    procs = [start(k) for k in range(n)]
+    addresses = []
+    deadline = time.monotonic() + timeout_s
+    for k in range(n):
+        line = ""
+        while time.monotonic() < deadline and not line.startswith("LISTENING"):
+            line = procs[k].stdout.readline()
+            if not line and procs[k].poll() is not None:
+                # e.g. the shard of a front killed a moment ago still holds this store while it stops
+                time.sleep(0.5)
+                procs[k] = start(k)
+        if not line.startswith("LISTENING"):
+            stop_shards(procs)
+            raise RuntimeError(f"shard {k} did not start (exit code {procs[k].poll()}); its log is above")
+        addresses.append(line.split()[1])
+        threading.Thread(target=_drain, args=(procs[k],), daemon=True).start()
+    return procs, addresses
+
+
+def _drain(p) -> None:
+    for _ in p.stdout:  # a shard prints nothing more; keep its pipe from filling anyway
+        pass
+
+
+def stop_shards(procs: list, grace_s: float = 10.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+class ShardSet:
+    """Stubs to the shards, their latest Stats, and where workers go."""
+
+    def __init__(self, addresses: list[str]):
+        self.addresses = addresses
+        self.channels = [grpc.insecure_channel(a, options=grpc_options()) for a in addresses]
+        self.stubs = [metadata_pb2_grpc.MetadataServiceStub(c) for c in self.channels]
+        self.stats: list[metadata_pb2.StatsReply | None] = [None] * len(addresses)
+        self.lock = threading.Lock()
+        self.by_address: dict[str, int] = {}   # worker address -> shard
+        self.by_group: dict[str, int] = {}     # replica group (or pipeline stages of the default group) -> shard
+        self.on_ready_changed: list = []
+        self._ready = False
+        self._stop = threading.Event()
+
+    def __len__(self) -> int:
+        return len(self.stubs)
+
+    # ------------------------------------------------------------------ Stats
+    def start(self) -> "ShardSet":
+        self.poll()
+        threading.Thread(target=self._poll_loop, daemon=True, name="shard-stats").start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _poll_loop(self) -> None:
+        while not self._stop.wait(STATS_PERIOD_S):
+            self.poll()
+
+    def poll(self) -> None:
+        for k, stub in enumerate(self.stubs):
+            try:
+                self.stats[k] = stub.Stats(metadata_pb2.StatsRequest(), timeout=2.0)
+            except grpc.RpcError:
+                self.stats[k] = None
+        ready = any(s is not None and s.ready for s in self.stats)
+        if ready != self._ready:
+            self._ready = ready
+            for cb in self.on_ready_changed:
+                cb(ready)
+
+    def weights(self) -> list[int]:
+        """How many requests of a job each shard should take: its ready chains (all alike while none)."""
+        chains = [s.num_chains if s is not None and s.ready else 0 for s in self.stats]
+        if any(chains):
+            return chains
+        up = [0 if s is None else 1 for s in self.stats]
+        return up if any(up) else [1] * len(self.stubs)
+
+    def least_busy(self) -> int:
+        """The ready shard with the least work per chain (for one Generate stream)."""
+        def load(k):
+            s = self.stats[k]
+            if s is None or not s.ready:
+                return (1, 0.0)
+            return (0, (s.running + s.waiting) / max(1, s.num_chains))
+        return min(range(len(self.stubs)), key=load)
+
+    # ------------------------------------------------------------------ workers
+    def shard_for_worker(self, info) -> int:
+        """A worker's shard. Stages of one chain must meet in one shard: a named replica group stays in
+        one, and so do the default group's pipeline stages and prefill/decode workers (their K/V moves
+        stay inside a service). Whole-model workers of the default group spread over the shards."""
+        whole = info.layer_start == 0 and info.layer_end == info.num_layers and info.role in ("", "both")
+        key = info.replica_group or (None if whole else "\0")
+        with self.lock:
+            if info.address in self.by_address:
+                return self.by_address[info.address]
+            if key is not None and key in self.by_group:
+                k = self.by_group[key]
+            else:
+                load = [0] * len(self.stubs)
+                for s in self.by_address.values():
+                    load[s] += 1
+                k = min(range(len(self.stubs)), key=lambda i: (load[i], i))
+                if key is not None:
+                    self.by_group[key] = k
+            self.by_address[info.address] = k
+            return k

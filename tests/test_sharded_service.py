@@ -1,0 +1,163 @@
+"""The sharded metadata service (`--shards N`): one address, N shard services, each a whole
+metadata service in a process of its own. Unit checks of how jobs are split and merged and where
+workers go; end to end, float64 tokens equal transformers' through the front, job ids, watch,
+list, cancel, delete, Stats and pool snapshots merged, and a refused job leaves no part behind."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import grpc
+import pytest
+
+from client import LocalCluster
+from client.errors import InvalidArgument, NotFound
+from metadata_service.front import CHAIN_ID_STRIDE
+from metadata_service.front_jobs import merge_jobs, merged_state, new_job_id, parse_job_id, split
+from metadata_service.shards import ShardSet, shard_argv
+from minipaged.v1 import metadata_pb2, metadata_pb2_grpc
+from tests.test_e2e import VOCAB, ckpt, oracle, prompts, settle  # noqa: F401 (fixtures)
+
+
+def test_split_follows_the_weights_and_keeps_every_request():
+    assert split(10, [2, 2]) == [5, 5]
+    assert split(7, [1, 0, 2]) == [2, 0, 5]
+    assert split(3, [1, 1, 1, 1]) == [1, 1, 1, 0]
+    for total in range(1, 30):
+        assert sum(split(total, [3, 1, 2])) == total
+
+
+def test_a_job_id_says_how_the_job_was_split():
+    jid = new_job_id([4, 0, 3])
+    assert parse_job_id(jid, 3) == [4, 0, 3]
+    assert parse_job_id(jid, 2) is None and parse_job_id("0123abcd", 3) is None
+
+
+def test_parts_merge_into_one_job_in_request_order():
+    def part(state, total, done, created):
+        return metadata_pb2.Job(state=state, total=total, completed=len(done), created=created,
+                                results=[metadata_pb2.GenerationResult(index=i) for i in done])
+    job = merge_jobs("j", [(0, part("done", 2, [1, 0], 5.0)), (2, part("running", 3, [2], 4.0))], [2, 0, 3])
+    assert [r.index for r in job.results] == [0, 1, 4]
+    assert (job.state, job.total, job.completed, job.created) == ("running", 5, 3, 4.0)
+    assert merged_state(["done", "done"]) == "done" and merged_state(["queued", "queued"]) == "queued"
+    assert merged_state(["done", "cancelled"]) == "cancelled" and merged_state(["done", "queued"]) == "running"
+
+
+def test_shards_get_the_front_flags_they_need_and_no_others():
+    argv = ["--shards", "2", "--port=9", "--host", "0.0.0.0", "--db", "x.db", "--token", "t", "--block-size", "4"]
+    assert shard_argv(argv) == ["--token", "t", "--block-size", "4"]
+
+
+def test_stages_of_a_chain_meet_in_one_shard_and_whole_workers_spread():
+    shards = ShardSet.__new__(ShardSet)
+    shards.stubs, shards.lock = [None] * 3, __import__("threading").Lock()
+    shards.by_address, shards.by_group = {}, {}
+
+    def info(address, start, end, group="", role="both"):
+        return SimpleNamespace(address=address, layer_start=start, layer_end=end, num_layers=4,
+                               replica_group=group, role=role)
+    whole = [shards.shard_for_worker(info(f"w{i}", 0, 4)) for i in range(3)]
+    assert sorted(whole) == [0, 1, 2]
+    stages = {shards.shard_for_worker(info(f"s{i}", 2 * (i % 2), 2 * (i % 2) + 2)) for i in range(4)}
+    assert len(stages) == 1
+    named = {shards.shard_for_worker(info(f"g{i}", 2 * i, 2 * i + 2, group="g")) for i in range(2)}
+    assert len(named) == 1
+    roles = {shards.shard_for_worker(info(f"p{r}", 0, 4, role=r)) for r in ("prefill", "decode")}
+    assert roles == stages   # prefill and decode workers of the default group: one shard, K/V moves stay in it
+    assert shards.shard_for_worker(info("w1", 0, 4)) == whole[1]   # registering again: the same shard
+
+
+@pytest.fixture(scope="module")
+def sharded(ckpt):
+    with LocalCluster(model=ckpt, replicas=2, dtype="float64", block_size=4,
+                      extra_service_args=["--shards", "2"]) as c:
+        yield c
+
+
+@pytest.mark.slow
+def test_a_job_split_over_two_shards_gives_transformers_tokens(sharded, oracle):
+    c = sharded.client
+    st = c.stats()
+    assert st.ready and st.num_chains == 2
+    assert sorted(ch["chain_id"] // CHAIN_ID_STRIDE for ch in st.chains) == [0, 1]   # one chain per shard
+    batch = prompts(12, 1, 30, seed=41)
+    job = c.submit([{"prompt_token_ids": p, "max_new_tokens": 6} for p in batch])
+    assert sum(parse_job_id(job, 2)) == 12 and all(parse_job_id(job, 2))
+    results = c.wait(job, timeout=300)
+    assert [r.index for r in results] == list(range(12))
+    for p, r in zip(batch, results):
+        assert r.token_ids == oracle(p, 6), f"prompt {p}"
+    got = c.get_job(job)
+    assert got.state == "done" and got.total == 12 and [r.index for r in got.results] == list(range(12))
+    listed = [j for j in c.list_jobs() if j.job_id == job]
+    assert len(listed) == 1 and listed[0].total == 12 and listed[0].completed == 12
+    assert c.cancel(job).state == "done"          # finished: nothing to cancel
+    c.delete_job(job)
+    with pytest.raises(NotFound):
+        c.get_job(job)
+    st = settle(c)
+    assert st.generated_tokens >= 72 and all(ch["invariants_ok"] for ch in st.chains)
+    snap = c.pool_snapshot()
+    assert sorted(ch.chain_id // CHAIN_ID_STRIDE for ch in snap.chains) == [0, 1]
+
+
+@pytest.mark.slow
+def test_generate_streams_through_the_front(sharded, oracle):
+    p = prompts(1, 5, 20, seed=43)[0]
+    r = sharded.client.generate(prompt_token_ids=p, max_new_tokens=7)
+    assert r.token_ids == oracle(p, 7)
+
+
+@pytest.mark.slow
+def test_a_refused_job_leaves_no_part_in_any_shard(sharded):
+    c = sharded.client
+    before = {j.job_id for j in c.list_jobs(limit=1000)}
+    bad = [{"prompt_token_ids": [2, 3, 4], "max_new_tokens": 4} for _ in range(9)]
+    bad.append({"prompt_token_ids": [2, VOCAB + 5], "max_new_tokens": 4})   # the last part's shard refuses it
+    with pytest.raises(InvalidArgument, match="prompt token ids must be in"):
+        c.submit(bad)
+    assert {j.job_id for j in c.list_jobs(limit=1000)} == before
+    settle(c)
+    stub = metadata_pb2_grpc.MetadataServiceStub(grpc.insecure_channel(sharded.address))
+    with pytest.raises(grpc.RpcError) as e:   # ids are the front's to pick
+        stub.SubmitJob(metadata_pb2.SubmitJobRequest(requests=[metadata_pb2.GenerateRequest(
+            prompt_token_ids=b"\x02\x00\x00\x00", max_new_tokens=2)], job_id="mine"))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(NotFound):
+        c.get_job("not-a-sharded-id")
+
+
+@pytest.mark.slow
+def test_a_chosen_job_id_on_one_service_must_be_well_formed_and_unused(ckpt):
+    with LocalCluster(model=ckpt, dtype="float64") as cl:
+        stub = metadata_pb2_grpc.MetadataServiceStub(grpc.insecure_channel(cl.address))
+        req = [metadata_pb2.GenerateRequest(prompt_token_ids=b"\x02\x00\x00\x00", max_new_tokens=2)]
+        assert stub.SubmitJob(metadata_pb2.SubmitJobRequest(requests=req, job_id="abc_1")).job_id == "abc_1"
+        for job_id, code in (("abc_1", grpc.StatusCode.ALREADY_EXISTS), ("a b", grpc.StatusCode.INVALID_ARGUMENT)):
+            with pytest.raises(grpc.RpcError) as e:
+                stub.SubmitJob(metadata_pb2.SubmitJobRequest(requests=req, job_id=job_id))
+            assert e.value.code() == code
+        cl.client.wait("abc_1", timeout=60)
+        assert [j.job_id for j in cl.client.list_jobs()] == ["abc_1"]
+        settle(cl.client)
+
+
+@pytest.mark.slow
+def test_the_block_api_is_shard_zeros(sharded):
+    stub = metadata_pb2_grpc.MetadataServiceStub(grpc.insecure_channel(sharded.address))
+    got = stub.CreateSequence(metadata_pb2.CreateSequenceRequest(sequence_id=77, num_tokens=9))
+    assert got.sequence_id == 77 and got.sequence_length == 9
+    assert stub.ReleaseSequence(metadata_pb2.ReleaseSequenceRequest(sequence_id=77)).freed_blocks == 3
+    settle(sharded.client)
+
+
+@pytest.mark.slow
+def test_jobs_survive_a_restart_of_a_sharded_service(ckpt, oracle):
+    """Each shard keeps its part in its own store (--db PATH.shardK); the job id needs no table."""
+    with LocalCluster(model=ckpt, replicas=2, dtype="float64", extra_service_args=["--shards", "2"]) as c:
+        batch = prompts(10, 1, 30, seed=45)
+        job = c.client.submit([{"prompt_token_ids": p, "max_new_tokens": 24} for p in batch])
+        c.restart_service()
+        results = c.client.wait(job, timeout=300)
+        assert [r.token_ids for r in results] == [oracle(p, 24) for p in batch]
+        settle(c.client)

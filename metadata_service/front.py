@@ -6,6 +6,7 @@ snapshots are the shards' merged; the block API is shard 0's. The front keeps no
 restart would lose: job ids say how they were split, worker ids say their shard."""
 from __future__ import annotations
 
+import sys
 import time
 
 import grpc
@@ -175,23 +176,26 @@ def run_front(args, argv: list[str], serve, wait_for_signal, log) -> int:
     """main() of a sharded service: start (or reach) the shards, serve the one address, stop them."""
     from grpc_health.v1 import health_pb2
     from .auth import TokenInterceptor
-    from .shards import spawn_shards, stop_shards
+    from .shards import ShardProcesses
     from minipaged.rpc import DecodeGuardInterceptor
-    procs, addresses = [], [a for a in args.shard_addresses.split(",") if a]
+    procs, addresses = None, [a for a in args.shard_addresses.split(",") if a]
     if not addresses:
         try:
-            procs, addresses = spawn_shards(args.shards, argv, args.db)
+            procs = ShardProcesses(args.shards, argv, args.db)
         except RuntimeError as e:
-            print(f"error: {e}", file=__import__("sys").stderr, flush=True)
+            print(f"error: {e}", file=sys.stderr, flush=True)
             return 1
-    shards = ShardSet(addresses).start()
+        addresses = procs.addresses
+    shards = ShardSet(addresses, procs).start()
     auth = [TokenInterceptor(args.token, args.worker_token)] if args.token or args.worker_token else []
     server, port, health = serve(f"{args.host}:{args.port}", FrontServicer(shards), auth + [DecodeGuardInterceptor()],
                                  (args.tls_cert, args.tls_key, args.tls_client_ca), args.max_waiting)
     if port == 0:
-        stop_shards(procs)
+        shards.stop()
+        if procs is not None:
+            procs.stop()
         print(f"error: cannot serve on {args.host}:{args.port}: the port is taken or the address is not "
-              f"this machine's", file=__import__("sys").stderr, flush=True)
+              f"this machine's", file=sys.stderr, flush=True)
         return 1
     name = metadata_pb2.DESCRIPTOR.services_by_name["MetadataService"].full_name
     health.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -206,5 +210,6 @@ def run_front(args, argv: list[str], serve, wait_for_signal, log) -> int:
     health.enter_graceful_shutdown()
     server.stop(args.grace).wait()
     shards.stop()
-    stop_shards(procs, args.grace)
+    if procs is not None:
+        procs.stop(args.grace)
     return 0

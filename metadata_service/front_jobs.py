@@ -85,7 +85,7 @@ class FrontJobRpcs:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a job needs at least one request")
         if request.job_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a sharded service picks job ids itself")
-        counts = split(len(request.requests), self.shards.weights())
+        counts = split(len(request.requests), self.shards.fresh_weights())
         job_id = new_job_id(counts)
         at = offsets(counts)
         calls = {k: metadata_pb2.SubmitJobRequest(requests=request.requests[at[k]:at[k] + n], job_id=job_id)

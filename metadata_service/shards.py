@@ -52,30 +52,55 @@ def _die_with_parent() -> None:
         pass
 
 
-def spawn_shards(n: int, argv: list[str], db: str, timeout_s: float = 60.0) -> tuple[list, list[str]]:
-    """Start n shard services on loopback ports of their own: (processes, addresses)."""
-    def start(k):
+class ShardProcesses:
+    """The shard services a front started (`--shards N`), on loopback ports of their own; one that
+    dies is started again on its store (ShardSet's poller asks), so its jobs resume."""
+
+    def __init__(self, n: int, argv: list[str], db: str, timeout_s: float = 60.0):
+        self.argv, self.db, self.timeout_s = shard_argv(argv), db, timeout_s
+        self.procs = [self._launch(k) for k in range(n)]
+        self.addresses = []
+        for k in range(n):
+            self.addresses.append(self._listening(k))
+
+    def _launch(self, k: int):
         cmd = [sys.executable, "-m", "metadata_service", "--host", "127.0.0.1", "--port", "0"]
-        cmd += (["--db", f"{db}.shard{k}"] if db else []) + shard_argv(argv)
+        cmd += (["--db", f"{self.db}.shard{k}"] if self.db else []) + self.argv
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, preexec_fn=_die_with_parent)
 
-    procs = [start(k) for k in range(n)]
-    addresses = []
-    deadline = time.monotonic() + timeout_s
-    for k in range(n):
-        line = ""
+    def _listening(self, k: int) -> str:
+        """Shard k's address once it says LISTENING (started again while it exits at once: the
+        shard of a front killed a moment ago may still hold this store while it stops)."""
+        deadline, line = time.monotonic() + self.timeout_s, ""
         while time.monotonic() < deadline and not line.startswith("LISTENING"):
-            line = procs[k].stdout.readline()
-            if not line and procs[k].poll() is not None:
-                # e.g. the shard of a front killed a moment ago still holds this store while it stops
+            line = self.procs[k].stdout.readline()
+            if not line and self.procs[k].poll() is not None:
                 time.sleep(0.5)
-                procs[k] = start(k)
+                self.procs[k] = self._launch(k)
         if not line.startswith("LISTENING"):
-            stop_shards(procs)
-            raise RuntimeError(f"shard {k} did not start (exit code {procs[k].poll()}); its log is above")
-        addresses.append(line.split()[1])
-        threading.Thread(target=_drain, args=(procs[k],), daemon=True).start()
-    return procs, addresses
+            self.stop()
+            raise RuntimeError(f"shard {k} did not start (exit code {self.procs[k].poll()}); its log is above")
+        threading.Thread(target=_drain, args=(self.procs[k],), daemon=True).start()
+        return line.split()[1]
+
+    def dead(self) -> list[int]:
+        return [k for k, p in enumerate(self.procs) if p.poll() is not None]
+
+    def restart(self, k: int) -> str:
+        log.warning("shard %d exited (code %s): starting it again", k, self.procs[k].poll())
+        self.procs[k] = self._launch(k)
+        self.addresses[k] = self._listening(k)
+        return self.addresses[k]
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                p.kill()
 
 
 def _drain(p) -> None:
@@ -83,22 +108,12 @@ def _drain(p) -> None:
         pass
 
 
-def stop_shards(procs: list, grace_s: float = 10.0) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            p.kill()
-
-
 class ShardSet:
     """Stubs to the shards, their latest Stats, and where workers go."""
 
-    def __init__(self, addresses: list[str]):
-        self.addresses = addresses
+    def __init__(self, addresses: list[str], processes: ShardProcesses | None = None):
+        self.addresses = list(addresses)
+        self.processes = processes
         self.channels = [grpc.insecure_channel(a, options=grpc_options()) for a in addresses]
         self.stubs = [metadata_pb2_grpc.MetadataServiceStub(c) for c in self.channels]
         self.stats: list[metadata_pb2.StatsReply | None] = [None] * len(addresses)
@@ -108,6 +123,8 @@ class ShardSet:
         self.on_ready_changed: list = []
         self._ready = False
         self._stop = threading.Event()
+        self.polled_at = 0.0
+        self._restarting = threading.Lock()
 
     def __len__(self) -> int:
         return len(self.stubs)
@@ -125,7 +142,36 @@ class ShardSet:
         while not self._stop.wait(STATS_PERIOD_S):
             self.poll()
 
+    def _restart_dead(self) -> None:
+        if self.processes is None or not self._restarting.acquire(blocking=False):
+            return  # another thread restarts them
+        try:
+            self._restart_each()
+        finally:
+            self._restarting.release()
+
+    def _restart_each(self) -> None:
+        for k in self.processes.dead():
+            try:
+                address = self.processes.restart(k)
+            except RuntimeError as e:
+                log.error("%s", e)
+                continue
+            channel = grpc.insecure_channel(address, options=grpc_options())
+            self.addresses[k], self.stubs[k] = address, metadata_pb2_grpc.MetadataServiceStub(channel)
+            self.channels[k], old = channel, self.channels[k]
+            old.close()
+
+    def fresh_weights(self, max_age_s: float = 0.1) -> list[int]:
+        """weights() from Stats at most max_age_s old (a job split on a stale view could leave a
+        shard whose chain just came up without work)."""
+        if time.monotonic() - self.polled_at > max_age_s:
+            self.poll()
+        return self.weights()
+
     def poll(self) -> None:
+        self.polled_at = time.monotonic()
+        self._restart_dead()
         for k, stub in enumerate(self.stubs):
             try:
                 self.stats[k] = stub.Stats(metadata_pb2.StatsRequest(), timeout=2.0)

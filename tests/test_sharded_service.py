@@ -4,6 +4,9 @@ workers go; end to end, float64 tokens equal transformers' through the front, jo
 list, cancel, delete, Stats and pool snapshots merged, and a refused job leaves no part behind."""
 from __future__ import annotations
 
+import os
+import signal
+import time
 from types import SimpleNamespace
 
 import grpc
@@ -160,4 +163,27 @@ def test_jobs_survive_a_restart_of_a_sharded_service(ckpt, oracle):
         c.restart_service()
         results = c.client.wait(job, timeout=300)
         assert [r.token_ids for r in results] == [oracle(p, 24) for p in batch]
+        settle(c.client)
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(x) for x in f.read().split()]
+
+
+@pytest.mark.slow
+def test_a_shard_killed_mid_job_starts_again_and_its_part_resumes(ckpt, oracle):
+    with LocalCluster(model=ckpt, replicas=2, dtype="float64", extra_service_args=["--shards", "2"]) as c:
+        batch = prompts(10, 1, 30, seed=47)
+        job = c.client.submit([{"prompt_token_ids": p, "max_new_tokens": 24} for p in batch])
+        shards = _children(c.processes[0].pid)
+        assert len(shards) == 2
+        os.kill(shards[1], signal.SIGKILL)
+        results = c.client.wait(job, timeout=300)
+        assert [r.token_ids for r in results] == [oracle(p, 24) for p in batch]
+        end = time.monotonic() + 60
+        while c.client.stats().num_chains < 2:   # its worker registered again, with the new shard
+            assert time.monotonic() < end
+            time.sleep(0.2)
+        assert _children(c.processes[0].pid)[0] == shards[0]
         settle(c.client)

@@ -1,7 +1,7 @@
 """The sharded metadata service's front: one address, N shard services behind it (shards.py).
 
 Jobs are split over the shards by their ready chains (front_jobs.py); a Generate stream goes to the
-least busy shard; a worker registers into one shard (stages of one chain together); Stats and pool
+shard its prompt's prefix went to unless another is much less busy (front_routing.py); a worker registers into one shard (stages of one chain together); Stats and pool
 snapshots are the shards' merged; the block API is shard 0's. The front keeps no state that a
 restart would lose: job ids say how they were split, worker ids say their shard."""
 from __future__ import annotations
@@ -89,7 +89,7 @@ class FrontServicer(FrontJobRpcs, metadata_pb2_grpc.MetadataServiceServicer):
 
     # ------------------------------------------------------------------ generation
     def Generate(self, request, context):
-        k = self.shards.least_busy()
+        k = self.shards.router.choose(request, self.shards.stats)
         stream = self.shards.stubs[k].Generate(request, metadata=self._metadata(context),
                                                timeout=self._timeout(context))
         context.add_callback(stream.cancel)

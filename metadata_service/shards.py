@@ -20,6 +20,8 @@ import grpc
 from minipaged.constants import grpc_options
 from minipaged.v1 import metadata_pb2, metadata_pb2_grpc
 
+from .front_routing import ShardRouter
+
 log = logging.getLogger("metadata_service.shards")
 
 # flags the front keeps for itself: its address, its store (each shard gets PATH.shardK), its TLS
@@ -117,6 +119,7 @@ class ShardSet:
         self.channels = [grpc.insecure_channel(a, options=grpc_options()) for a in addresses]
         self.stubs = [metadata_pb2_grpc.MetadataServiceStub(c) for c in self.channels]
         self.stats: list[metadata_pb2.StatsReply | None] = [None] * len(addresses)
+        self.router = ShardRouter(len(addresses))   # Generate streams: prefix overlap against load
         self.lock = threading.Lock()
         self.by_address: dict[str, int] = {}   # worker address -> shard
         self.by_group: dict[str, int] = {}     # replica group (or pipeline stages of the default group) -> shard
@@ -177,6 +180,7 @@ class ShardSet:
                 self.stats[k] = stub.Stats(metadata_pb2.StatsRequest(), timeout=2.0)
             except grpc.RpcError:
                 self.stats[k] = None
+            self.router.polled(k)
         ready = any(s is not None and s.ready for s in self.stats)
         if ready != self._ready:
             self._ready = ready
@@ -190,15 +194,6 @@ class ShardSet:
             return chains
         up = [0 if s is None else 1 for s in self.stats]
         return up if any(up) else [1] * len(self.stubs)
-
-    def least_busy(self) -> int:
-        """The ready shard with the least work per chain (for one Generate stream)."""
-        def load(k):
-            s = self.stats[k]
-            if s is None or not s.ready:
-                return (1, 0.0)
-            return (0, (s.running + s.waiting) / max(1, s.num_chains))
-        return min(range(len(self.stubs)), key=load)
 
     # ------------------------------------------------------------------ workers
     def shard_for_worker(self, info) -> int:

@@ -112,6 +112,28 @@ def test_generate_streams_through_the_front(sharded, oracle):
 
 
 @pytest.mark.slow
+def test_a_conversations_next_turn_goes_to_the_shard_that_holds_its_history(sharded, oracle):
+    """Without affinity half of these next turns would land on the other shard and recompute."""
+    c = sharded.client
+    firsts = prompts(6, 40, 48, seed=44)
+    turns = [p + c.generate(prompt_token_ids=p, max_new_tokens=6).token_ids for p in firsts]
+    for history in turns:
+        prompt = history + [3, 4, 5, 6]
+        r = c.generate(prompt_token_ids=prompt, max_new_tokens=5)
+        assert r.token_ids == oracle(prompt, 5)
+        assert r.usage.cached_tokens >= len(history) - 4, (len(history), r.usage)
+
+
+def test_text_prompts_hash_by_their_bytes():
+    from metadata_service.front_routing import prompt_blocks
+    a = prompt_blocks(metadata_pb2.GenerateRequest(prompt="x" * 200), 16)
+    b = prompt_blocks(metadata_pb2.GenerateRequest(prompt="x" * 130 + "y" * 70), 16)
+    assert len(a) == 3 and a[:2] == b[:2] and a[2] != b[2]
+    ids = metadata_pb2.GenerateRequest(prompt_token_ids=bytes(4 * 33))
+    assert len(prompt_blocks(ids, 16)) == 2
+
+
+@pytest.mark.slow
 def test_a_refused_job_leaves_no_part_in_any_shard(sharded):
     c = sharded.client
     before = {j.job_id for j in c.list_jobs(limit=1000)}

@@ -203,12 +203,15 @@ def bench_prefix(args):
     """Each setup serves the workload `repeats` times on fresh clusters (fresh caches); the table
     shows the median of the runs' hit rates and TTFT percentiles (one run is under a second)."""
     rows, base_rate = [], None
-    for label, replicas, router in (("1 replica", 1, "prefix"), ("4 replicas, prefix-aware", 4, "prefix"),
-                                    ("4 replicas, round-robin", 4, "round_robin")):
+    setups = [("1 replica", 1, "prefix", 1), ("4 replicas, prefix-aware", 4, "prefix", 1),
+              ("4 replicas, round-robin", 4, "round_robin", 1)]
+    setups += [(f"4 replicas, prefix-aware, {k} shards", 4, "prefix", k) for k in args.shards if 1 < k <= 4]
+    for label, replicas, router, shards in setups:
         runs = []
         for r in range(args.repeat_prefix):
             reqs = shared_prefix_requests(seed=7 + r, per=args.prefix_per)
-            with sim_cluster(replicas=replicas, extra=("--router", router)) as c:
+            extra = ("--router", router) + (("--shards", str(shards)) if shards > 1 else ())
+            with sim_cluster(replicas=replicas, extra=extra) as c:
                 b = c.client.stats()
                 t0 = time.perf_counter()
                 lat = asyncio.run(ttfts(c.address, reqs))

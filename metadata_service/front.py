@@ -186,7 +186,7 @@ def run_front(args, argv: list[str], serve, wait_for_signal, log) -> int:
             print(f"error: {e}", file=sys.stderr, flush=True)
             return 1
         addresses = procs.addresses
-    shards = ShardSet(addresses, procs).start()
+    shards = ShardSet(addresses, procs, args.token).start()
     auth = [TokenInterceptor(args.token, args.worker_token)] if args.token or args.worker_token else []
     server, port, health = serve(f"{args.host}:{args.port}", FrontServicer(shards), auth + [DecodeGuardInterceptor()],
                                  (args.tls_cert, args.tls_key, args.tls_client_ca), args.max_waiting)

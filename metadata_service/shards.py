@@ -113,8 +113,9 @@ def _drain(p) -> None:
 class ShardSet:
     """Stubs to the shards, their latest Stats, and where workers go."""
 
-    def __init__(self, addresses: list[str], processes: ShardProcesses | None = None):
+    def __init__(self, addresses: list[str], processes: ShardProcesses | None = None, token: str | None = None):
         self.addresses = list(addresses)
+        self._md = (("authorization", f"Bearer {token}"),) if token else ()   # the front's own Stats calls
         self.processes = processes
         self.channels = [grpc.insecure_channel(a, options=grpc_options()) for a in addresses]
         self.stubs = [metadata_pb2_grpc.MetadataServiceStub(c) for c in self.channels]
@@ -177,7 +178,7 @@ class ShardSet:
         self._restart_dead()
         for k, stub in enumerate(self.stubs):
             try:
-                self.stats[k] = stub.Stats(metadata_pb2.StatsRequest(), timeout=2.0)
+                self.stats[k] = stub.Stats(metadata_pb2.StatsRequest(), timeout=2.0, metadata=self._md)
             except grpc.RpcError:
                 self.stats[k] = None
             self.router.polled(k)

@@ -209,3 +209,24 @@ def test_a_shard_killed_mid_job_starts_again_and_its_part_resumes(ckpt, oracle):
             time.sleep(0.2)
         assert _children(c.processes[0].pid)[0] == shards[0]
         settle(c.client)
+
+
+@pytest.mark.slow
+def test_with_a_client_token_the_front_still_sees_its_shards(ckpt):
+    """The front's own Stats calls carry the token: readiness and the job split depend on them."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from client import Client
+    from client.errors import Unauthenticated
+    with LocalCluster(model=ckpt, replicas=2, dtype="float64", token="t0k3n",
+                      extra_service_args=["--shards", "2"]) as c:
+        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(c.address))
+        end = time.monotonic() + 10
+        while health.Check(health_pb2.HealthCheckRequest(service="minipaged.v1.MetadataService")).status \
+                != health_pb2.HealthCheckResponse.SERVING:
+            assert time.monotonic() < end
+            time.sleep(0.2)
+        job = c.client.submit([{"prompt_token_ids": [2, 3, 4], "max_new_tokens": 3}] * 8)
+        assert parse_job_id(job, 2) == [4, 4]
+        assert len(c.client.wait(job, timeout=120)) == 8
+        with pytest.raises(Unauthenticated):
+            Client(c.address).stats()

@@ -9,7 +9,11 @@ kill -9 of a worker (restarted 1-3 s later), SIGSTOP of a worker for 2-8 s (beyo
 a restart of the metadata service on its --db (kill -9 or SIGTERM), a cancelled job, a cancelled
 stream. The cluster: 2 replica chains of 2 stages and a standby, lease 3 s.
 
-    .venv/bin/python bench/chaos.py --minutes 10
+With --shards N the service is a sharded front (`--shards N`) over 2 one-stage replicas and a
+standby (whole-model workers spread over the shards; a default-group pipeline would sit in one
+shard), and one more fault: kill -9 of a shard (the front starts it again on its store).
+
+    .venv/bin/python bench/chaos.py --minutes 10 [--shards 2]
 """
 from __future__ import annotations
 
@@ -71,6 +75,7 @@ class Soak:
         self.interrupted_streams = 0
         self.cancelled_streams = 0
         self.errors = []
+        self.shards = 1
 
     def request(self, rng):
         p = rng.choice(PROMPTS)
@@ -140,7 +145,8 @@ class Soak:
         time.sleep(20)  # warm-up
         while time.monotonic() < self.end - 20:
             time.sleep(rng.uniform(4, 14))
-            kind = rng.choice(["kill", "kill", "stop", "stop", "restart_service", "cancel_job"])
+            kinds = ["kill", "kill", "stop", "stop", "restart_service", "cancel_job"]
+            kind = rng.choice(kinds + (["kill_shard"] if self.shards > 1 else []))
             n_workers = len(self.c.processes) - 1
             try:
                 if kind == "kill":
@@ -154,6 +160,10 @@ class Soak:
                     p.send_signal(signal.SIGSTOP)
                     time.sleep(rng.uniform(2, 8))
                     p.send_signal(signal.SIGCONT)
+                elif kind == "kill_shard":
+                    with open(f"/proc/{self.c.processes[0].pid}/task/{self.c.processes[0].pid}/children") as f:
+                        shards = [int(x) for x in f.read().split()]
+                    os.kill(rng.choice(shards), signal.SIGKILL)
                 elif kind == "restart_service":
                     if rng.random() < 0.5:
                         self.c.processes[0].send_signal(signal.SIGKILL)
@@ -189,13 +199,17 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--shards", type=int, default=1, help="a sharded service (--shards N) and shard kills")
     args = ap.parse_args()
     oracle = Oracle()
     db = os.path.join(tempfile.mkdtemp(prefix="minipaged-chaos-"), "jobs.db")
     t_start = time.time()
-    with LocalCluster(model="tiny", workers=2, replicas=2, standby=1, dtype="float64", db=db,
-                      startup_timeout=300, extra_service_args=["--worker-lease", "3", "--worker-wait", "120"]) as c:
+    shards = ["--shards", str(args.shards)] if args.shards > 1 else []
+    with LocalCluster(model="tiny", workers=1 if shards else 2, replicas=2, standby=1, dtype="float64", db=db,
+                      startup_timeout=300,
+                      extra_service_args=["--worker-lease", "3", "--worker-wait", "120"] + shards) as c:
         soak = Soak(c, args.minutes * 60, args.seed)
+        soak.shards = args.shards
         soak.seconds = args.minutes * 60
         threads = [threading.Thread(target=soak.jobs_loop, daemon=True),
                    threading.Thread(target=soak.chaos_loop, daemon=True)]
@@ -231,9 +245,14 @@ def main() -> int:
                 wrong.append((clean, toks, want))
         st = cl.stats()
         settled = st.running == 0 and st.waiting == 0 and st.free_blocks == st.num_blocks and st.invariants_ok
-    with sqlite3.connect(db) as con:             # no job lost, none stored twice
-        rows = dict(con.execute("SELECT job_id, COUNT(*) FROM requests WHERE result IS NOT NULL GROUP BY job_id"))
-        states = dict(con.execute("SELECT job_id, state FROM jobs"))
+    rows, states = {}, {}
+    for path in [db] if args.shards == 1 else [f"{db}.shard{k}" for k in range(args.shards)]:
+        with sqlite3.connect(path) as con:       # no job lost, none stored twice (a job's parts summed)
+            for j, n in con.execute("SELECT job_id, COUNT(*) FROM requests WHERE result IS NOT NULL GROUP BY job_id"):
+                rows[j] = rows.get(j, 0) + n
+            for j, st in con.execute("SELECT job_id, state FROM jobs"):
+                states[j] = st if states.get(j) in (None, st) else ("cancelled" if "cancelled" in (st, states[j])
+                                                                     else "running")
     lost = [j for j, reqs in soak.jobs if states.get(j) not in ("done", "cancelled")
             or (states.get(j) == "done" and rows.get(j, 0) != len(reqs))]
     kinds = {}

@@ -33,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="HTTP port of the OpenAI API")
     p.add_argument("--stages", type=int, default=1, help="pipeline stages per chain (layers split evenly)")
     p.add_argument("--replicas", type=int, default=1, help="worker chains behind the one service")
+    p.add_argument("--shards", type=int, default=1,
+                   help="metadata processes behind the one service (--shards of python -m metadata_service): "
+                        "one-stage replicas spread over them")
     p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: MODEL)")
     p.add_argument("--api-key", default=None,
                    help="clients must send 'Authorization: Bearer KEY' (env MINIPAGED_API_KEY); the "
@@ -145,6 +148,7 @@ class _ServeCluster(cl.LocalCluster):
 def _cluster_kwargs(a) -> dict:
     service = ["--max-model-len", a.max_model_len] if a.max_model_len else []
     service += ["--max-num-seqs", a.max_num_seqs] if a.max_num_seqs else []
+    service += ["--shards", a.shards] if a.shards > 1 else []
     worker = ["--kv-memory-fraction", a.kv_memory_fraction] if a.kv_memory_fraction is not None else []
     gateway = ["--reasoning-parser", a.reasoning_parser]
     gateway += ["--served-model-name", a.served_model_name] if a.served_model_name else []

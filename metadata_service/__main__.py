@@ -4,10 +4,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import socket
 import sys
-import threading
 import time
 from concurrent import futures
 
@@ -18,6 +16,7 @@ from grpc_reflection.v1alpha import reflection
 from minipaged.constants import DEFAULT_METADATA_PORT
 from minipaged.cli import prog_name
 from minipaged.rpc import DecodeGuardInterceptor
+from minipaged.signals import StopFlag, die_with_parent
 from minipaged.tls import add_port, make_channel
 from minipaged.v1 import metadata_pb2, metadata_pb2_grpc
 
@@ -255,14 +254,7 @@ def _serve_metrics(args, engine) -> bool:
 
 def _wait_for_signal() -> None:
     """Until SIGTERM or SIGINT."""
-    stopping = threading.Event()
-
-    def on_signal(signum, frame):
-        stopping.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    stopping.wait()
+    StopFlag().on_signals().wait()
 
 
 def main(argv=None) -> int:
@@ -270,6 +262,8 @@ def main(argv=None) -> int:
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     log = logging.getLogger("metadata_service")
+    if not die_with_parent():  # a shard whose front is already gone
+        return 1
     if args.shards > 1 or args.shard_addresses:
         from .front import run_front
         return run_front(args, sys.argv[1:] if argv is None else list(argv), _serve, _wait_for_signal, log)

@@ -7,8 +7,8 @@ keeps only what it can learn again: each shard's latest Stats (polled) and which
 address and replica group went to (a worker that registers again returns to its shard)."""
 from __future__ import annotations
 
-import ctypes
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -18,6 +18,7 @@ import time
 import grpc
 
 from minipaged.constants import grpc_options
+from minipaged.signals import PARENT_ENV
 from minipaged.v1 import metadata_pb2, metadata_pb2_grpc
 
 from .front_routing import ShardRouter
@@ -46,14 +47,6 @@ def shard_argv(argv: list[str]) -> list[str]:
     return out
 
 
-def _die_with_parent() -> None:
-    """A shard ends with its front, even when the front is killed -9 (Linux prctl PR_SET_PDEATHSIG)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
-    except OSError:  # pragma: no cover - not Linux
-        pass
-
-
 class ShardProcesses:
     """The shard services a front started (`--shards N`), on loopback ports of their own; one that
     dies is started again on its store (ShardSet's poller asks), so its jobs resume."""
@@ -68,7 +61,9 @@ class ShardProcesses:
     def _launch(self, k: int):
         cmd = [sys.executable, "-m", "metadata_service", "--host", "127.0.0.1", "--port", "0"]
         cmd += (["--db", f"{self.db}.shard{k}"] if self.db else []) + self.argv
-        return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, preexec_fn=_die_with_parent)
+        # a shard ends with its front, even when the front is killed -9 (minipaged/signals.py)
+        env = dict(os.environ, **{PARENT_ENV: str(os.getpid())})
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
 
     def _listening(self, k: int) -> str:
         """Shard k's address once it says LISTENING (started again while it exits at once: the
@@ -144,7 +139,7 @@ class ShardSet:
 
     def _poll_loop(self) -> None:
         while not self._stop.wait(STATS_PERIOD_S):
-            self.poll()
+            self.poll(restart=True)
 
     def _restart_dead(self) -> None:
         if self.processes is None or not self._restarting.acquire(blocking=False):
@@ -170,12 +165,15 @@ class ShardSet:
         """weights() from Stats at most max_age_s old (a job split on a stale view could leave a
         shard whose chain just came up without work)."""
         if time.monotonic() - self.polled_at > max_age_s:
-            self.poll()
+            self.poll(restart=False)
         return self.weights()
 
-    def poll(self) -> None:
+    def poll(self, restart: bool = False) -> None:
+        """Every shard's Stats; with `restart` (the poller thread only: a shard's death signal is tied to
+        the thread that started it) dead shards are started again first."""
         self.polled_at = time.monotonic()
-        self._restart_dead()
+        if restart:
+            self._restart_dead()
         for k, stub in enumerate(self.stubs):
             try:
                 self.stats[k] = stub.Stats(metadata_pb2.StatsRequest(), timeout=2.0, metadata=self._md)

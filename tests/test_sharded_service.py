@@ -230,3 +230,23 @@ def test_with_a_client_token_the_front_still_sees_its_shards(ckpt):
         assert len(c.client.wait(job, timeout=120)) == 8
         with pytest.raises(Unauthenticated):
             Client(c.address).stats()
+
+
+@pytest.mark.slow
+def test_a_front_killed_9_takes_its_shards_with_it_and_a_new_one_resumes(ckpt, oracle):
+    with LocalCluster(model=ckpt, replicas=2, dtype="float64", extra_service_args=["--shards", "2"]) as c:
+        batch = prompts(8, 1, 30, seed=49)
+        job = c.client.submit([{"prompt_token_ids": p, "max_new_tokens": 24} for p in batch])
+        front = c.processes[0]
+        shards = _children(front.pid)
+        front.send_signal(signal.SIGKILL)
+        front.wait()
+        end = time.monotonic() + 20
+        while any(os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z"
+                  for pid in shards):
+            assert time.monotonic() < end, "a shard outlived its front"
+            time.sleep(0.1)
+        c.restart_service()
+        results = c.client.wait(job, timeout=300)
+        assert [r.token_ids for r in results] == [oracle(p, 24) for p in batch]
+        settle(c.client)

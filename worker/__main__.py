@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
 import sys
-import threading
+
+from minipaged.signals import StopFlag
 
 # build_parser: every program's __main__ offers it (tests check the deploy files' flags against it)
 from worker.flags import (DEFAULT_CPU_KV_BYTES, DEFAULT_CPU_KV_TOKENS, DEFAULT_GPU_MEMORY_FRACTION,  # noqa: F401
@@ -68,13 +68,11 @@ def _torch_importable() -> bool:
     return True
 
 
-def _start(args) -> threading.Event:
+def _start(args) -> StopFlag:
     """Logging, the stop signals and the process-wide tuning, before anything slow."""
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    stop = threading.Event()  # handlers first: a SIGTERM at any point below means a clean exit 0
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: stop.set())
+    stop = StopFlag().on_signals()  # first: a SIGTERM at any point below means a clean exit 0
     keep_freed_memory()
     from minipaged.tokenizer import byte_fallback_problem
     problem = byte_fallback_problem(args.model, args.config.vocab_size)
@@ -147,7 +145,7 @@ def _announce(args, servicer, port: int, budget: int) -> None:
         print(f"registering with the metadata service at {args.metadata}", file=sys.stderr, flush=True)
 
 
-def register(args, servicer, health_servicer, stop: threading.Event, rejected: list):
+def register(args, servicer, health_servicer, stop: StopFlag, rejected: list):
     """Register and heartbeat (None when standalone). Readiness follows registration; a refusal
     (another model) is noted in `rejected` and stops the worker."""
     if not args.metadata:

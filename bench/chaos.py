@@ -161,8 +161,9 @@ class Soak:
                     time.sleep(rng.uniform(2, 8))
                     p.send_signal(signal.SIGCONT)
                 elif kind == "kill_shard":
-                    with open(f"/proc/{self.c.processes[0].pid}/task/{self.c.processes[0].pid}/children") as f:
-                        shards = [int(x) for x in f.read().split()]
+                    shards = self._shard_pids()
+                    if not shards:
+                        continue          # the front is itself restarting: no shard to kill yet
                     os.kill(rng.choice(shards), signal.SIGKILL)
                 elif kind == "restart_service":
                     if rng.random() < 0.5:
@@ -182,6 +183,20 @@ class Soak:
                 self.errors.append(f"fault {kind}: {type(e).__name__}: {e}")
                 continue
             self.faults.append((round(time.monotonic() - (self.end - self.seconds)), kind))
+
+    def _shard_pids(self, wait_s: float = 10.0) -> list[int]:
+        """The front's shard processes (its children); none while a restarted front starts them."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            pid = self.c.processes[0].pid
+            try:
+                with open(f"/proc/{pid}/task/{pid}/children") as f:
+                    shards = [int(x) for x in f.read().split()]
+            except OSError:
+                shards = []
+            if shards or time.monotonic() > deadline:
+                return shards
+            time.sleep(0.5)
 
     def rss(self):
         out = {}

@@ -340,11 +340,14 @@ def main() -> int:
                          "shard count above the replicas is skipped)")
     ap.add_argument("--repeat-rows", type=int, default=1,
                     help="replica and stage rows: run the job this many times on the same cluster, report the median")
+    ap.add_argument("--replicas", default="", help="replica counts of the replica tables (default 1,2,4,8)")
+    ap.add_argument("--stages", default="", help="stage counts of the stage tables (default 1,2,4,8)")
     args = ap.parse_args()
     args.shards = [int(x) for x in args.shards.split(",")]
     q = args.quick
-    args.replicas = [1, 2] if q else [1, 2, 4, 8]
-    args.stages = [1, 2] if q else [1, 2, 4, 8]
+    counts = [1, 2] if q else [1, 2, 4, 8]
+    args.replicas = [int(x) for x in args.replicas.split(",")] if args.replicas else counts
+    args.stages = [int(x) for x in args.stages.split(",")] if args.stages else counts
     args.per_worker = 32 if q else 256
     args.prompts = args.prompts.split(",")
     args.workloads = {k: (lo // 2, hi // 2, 16) for k, (lo, hi, _) in WORKLOADS.items()} if q else WORKLOADS

@@ -11,7 +11,7 @@ from typing import Iterator, Sequence
 
 import grpc
 
-from minipaged.constants import DEFAULT_METADATA_ADDRESS
+from minipaged.constants import DEFAULT_METADATA_ADDRESS, WAITING_KEY
 from minipaged.tls import make_channel
 from minipaged.v1 import metadata_pb2 as pb
 from minipaged.v1 import metadata_pb2_grpc as pb_grpc
@@ -32,7 +32,7 @@ log = logging.getLogger("minipaged.client")  # warnings reach stderr even with l
 def _say_if_waiting(call, told: threading.Event) -> None:
     """The service parks a call until its first worker registers, and says so in the initial
     metadata: tell the user (once per Client), instead of a silent wait of up to --worker-wait s."""
-    note = dict(call.initial_metadata() or ()).get("minipaged-waiting")
+    note = dict(call.initial_metadata() or ()).get(WAITING_KEY)
     if note and not told.is_set():
         told.set()
         log.warning("%s", note)

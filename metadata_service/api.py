@@ -13,6 +13,7 @@ import time
 import grpc
 import numpy as np
 
+from minipaged.constants import WAITING_KEY
 from minipaged.tokenizer import IncrementalDetokenizer
 from minipaged.v1 import metadata_pb2, metadata_pb2_grpc
 from minipaged.wire import FLOAT32, INT32, pack
@@ -77,7 +78,7 @@ class MetadataServicer(JobRpcs, metadata_pb2_grpc.MetadataServiceServicer):
         `minipaged-waiting`, which the SDK prints), and the service logs it once per wait."""
         note = f"waiting for a worker to register (up to {wait:.0f}s): {self.engine.not_ready_reason}"
         try:
-            context.send_initial_metadata((("minipaged-waiting", note.encode("ascii", "replace").decode()),))
+            context.send_initial_metadata(((WAITING_KEY, note.encode("ascii", "replace").decode()),))
         except ValueError:  # metadata already sent
             pass
         with self._pending_lock:

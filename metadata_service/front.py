@@ -11,6 +11,7 @@ import time
 
 import grpc
 
+from minipaged.constants import WAITING_KEY
 from minipaged.v1 import metadata_pb2, metadata_pb2_grpc
 
 from .front_jobs import FrontJobRpcs
@@ -94,6 +95,10 @@ class FrontServicer(FrontJobRpcs, metadata_pb2_grpc.MetadataServiceServicer):
                                                timeout=self._timeout(context))
         context.add_callback(stream.cancel)
         try:
+            # a shard parked until its first worker registers says so in its headers: pass it on
+            note = dict(stream.initial_metadata() or ()).get(WAITING_KEY)
+            if note:
+                context.send_initial_metadata(((WAITING_KEY, note),))
             yield from stream
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.CANCELLED or context.is_active():

@@ -19,6 +19,10 @@ DEFAULT_METADATA_PORT = 50051
 # MINIPAGED_ADDRESS override it).
 DEFAULT_METADATA_ADDRESS = f"127.0.0.1:{DEFAULT_METADATA_PORT}"
 
+# Initial-metadata key of a call parked until the service's first worker registers (the SDK prints
+# its value; a sharded front passes it on).
+WAITING_KEY = "minipaged-waiting"
+
 # Alternatives per row a Step may ask a worker for: beam search needs (1 + #EOS) x K, K <= 16.
 STEP_MAX_TOP_LOGPROBS = 64
 

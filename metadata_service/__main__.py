@@ -94,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(recompute elsewhere; the late stage joins no chain until idle); 0: no deadline")
     p.add_argument("--grace", type=float, default=10.0, help="shutdown grace period (SIGTERM)")
     p.add_argument("--metrics-port", type=int, default=-1,
-                   help="serve Prometheus text on this port (vLLM's metric names; 0 picks one; default off)")
+                   help="serve Prometheus text on this port (vLLM's metric names; 0 picks one; default off; with "
+                        "--shards N: every shard's, labelled shard=K)")
     p.add_argument("--log-stats-interval", type=float, default=10.0, metavar="S",
                    help="log running/waiting requests, throughput, KV usage and prefix hits every S seconds "
                         "while there is activity (0: never)")
@@ -133,9 +134,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--kv-move-part-bytes must be >= 0")
     if args.shards < 1:
         parser.error("--shards must be >= 1")
-    if (args.shards > 1 or args.shard_addresses) and (args.worker_port >= 0 or args.metrics_port >= 0):
-        parser.error("--worker-port and --metrics-port are a shard's: give them to each shard started with "
-                     "--shard-addresses, not to a sharded front")
+    if (args.shards > 1 or args.shard_addresses) and args.worker_port >= 0:
+        parser.error("--worker-port is a shard's: give it to each shard started with --shard-addresses, "
+                     "not to a sharded front")
+    if args.shard_addresses and args.metrics_port >= 0:
+        parser.error("--metrics-port with --shard-addresses: give it to each shard you started (the front "
+                     "serves its shards' metrics only for --shards N, which it starts itself)")
     internal = (args.worker_host, args.worker_port) if args.worker_port >= 0 else (args.host, args.port)
     if not args.worker_token and not is_loopback(internal[0]):
         parser.error(f"refusing to accept worker registration on {internal[0]}:{internal[1]} without a worker "
@@ -238,18 +242,18 @@ def _track_readiness(engine, healths) -> None:
         for h in healths])
 
 
-def _serve_metrics(args, engine) -> bool:
-    """--metrics-port: False when its port cannot be had (a start error)."""
+def _serve_metrics(args, engine) -> int | None:
+    """--metrics-port: the bound port, -1 when off, None when its port cannot be had (a start error)."""
     if args.metrics_port < 0:
-        return True
+        return -1
     from .metrics import ServiceMetrics
     try:
         mport = ServiceMetrics(engine).serve(args.metrics_port, args.host)
         print(f"metrics on http://{args.host}:{mport}/metrics", file=sys.stderr, flush=True)
     except OSError as e:
         print(f"error: cannot serve metrics on {args.host}:{args.metrics_port}: {e}", file=sys.stderr, flush=True)
-        return False
-    return True
+        return None
+    return mport
 
 
 def _wait_for_signal() -> None:
@@ -282,7 +286,8 @@ def main(argv=None) -> int:
     jobs_store.set_owner(_owner(args, port))
     jobs.cancel_command = engine.cancel_command = _cancel_command(args.host, port)
     _track_readiness(engine, healths)
-    if not _serve_metrics(args, engine):
+    mport = _serve_metrics(args, engine)
+    if mport is None:
         return 1
     from minipaged.gc_tuning import tune_for_serving
     tune_for_serving()
@@ -295,8 +300,8 @@ def main(argv=None) -> int:
     log.info("metadata service listening on %s:%d%s (block size %d, job store %s)", args.host, port,
              f", internal surface on {args.worker_host}:{ports.get('internal')}" if split else "",
              args.block_size, args.db or "in memory: jobs end with this process; --db PATH keeps them")
-    print(f"LISTENING {args.host}:{port}" + (f" internal {args.worker_host}:{ports['internal']}" if split else ""),
-          flush=True)
+    print(f"LISTENING {args.host}:{port}" + (f" internal {args.worker_host}:{ports['internal']}" if split else "")
+          + (f" metrics {args.host}:{mport}" if mport >= 0 else ""), flush=True)   # (a front reads the last)
 
     _wait_for_signal()
     log.info("shutting down: health NOT_SERVING, %.0fs grace", args.grace)

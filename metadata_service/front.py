@@ -186,7 +186,7 @@ def run_front(args, argv: list[str], serve, wait_for_signal, log) -> int:
     procs, addresses = None, [a for a in args.shard_addresses.split(",") if a]
     if not addresses:
         try:
-            procs = ShardProcesses(args.shards, argv, args.db)
+            procs = ShardProcesses(args.shards, argv, args.db, metrics=args.metrics_port >= 0)
         except RuntimeError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
             return 1
@@ -201,6 +201,11 @@ def run_front(args, argv: list[str], serve, wait_for_signal, log) -> int:
             procs.stop()
         print(f"error: cannot serve on {args.host}:{args.port}: the port is taken or the address is not "
               f"this machine's", file=sys.stderr, flush=True)
+        return 1
+    if procs is not None and args.metrics_port >= 0 and not _serve_metrics(procs, args):
+        server.stop(0)
+        shards.stop()
+        procs.stop()
         return 1
     name = metadata_pb2.DESCRIPTOR.services_by_name["MetadataService"].full_name
     health.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -218,3 +223,15 @@ def run_front(args, argv: list[str], serve, wait_for_signal, log) -> int:
     if procs is not None:
         procs.stop(args.grace)
     return 0
+
+
+def _serve_metrics(procs, args) -> bool:
+    """--metrics-port of a front: its shards' metrics, each sample labelled by shard (front_metrics.py)."""
+    from .front_metrics import serve_front_metrics
+    try:
+        mport = serve_front_metrics(lambda: procs.metrics_urls, args.metrics_port, args.host)
+    except OSError as e:
+        print(f"error: cannot serve metrics on {args.host}:{args.metrics_port}: {e}", file=sys.stderr, flush=True)
+        return False
+    print(f"metrics on http://{args.host}:{mport}/metrics (every shard's, labelled shard=K)", file=sys.stderr, flush=True)
+    return True

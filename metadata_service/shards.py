@@ -28,7 +28,7 @@ log = logging.getLogger("metadata_service.shards")
 # flags the front keeps for itself: its address, its store (each shard gets PATH.shardK), its TLS
 # (shards serve plain gRPC on loopback), and the sharding flags themselves
 FRONT_ONLY = {"--shards": 1, "--shard-addresses": 1, "--host": 1, "--port": 1, "--db": 1, "--tls-cert": 1,
-              "--tls-key": 1, "--tls-client-ca": 1, "--grace": 1}
+              "--tls-key": 1, "--tls-client-ca": 1, "--grace": 1, "--metrics-port": 1}
 STATS_PERIOD_S = 0.5
 
 
@@ -51,10 +51,12 @@ class ShardProcesses:
     """The shard services a front started (`--shards N`), on loopback ports of their own; one that
     dies is started again on its store (ShardSet's poller asks), so its jobs resume."""
 
-    def __init__(self, n: int, argv: list[str], db: str, timeout_s: float = 60.0):
+    def __init__(self, n: int, argv: list[str], db: str, timeout_s: float = 60.0, metrics: bool = False):
         self.argv, self.db, self.timeout_s = shard_argv(argv), db, timeout_s
+        if metrics:                            # each shard on a port of its own; the front reads them
+            self.argv += ["--metrics-port", "0"]
         self.procs = [self._launch(k) for k in range(n)]
-        self.addresses = []
+        self.addresses, self.metrics_urls = [], [None] * n
         for k in range(n):
             self.addresses.append(self._listening(k))
 
@@ -78,7 +80,10 @@ class ShardProcesses:
             self.stop()
             raise RuntimeError(f"shard {k} did not start (exit code {self.procs[k].poll()}); its log is above")
         threading.Thread(target=_drain, args=(self.procs[k],), daemon=True).start()
-        return line.split()[1]
+        words = line.split()
+        if "metrics" in words:
+            self.metrics_urls[k] = f"http://{words[words.index('metrics') + 1]}/metrics"
+        return words[1]
 
     def dead(self) -> list[int]:
         return [k for k, p in enumerate(self.procs) if p.poll() is not None]

@@ -106,3 +106,45 @@ def test_a_real_prometheus_scrapes_the_service(cluster, tmp_path):
     finally:
         prom.terminate()
         prom.wait(10)
+
+
+def test_a_sharded_front_serves_every_shards_metrics_labelled_by_shard(tmp_path):
+    """`--shards 2 --metrics-port P`: one target, each sample labelled shard="k"; summed over the
+    shards the counters equal the front's merged Stats. A real Prometheus scrapes it when installed."""
+    mport = free_port()
+    with LocalCluster(model="tiny", replicas=2, dtype="float32",
+                      extra_service_args=["--shards", 2, "--metrics-port", mport]) as c:
+        job = c.client.submit([{"prompt": "x" * (10 + i), "max_new_tokens": 8, "ignore_eos": True} for i in range(8)])
+        c.client.wait(job)
+        time.sleep(0.3)
+        st, m = c.client.stats(), scrape(mport)
+        assert one(m, "minipaged:shard_up", shard="0") == one(m, "minipaged:shard_up", shard="1") == 1
+        gen = {labels: v for (name, labels), v in m.items() if name == "vllm:generation_tokens_total"}
+        assert sorted(dict(k)["shard"] for k in gen) == ["0", "1"]
+        assert sum(gen.values()) == st.generated_tokens == 8 * 8
+        assert all(v > 0 for v in gen.values())          # the job was split over both shards
+        if shutil.which("prometheus") is None:
+            return
+        cfg = tmp_path / "prometheus.yml"
+        cfg.write_text(f"global: {{scrape_interval: 1s}}\nscrape_configs:\n  - job_name: minipaged\n"
+                       f"    static_configs: [{{targets: ['127.0.0.1:{mport}']}}]\n")
+        port = free_port()
+        prom = subprocess.Popen(["prometheus", f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'data'}",
+                                 f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        try:
+            end = time.monotonic() + 60
+            query = "sum%20without%20(shard)%20(vllm:generation_tokens_total)"
+            while True:
+                try:
+                    q = urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/query?query={query}", timeout=5).read()
+                    res = json.loads(q)["data"]["result"]
+                    if res and float(res[0]["value"][1]) == st.generated_tokens:
+                        break
+                except OSError:
+                    pass
+                assert time.monotonic() < end, "Prometheus never scraped the front's figure"
+                time.sleep(0.5)
+        finally:
+            prom.terminate()
+            prom.wait(10)

@@ -256,13 +256,9 @@ def _serve_metrics(args, engine) -> int | None:
     return mport
 
 
-def _wait_for_signal() -> None:
-    """Until SIGTERM or SIGINT."""
-    StopFlag().on_signals().wait()
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
+    stop = StopFlag().on_signals()   # first: a SIGTERM at any point below means a clean stop, not death
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     log = logging.getLogger("metadata_service")
@@ -270,7 +266,7 @@ def main(argv=None) -> int:
         return 1
     if args.shards > 1 or args.shard_addresses:
         from .front import run_front
-        return run_front(args, sys.argv[1:] if argv is None else list(argv), _serve, _wait_for_signal, log)
+        return run_front(args, sys.argv[1:] if argv is None else list(argv), _serve, stop.wait, log)
     try:  # first: a store another service owns (or a bad path) is a start error, before any port
         jobs_store = JobStore(args.db, owner=_owner(args, args.port))
     except JobStoreError as e:
@@ -303,7 +299,7 @@ def main(argv=None) -> int:
     print(f"LISTENING {args.host}:{port}" + (f" internal {args.worker_host}:{ports['internal']}" if split else "")
           + (f" metrics {args.host}:{mport}" if mport >= 0 else ""), flush=True)   # (a front reads the last)
 
-    _wait_for_signal()
+    stop.wait()   # until SIGTERM or SIGINT
     log.info("shutting down: health NOT_SERVING, %.0fs grace", args.grace)
     for h in healths:
         h.enter_graceful_shutdown()

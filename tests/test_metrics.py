@@ -114,7 +114,12 @@ def test_a_sharded_front_serves_every_shards_metrics_labelled_by_shard(tmp_path)
     mport = free_port()
     with LocalCluster(model="tiny", replicas=2, dtype="float32",
                       extra_service_args=["--shards", 2, "--metrics-port", mport]) as c:
+        end = time.monotonic() + 60
+        while c.client.stats().num_chains < 2:           # both shards' chains up: the job splits over both
+            assert time.monotonic() < end
+            time.sleep(0.2)
         job = c.client.submit([{"prompt": "x" * (10 + i), "max_new_tokens": 8, "ignore_eos": True} for i in range(8)])
+        assert len(job.split("_")) == 3 and all(int(n) for n in job.split("_")[1:]), job
         c.client.wait(job)
         time.sleep(0.3)
         st, m = c.client.stats(), scrape(mport)

@@ -24,7 +24,7 @@ def test_stop_flag_waits_and_times_out():
 
 def test_a_burst_of_sigterms_stops_a_waiting_process():
     code = ("import sys; sys.path.insert(0, %r); from minipaged.signals import StopFlag; "
-            "print('ready', flush=True); StopFlag().on_signals().wait(); print('stopped', flush=True)" % ROOT)
+            "f = StopFlag().on_signals(); print('ready', flush=True); f.wait(); print('stopped', flush=True)" % ROOT)
     for _ in range(5):
         p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
         assert p.stdout.readline().strip() == "ready"

@@ -151,9 +151,11 @@ def test_a_worker_stopped_cleanly_deregisters_at_once(tmp_path):
     assert "blocks x 16 tokens = " in out           # KV capacity in human units
 
 
-def test_a_client_waiting_for_the_first_worker_is_told_so(tmp_path):
+def told_waiting(*service_args) -> str:
+    """A generate against a service (flags `service_args`) with no worker: UNAVAILABLE after
+    --worker-wait 2, having told the user why it waits. Returns the service's output."""
     mp = free_port()
-    meta = start("metadata_service", "--port", mp, "--worker-wait", 2)
+    meta = start("metadata_service", "--port", mp, "--worker-wait", 2, *service_args)
     try:
         wait_for(lambda: answers(mp), what="the service")
         r = cli("generate", "--address", f"127.0.0.1:{mp}", "--prompt", "hi")
@@ -161,4 +163,8 @@ def test_a_client_waiting_for_the_first_worker_is_told_so(tmp_path):
         assert "waiting for a worker to register (up to 2s): no worker has registered" in r.stderr, r.stderr
     finally:
         stop(meta)
-    assert "a request is waiting for a worker to register" in output_of(meta)
+    return output_of(meta)
+
+
+def test_a_client_waiting_for_the_first_worker_is_told_so():
+    assert "a request is waiting for a worker to register" in told_waiting()

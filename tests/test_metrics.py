@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import time
+import urllib.parse
 import urllib.request
 
 import pytest
@@ -30,6 +31,34 @@ def scrape(port: int) -> dict:
 
 def one(m: dict, name: str, **labels) -> float:
     return m[(name, tuple(sorted(labels.items())))]
+
+
+def prometheus_sees(tmp_path, target_port: int, query: str, want: float, before=lambda: None) -> None:
+    """Start Debian's prometheus scraping 127.0.0.1:target_port every second (after `before()`, e.g.
+    some traffic) and wait until `query` (PromQL) returns `want`."""
+    cfg = tmp_path / "prometheus.yml"
+    cfg.write_text(f"global: {{scrape_interval: 1s}}\nscrape_configs:\n  - job_name: minipaged\n"
+                   f"    static_configs: [{{targets: ['127.0.0.1:{target_port}']}}]\n")
+    port = free_port()
+    prom = subprocess.Popen(["prometheus", f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'data'}",
+                             f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        want = want() if callable(want) else want
+        url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": query})
+        end = time.monotonic() + 60
+        while True:
+            try:
+                res = json.loads(urllib.request.urlopen(url, timeout=5).read())["data"]["result"]
+                if res and float(res[0]["value"][1]) == want:
+                    return
+            except OSError:
+                pass
+            assert time.monotonic() < end, f"Prometheus never saw {query} = {want}"
+            time.sleep(0.5)
+    finally:
+        prom.terminate()
+        prom.wait(10)
 
 
 @pytest.fixture(scope="module")
@@ -81,31 +110,10 @@ def test_worker_metrics(cluster):
 
 @pytest.mark.skipif(shutil.which("prometheus") is None, reason="Debian's prometheus is not installed (.ci/run installs it)")
 def test_a_real_prometheus_scrapes_the_service(cluster, tmp_path):
-    cfg = tmp_path / "prometheus.yml"
-    cfg.write_text(f"global: {{scrape_interval: 1s}}\nscrape_configs:\n  - job_name: minipaged\n"
-                   f"    static_configs: [{{targets: ['127.0.0.1:{cluster.metrics_port}']}}]\n")
-    port = free_port()
-    prom = subprocess.Popen(["prometheus", f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'data'}",
-                             f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    try:
+    def traffic():
         cluster.client.generate(prompt="hello", max_new_tokens=8)
-        want = cluster.client.stats().generated_tokens
-        end = time.monotonic() + 60
-        while True:
-            try:
-                q = urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/query?query=vllm:generation_tokens_total",
-                                           timeout=5).read()
-                res = json.loads(q)["data"]["result"]
-                if res and float(res[0]["value"][1]) == want:
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < end, "Prometheus never scraped the service's figure"
-            time.sleep(0.5)
-    finally:
-        prom.terminate()
-        prom.wait(10)
+        return cluster.client.stats().generated_tokens
+    prometheus_sees(tmp_path, cluster.metrics_port, "vllm:generation_tokens_total", traffic)
 
 
 def test_a_sharded_front_serves_every_shards_metrics_labelled_by_shard(tmp_path):
@@ -128,28 +136,5 @@ def test_a_sharded_front_serves_every_shards_metrics_labelled_by_shard(tmp_path)
         assert sorted(dict(k)["shard"] for k in gen) == ["0", "1"]
         assert sum(gen.values()) == st.generated_tokens == 8 * 8
         assert all(v > 0 for v in gen.values())          # the job was split over both shards
-        if shutil.which("prometheus") is None:
-            return
-        cfg = tmp_path / "prometheus.yml"
-        cfg.write_text(f"global: {{scrape_interval: 1s}}\nscrape_configs:\n  - job_name: minipaged\n"
-                       f"    static_configs: [{{targets: ['127.0.0.1:{mport}']}}]\n")
-        port = free_port()
-        prom = subprocess.Popen(["prometheus", f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'data'}",
-                                 f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
-        try:
-            end = time.monotonic() + 60
-            query = "sum%20without%20(shard)%20(vllm:generation_tokens_total)"
-            while True:
-                try:
-                    q = urllib.request.urlopen(f"http://127.0.0.1:{port}/api/v1/query?query={query}", timeout=5).read()
-                    res = json.loads(q)["data"]["result"]
-                    if res and float(res[0]["value"][1]) == st.generated_tokens:
-                        break
-                except OSError:
-                    pass
-                assert time.monotonic() < end, "Prometheus never scraped the front's figure"
-                time.sleep(0.5)
-        finally:
-            prom.terminate()
-            prom.wait(10)
+        if shutil.which("prometheus") is not None:
+            prometheus_sees(tmp_path, mport, "sum without (shard) (vllm:generation_tokens_total)", st.generated_tokens)

@@ -256,15 +256,5 @@ def test_a_front_killed_9_takes_its_shards_with_it_and_a_new_one_resumes(ckpt, o
 def test_a_client_of_a_front_waiting_for_the_first_worker_is_told_so():
     """A shard parks a Generate until a worker registers and says so in its headers: the front
     passes that on, so the SDK warns instead of waiting in silence."""
-    from client.cluster import free_port
-    from tests.test_housekeeping import answers, cli
-    from tests.test_readiness import start, stop, wait_for
-    mp = free_port()
-    meta = start("metadata_service", "--port", mp, "--worker-wait", 2, "--shards", 2)
-    try:
-        wait_for(lambda: answers(mp), what="the front")
-        r = cli("generate", "--address", f"127.0.0.1:{mp}", "--prompt", "hi")
-        assert r.returncode == 1 and "UNAVAILABLE" in r.stderr
-        assert "waiting for a worker to register (up to " in r.stderr, r.stderr
-    finally:
-        stop(meta)
+    from tests.test_housekeeping import told_waiting
+    told_waiting("--shards", 2)

@@ -258,3 +258,18 @@ def test_a_client_of_a_front_waiting_for_the_first_worker_is_told_so():
     passes that on, so the SDK warns instead of waiting in silence."""
     from tests.test_housekeeping import told_waiting
     told_waiting("--shards", 2)
+
+
+def test_shards_metrics_merge_into_one_family_per_name_labelled_by_shard():
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+    from metadata_service.front_metrics import merge_families
+    text = ('# HELP vllm:generation_tokens_total Tokens generated\n# TYPE vllm:generation_tokens_total counter\n'
+            'vllm:generation_tokens_total{model_name="m"} %d\n')
+    fams = merge_families({0: text % 5, 1: None, 2: text % 7})
+    registry = SimpleNamespace(collect=lambda: fams)
+    out = {(s.name, s.labels.get("shard")): s.value
+           for f in text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples}
+    assert out[("vllm:generation_tokens_total", "0")] == 5 and out[("vllm:generation_tokens_total", "2")] == 7
+    assert ("vllm:generation_tokens_total", "1") not in out
+    assert [out[("minipaged:shard_up", k)] for k in "012"] == [1, 0, 1]

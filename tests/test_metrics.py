@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from client import LocalCluster
 from client.cluster import free_port
+from metadata_service.front_jobs import parse_job_id
 
 pytestmark = pytest.mark.slow
 
@@ -33,9 +34,10 @@ def one(m: dict, name: str, **labels) -> float:
     return m[(name, tuple(sorted(labels.items())))]
 
 
-def prometheus_sees(tmp_path, target_port: int, query: str, want: float, before=lambda: None) -> None:
-    """Start Debian's prometheus scraping 127.0.0.1:target_port every second (after `before()`, e.g.
-    some traffic) and wait until `query` (PromQL) returns `want`."""
+def prometheus_sees(tmp_path, target_port: int, query: str, want) -> None:
+    """Start Debian's prometheus scraping 127.0.0.1:target_port every second and wait until `query`
+    (PromQL) returns `want` (a number, or a callable run once Prometheus is up that makes some
+    traffic and returns it)."""
     cfg = tmp_path / "prometheus.yml"
     cfg.write_text(f"global: {{scrape_interval: 1s}}\nscrape_configs:\n  - job_name: minipaged\n"
                    f"    static_configs: [{{targets: ['127.0.0.1:{target_port}']}}]\n")
@@ -127,7 +129,7 @@ def test_a_sharded_front_serves_every_shards_metrics_labelled_by_shard(tmp_path)
             assert time.monotonic() < end
             time.sleep(0.2)
         job = c.client.submit([{"prompt": "x" * (10 + i), "max_new_tokens": 8, "ignore_eos": True} for i in range(8)])
-        assert len(job.split("_")) == 3 and all(int(n) for n in job.split("_")[1:]), job
+        assert all(parse_job_id(job, 2)), job
         c.client.wait(job)
         time.sleep(0.3)
         st, m = c.client.stats(), scrape(mport)

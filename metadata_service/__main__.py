@@ -61,8 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-waiting", type=int, default=4096, help="pending requests before RESOURCE_EXHAUSTED")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--kv-move-part-bytes", type=int, default=0,
-                   help="disaggregated prefill/decode: send a move's K/V in Steps of about this many bytes, one "
-                        "between two decode steps of the decode chain (default 0: the whole move in one Step)")
+                   help="disaggregated prefill/decode: move a prompt's K/V in reads of about this many bytes "
+                        "(a bound on a decode worker's read buffer; default 0: one read per move)")
     p.add_argument("--kv-tier-policy", choices=["write-back", "write-through", "off"], default="write-back",
                    help="the second KV tier, on chains whose workers have one (--kv-tier-bytes): save a cached "
                         "block when the pool evicts it (write-back) or once it is computed (write-through)")

@@ -177,15 +177,17 @@ class ChainRunner(ChainStats, KvMoves):
     def step_deadline_s(self, step: InflightStep) -> float:
         """--step-timeout, plus 4x what this chain's slowest step per token so far predicts for
         this step's tokens: a legitimate long prefill chunk on a slow device never trips it."""
-        tokens = step.batch.num_tokens if step.batch is not None else 0     # (a K/V move: no tokens)
-        return self.cfg.step_timeout_s + 4.0 * tokens * self.slowest_s_per_token
+        return self.cfg.step_timeout_s + 4.0 * step.batch.num_tokens * self.slowest_s_per_token
 
     def _check_deadline(self) -> None:
         """The oldest step in flight must come back within its deadline, counted from when it was
         sent or from the last reply, whichever is later (steps ahead of it in the pipe are not its
         delay). A late step fails the chain exactly as a lost lease does: heartbeats say the
         processes live, the deadline says their devices still work."""
-        if not self.inflight or self.cfg.step_timeout_s <= 0:
+        if self.cfg.step_timeout_s <= 0:
+            return
+        self._check_move_deadline()
+        if not self.inflight or not self.alive:
             return
         head = next(iter(self.inflight.values()))
         waited = time.monotonic() - max(head.sent_at, self.last_reply_at)
@@ -198,6 +200,8 @@ class ChainRunner(ChainStats, KvMoves):
 
     def _fill_pipeline(self) -> None:
         """Send steps while the pipeline has room and some micro-batch has work."""
+        while self.alive and self.move_parts:
+            self._send_move_part()                     # K/V moves run beside the steps: no slot needed
         tried = 0
         while self.alive and len(self.inflight) < self.depth and tried < self.micro_batches:
             slot = self.order[0]
@@ -217,10 +221,6 @@ class ChainRunner(ChainStats, KvMoves):
             self.slot_inflight[slot] += 1
             self.metadata_s += time.perf_counter() - t0
             tried = 0
-            if self.move_parts and len(self.inflight) < self.depth:
-                self._send_move_part()                 # a K/V move's part between decode steps
-        while self.alive and self.move_parts and len(self.inflight) < self.depth:
-            self._send_move_part()                     # nothing else to run: the moves go on
 
     def _step_request(self, b: ScheduledBatch, release: list[int]) -> worker_pb2.StepRequest:
         step_id, self.next_step_id = self.next_step_id, self.next_step_id + 1
@@ -229,6 +229,9 @@ class ChainRunner(ChainStats, KvMoves):
 
     # ------------------------------------------------------------------ replies
     def _on_reply(self, reply: worker_pb2.StepReply) -> None:
+        if reply.step_id in self.moving:               # a prefill -> decode K/V move (kv_moves.py)
+            self._move_done(reply.step_id, reply)
+            return
         step = self.inflight.pop(reply.step_id, None)
         if step is None:
             if reply.error_code and reply.step_id == 0:   # a stage lost the steps it had sent on
@@ -236,9 +239,6 @@ class ChainRunner(ChainStats, KvMoves):
             return  # an acknowledgement, or a step of an earlier epoch
         t0 = time.perf_counter()
         self.last_reply_at = time.monotonic()
-        if step.batch is None:                         # a prefill -> decode K/V move (kv_moves.py)
-            self._move_done(step.step_id, reply)
-            return
         b = step.batch
         self.slot_inflight[b.slot] -= 1
         if reply.error_code:

@@ -20,7 +20,7 @@ class ChainConfig:
     worker_token: str = ""
     step_timeout_s: float = 120.0    # --step-timeout: the deadline's fixed part (0: no deadline)
     kv_tier_policy: str = "write-back"   # --kv-tier-policy (block_tiering.py); "off": no tier
-    kv_move_part_bytes: int = 0          # --kv-move-part-bytes: a prefill -> decode move's Step size, 0 = one Step
+    kv_move_part_bytes: int = 0          # --kv-move-part-bytes: a prefill -> decode move's read size, 0 = one
 
 
 def default_micro_batches(stages: int, host_compute: bool = False) -> int:

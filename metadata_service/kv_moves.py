@@ -5,19 +5,22 @@ A prefill chain (its stages' --role) runs a request's prompt and samples its fir
 hands the request over (`_hand_off`): the Engine picks a decode chain (the router, over decode chains
 of the same layer split), the prefill chain holds the prompt's full blocks and forgets the sequence.
 The decode chain (`_move_in`) finds the blocks it lacks, reserves a fresh block for each, and sends
-a Step with no rows (or, with --kv-move-part-bytes, parts of about that many bytes, one between two
-of its decode steps: a long prompt's move then holds the decode chain a little several times rather
-than ~20 ms once at 50 GB/s, but each part waits for a decode step's host round trip; on this 2-core
-host that made moves ~50x slower, so one Step is the default): each of its stages reads the held
-blocks from the prefill stage of its own layer range and writes them into the reserved ones
-(worker/kv_move.py). When every part is back (`_move_done`) the reserved blocks enter the decode
-chain's prefix cache under the prompt's hashes, the sequence joins its queue and is admitted with those blocks as cache hits: only the prompt's
-partial last block and the first token are computed there. The prefill chain's blocks are released
-and stay in its prefix cache.
+a Step with no rows at once (or, with --kv-move-part-bytes, several, each reading about that many
+bytes: a bound on a worker's read buffer): each of its stages takes it in stream order, then reads
+the held blocks from the prefill stage of its own layer range and writes them into the reserved
+ones beside its decode steps (worker/kv_move.py), so a long prompt's move stalls no decode. Moves
+take no pipeline slot: they are in `moving`, not `inflight`. When every part is back (`_move_done`)
+the reserved blocks enter the decode chain's prefix cache under the prompt's hashes, the sequence
+joins its queue and is admitted with those blocks as cache hits: only the prompt's partial last
+block and the first token are computed there. The prefill chain's blocks are released and stay in
+its prefix cache.
 
 A move that fails (a prefill worker died or restarted mid-move) names nothing: the sequence joins
-the queue all the same and recomputes its prompt on the decode chain. Either chain lost meanwhile
-hands the sequence back to the Engine like every other one (section 9: a failure loses only cache)."""
+the queue all the same and recomputes its prompt on the decode chain. A move not back within
+--step-timeout plus the workers' read timeout fails the decode chain like a late step (its stages
+may still write those blocks, so they cannot be given to anyone else in this epoch). Either chain
+lost meanwhile hands the sequence back to the Engine like every other one (section 9: a failure
+loses only cache)."""
 from __future__ import annotations
 
 import logging
@@ -26,10 +29,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from minipaged.constants import KV_MOVE_TIMEOUT_S
 from minipaged.v1 import worker_pb2
 from minipaged.wire import pack
 
-from .chain_config import InflightStep
 from .sequence import SeqStatus, Sequence
 from .step_channel import data_address
 from .step_request import add_tier_moves
@@ -45,6 +48,7 @@ class Move:
     dst_blocks: list[int] = field(default_factory=list)   # fresh blocks reserved here (block_moves.py)
     saved_slots: list[int] = field(default_factory=list)  # tier saves its first part carried
     parts: int = 0                                # Steps of the move still out
+    sent_at: float = 0.0                          # time.monotonic() its last part left
     failed: bool = False
 
 
@@ -56,6 +60,7 @@ class KvMoves:
         self.moving: dict[int, Move] = {}         # step id -> the move it carries part of
         self.move_parts: deque = deque()          # (move, src blocks, dst blocks, tier moves | None) to send
         self.moves_in = self.moves_failed = self.moved_blocks = 0
+        self.last_move_at = 0.0                   # when the last move's part came back
 
     # ------------------------------------------------------------------ the prefill end
     def _hand_off(self, seqs) -> None:
@@ -115,11 +120,25 @@ class KvMoves:
                                data_address=data_address(w), cache_epoch=mv.src.epoch)
         add_tier_moves(req, *(tier or ((), ())))
         self.wire_bytes += self.channel.send(req)
-        self.inflight[req.step_id] = InflightStep(None, req.step_id, time.monotonic())
+        mv.sent_at = time.monotonic()
         self.moving[req.step_id] = mv
+
+    def _check_move_deadline(self) -> None:
+        """The oldest move must come back within --step-timeout plus the workers' read timeout,
+        counted from its sending or the last move's reply (a stage pulls one move at a time)."""
+        if not self.moving:
+            return
+        step_id, mv = next(iter(self.moving.items()))
+        waited = time.monotonic() - max(mv.sent_at, self.last_move_at)
+        limit = self.cfg.step_timeout_s + KV_MOVE_TIMEOUT_S
+        if waited > limit:
+            self.missed_deadline = True
+            self._lose(f"K/V move step {step_id} has not come back after {waited:.1f}s (deadline {limit:.1f}s: "
+                       f"--step-timeout {self.cfg.step_timeout_s:g}s + the {KV_MOVE_TIMEOUT_S:g}s read timeout)")
 
     def _move_done(self, step_id: int, reply: worker_pb2.StepReply) -> None:
         mv = self.moving.pop(step_id)
+        self.last_move_at = time.monotonic()
         if reply.error_code and not mv.failed:
             mv.failed = True
             log.warning("chain %d: K/V move of sequence %d from chain %d failed (%s): it recomputes here",

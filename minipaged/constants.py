@@ -23,6 +23,10 @@ DEFAULT_METADATA_ADDRESS = f"127.0.0.1:{DEFAULT_METADATA_PORT}"
 # its value; a sharded front passes it on).
 WAITING_KEY = "minipaged-waiting"
 
+# How long a decode stage waits on a prefill stage's data link for a K/V move's bytes (each socket
+# operation); the metadata plane gives a move --step-timeout plus this before it fails the chain.
+KV_MOVE_TIMEOUT_S = 60.0
+
 # Alternatives per row a Step may ask a worker for: beam search needs (1 + #EOS) x K, K <= 16.
 STEP_MAX_TOP_LOGPROBS = 64
 

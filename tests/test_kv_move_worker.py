@@ -1,8 +1,11 @@
 """Prefill -> decode K/V moves on the data plane (worker/kv_move.py): a Step with no rows makes a
 stage read blocks from the source stage of its layer range over that stage's data link, exactly;
 a source that is gone, restarted or refuses is UNAVAILABLE, and a hostile move INVALID_ARGUMENT,
-both with the reading stage's cache untouched."""
+both with the reading stage's cache untouched. On a step stream a move's read runs beside the
+steps sent after it."""
 from __future__ import annotations
+
+import time
 
 import grpc
 import numpy as np
@@ -13,6 +16,7 @@ from minipaged import wire
 from minipaged.v1 import worker_pb2 as pb
 from tests.test_worker_service import NB, PROMPTS, TABLES, Stage, arrays, code_of, step_request
 from worker.data_link import DataServer
+from worker.step_stream import StepPipe
 
 
 @pytest.fixture(scope="module")
@@ -94,3 +98,20 @@ def test_a_hostile_move_is_invalid_and_touches_nothing(pair, case):
     code, msg = code_of(lambda: dst.call("Step", move(src, epoch, **_HOSTILE[case])))
     assert code == grpc.StatusCode.INVALID_ARGUMENT, msg
     assert dst.checksum() == before
+
+
+def test_a_step_sent_after_a_slow_move_is_answered_first(pair, monkeypatch):
+    # the source takes a second to read: the step behind the move in the stream does not wait for it
+    src, dst = pair
+    epoch = dst.init()
+    read = src.runner.kv_cache.read_blocks
+    monkeypatch.setattr(src.runner.kv_cache, "read_blocks", lambda ids: (time.sleep(1.0), read(ids))[1])
+    results = dst.servicer.subscribe_results()
+    steps = [move(src, epoch, [(0, 30), (1, 31), (9, 32)], step_id=7),
+             step_request(arrays(PROMPTS, [0, 0, 0], TABLES), epoch, step_id=8)]
+    StepPipe(dst.servicer).pump(iter(steps))
+    first, second = results.get(timeout=30)[0], results.get(timeout=30)[0]
+    assert (first.step_id, second.step_id) == (8, 7)
+    assert first.sampled_token_ids and not first.error_code and not second.error_code
+    for want, got in zip(blocks(src, [0, 1, 9]), blocks(dst, [30, 31, 32])):
+        assert torch.equal(want, got)

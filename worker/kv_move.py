@@ -6,21 +6,33 @@ stage with the same layer range, over that stage's TCP data link (KV_MAGIC, mini
 and writes them into its own cache. The source side reads without the step lock: the metadata plane
 holds those blocks until the move is done, so no step writes them meanwhile.
 
+The destination pulls beside its steps, not between them (as NIXL / Mooncake transfers do): the move
+Step is taken in stream order (its tier saves run there, after every step sent before it), then its
+read runs on this stage's PullQueue while the next steps compute; the metadata plane references
+the destination blocks in no step until the move's reply is back, so nothing else touches them. The
+reply (last stage) or the forward to the next stage leaves when the bytes are in.
+
 A read that fails (the source died, restarted into another epoch, or refuses) fails the move with
 UNAVAILABLE before this stage's cache is touched; the metadata plane then recomputes instead."""
 from __future__ import annotations
 
+import logging
+import queue
 import socket
 import struct
+import threading
 from dataclasses import dataclass
 
+import grpc
 import numpy as np
 
 from minipaged import wire
+from minipaged.constants import KV_MOVE_TIMEOUT_S as MOVE_TIMEOUT_S
 from minipaged.step_frames import KV_ANSWER, KV_MAGIC, connect, recv_exact
+from worker.step_stream import StepError, wait_until
 from worker.validate_common import StepValidationError, check_range, fail
 
-MOVE_TIMEOUT_S = 60.0
+log = logging.getLogger("worker.kv_move")
 
 
 @dataclass
@@ -93,3 +105,38 @@ def serve_kv_read(servicer, conn: socket.socket) -> None:
         pass
     finally:
         conn.close()
+
+
+class PullQueue:
+    """This stage's moves, one after another on a thread of their own (one link, one buffer at a
+    time), beside its steps."""
+
+    def __init__(self):
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def put(self, work, done, failed) -> None:
+        """Run `work()` (-> an outcome with `ready_at`), then `done(outcome)` once it is ready, or
+        `failed(StepError)`."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kv-pull", daemon=True)
+            self._thread.start()
+        self._q.put((work, done, failed))
+
+    def _run(self) -> None:
+        while True:
+            work, done, failed = self._q.get()
+            try:
+                outcome = work()
+            except StepError as e:
+                failed(e)
+                continue
+            except Exception as e:  # a bug: say so, never leave the move unanswered
+                log.exception("K/V move failed")
+                failed(StepError(grpc.StatusCode.INTERNAL, f"K/V move: {type(e).__name__}: {e}"))
+                continue
+            wait_until(outcome.ready_at)
+            try:
+                done(outcome)
+            except Exception:
+                log.exception("K/V move's answer could not be sent")

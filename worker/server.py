@@ -34,6 +34,7 @@ from minipaged.tls import add_port
 from minipaged.v1 import worker_pb2 as pb
 from minipaged.v1 import worker_pb2_grpc as pb_grpc
 from worker.busy_clock import BusyClock
+from worker.kv_move import PullQueue
 from worker.first_stage import FirstStageLink
 from worker.next_stage import GRPC_OPTIONS, NextStage, insecure_channel
 from worker.step_execution import StepExecution
@@ -81,6 +82,7 @@ class WorkerServicer(StepExecution, StepRpcs, pb_grpc.WorkerServiceServicer):
         self.streams: set = set()     # live StepStreams (InitCache ends them: their epoch is over)
         self.results: queue.SimpleQueue | None = None   # the StepResults subscriber of this epoch
         self.data_server = None            # worker/data_link.py: hidden states from the previous stage
+        self.pulls = PullQueue()           # K/V moves' reads, beside the steps (worker/kv_move.py)
 
     # ---- capacity / info -------------------------------------------------------------------------
     def max_blocks(self, block_size: int) -> int:

@@ -23,8 +23,9 @@ L layers; all byte counts in the model dtype):
 KV tier moves (saves device -> host, loads host -> device, each way at `host_link`) run on their
 own copy engine beside the compute, layer by layer: the step takes max(compute, copies) plus one
 layer's share of the copies (the first layer's loads cannot overlap anything).
-A prefill -> decode move (a step with no rows) reads its blocks at `kv_link` and runs inline, as
-the real worker's does: it holds the decode stage for blocks * block bytes / kv_link.
+A prefill -> decode move (a step with no rows) reads its blocks at `kv_link` on the link's own
+timeline, beside the compute, as the real worker's PullQueue does: it ends blocks * block bytes /
+kv_link after the steps sent before it (and the moves before it on the link).
 A profile may instead fix the step time (`fixed_step_s`). Capacity: the K/V budget is
 memory_bytes * memory_fraction - W_stage (this stage's weights), like vLLM's gpu_memory_utilization.
 
@@ -123,7 +124,6 @@ class _NoCache:
 
     def __init__(self):
         self.moved = (0, 0)      # (saved, loaded) blocks of the step about to run
-        self.pulled = 0          # blocks a prefill -> decode move wrote (SimRunner.move_done)
 
     def copy_blocks(self, src, dst) -> None:
         pass
@@ -138,7 +138,7 @@ class _NoCache:
         return b""                # no content: the reading stage times the bytes it would move
 
     def write_blocks(self, ids, data) -> None:
-        self.pulled = len(ids)
+        pass                      # SimRunner.pull_ready_at times the bytes
 
 
 @dataclass
@@ -177,6 +177,7 @@ class SimRunner:
         # timeline and returns; its results exist at ready_at. The server holds the reply (and the
         # forwarded hidden states) until then, while it already prepares the next step.
         self.ready_at = 0.0
+        self.link_free_at = 0.0   # the K/V link's own timeline (prefill -> decode moves)
         self.last_step_s = 0.0
         self._zeros = b""
 
@@ -208,14 +209,13 @@ class SimRunner:
             return SimHidden(hidden_in.input_ids, batch.positions, hidden_in.payload)
         return SimHidden(np.asarray(batch.input_ids, dtype=np.int32), batch.positions)
 
-    def move_done(self) -> float:
-        """Time the K/V move that write_blocks just recorded: bytes over the K/V link, inline."""
-        t = self.kv_cache.pulled * self.kv_bytes_per_block(self.block_size) / self.timing.profile.kv_link
-        self.kv_cache.pulled = 0
-        self.ready_at = max(time.monotonic(), self.ready_at) + t
-        self.last_step_s = t
-        self.busy_s += t
-        return t
+    def pull_ready_at(self, blocks: int, after: float) -> float:
+        """When a K/V move of `blocks` blocks is in: its bytes over the K/V link, once the steps sent
+        before it have run and the link has finished the moves before it. The NIC writes the device
+        memory beside the compute (its ~1% of HBM bandwidth at 50 GB/s is not modelled)."""
+        t = blocks * self.kv_bytes_per_block(self.block_size) / self.timing.profile.kv_link
+        self.link_free_at = max(time.monotonic(), after, self.link_free_at) + t
+        return self.link_free_at
 
     def encode_hidden(self, hidden: SimHidden) -> tuple[bytes | tuple, str]:
         """The size real hidden states have: the input ids, then zeros (a later stage passes the

@@ -17,7 +17,7 @@ from minipaged import wire
 from minipaged.v1 import worker_pb2 as pb
 from worker import prompt_logprobs
 from worker.data_link import payload_bytes
-from worker.kv_move import MOVE_TIMEOUT_S, parse_move, read_remote_blocks
+from worker.kv_move import MOVE_TIMEOUT_S, KvMove, parse_move, read_remote_blocks
 from worker.validate_cache import tier_moves
 from worker.validate_common import StepValidationError as _Invalid
 from worker.step_stream import StepError
@@ -35,6 +35,14 @@ class StepOutcome:
     sampled_ids: np.ndarray              # int64: sequence ids this step samples (stage 0 tracks their tokens)
     ready_at: float = 0.0                # time.monotonic() when the device has the results (see below)
     hidden: bytes | None = None          # the forward's hidden states when they travel outside it
+
+
+@dataclass
+class PendingMove:
+    request: pb.StepRequest
+    move: KvMove
+    epoch: int             # the cache it was checked against: written only if still this one
+    after: float           # when the device has run the steps before it (a simulator's ready_at)
 
 
 class StepExecution:
@@ -100,49 +108,59 @@ class StepExecution:
             return self._outcome(request, a, out, payload, timing)
 
     def _process_move(self, request) -> StepOutcome:
-        """A prefill -> decode move (worker/kv_move.py): a Step with no rows. Its tier saves, then the
-        source stage's blocks into this cache; the next stage does the same for its layers."""
-        sid = request.step_id
+        """A prefill -> decode move (worker/kv_move.py), at once (a unary Step)."""
+        return self._finish_move(self._start_move(request))
+
+    def _start_move(self, request) -> PendingMove:
+        """The part of a move that runs in stream order: check it, then its tier saves (evictions that
+        made room for it: saved before anything overwrites those blocks)."""
         with self.lock:
             self._check_epoch(request.cache_epoch)
             try:
                 mv = parse_move(request, self.num_blocks, self.runner.layer_start, self.runner.layer_end)
                 tier = tier_moves(request, self.limits)
             except (_Invalid, wire.WireError) as e:
-                raise StepError(grpc.StatusCode.INVALID_ARGUMENT, f"step {sid}: {e}") from None
-            t0 = time.perf_counter()
-            self.busy.begin()
-            try:
-                data = read_remote_blocks(mv.address, self.peer_token, mv.epoch, mv.src, MOVE_TIMEOUT_S)
-                check = getattr(self.runner.kv_cache, "check_block_bytes", None)
-                if check is not None:
-                    check(mv.dst.size, len(data))       # a source of another layout: nothing written
-            except (OSError, ConnectionError, ValueError) as e:
-                self.busy.end()
-                raise StepError(grpc.StatusCode.UNAVAILABLE,
-                                f"step {sid}: K/V move from {mv.address}: {type(e).__name__}: {e}") from None
-            if tier is not None:            # evictions that made room for the move: saved first
+                raise StepError(grpc.StatusCode.INVALID_ARGUMENT, f"step {request.step_id}: {e}") from None
+            if tier is not None:
                 self.runner.kv_cache.tier_moves(*tier)
+            return PendingMove(request, mv, self.epoch, getattr(self.runner, "ready_at", 0.0))
+
+    def _finish_move(self, p: PendingMove) -> StepOutcome:
+        """Read the source stage's blocks and write them here (the PullQueue's thread, beside the
+        steps), then the reply or the next stage's request. A simulated runner times the bytes over
+        its K/V link (`pull_ready_at`); the outcome is ready then."""
+        request, mv, sid = p.request, p.move, p.request.step_id
+        t0 = time.perf_counter()
+        try:
+            data = read_remote_blocks(mv.address, self.peer_token, mv.epoch, mv.src, MOVE_TIMEOUT_S)
+            check = getattr(self.runner.kv_cache, "check_block_bytes", None)
+            if check is not None:
+                check(mv.dst.size, len(data))       # a source of another layout: nothing written
+        except (OSError, ConnectionError, ValueError) as e:
+            raise StepError(grpc.StatusCode.UNAVAILABLE,
+                            f"step {sid}: K/V move from {mv.address}: {type(e).__name__}: {e}") from None
+        with self.lock:
+            if self.epoch != p.epoch:               # re-initialised meanwhile: these blocks are not ours
+                raise StepError(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"step {sid}: the cache was re-initialised during the K/V move")
             self.runner.kv_cache.write_blocks(mv.dst, data)
-            timed = getattr(self.runner, "move_done", None)
-            device_s = timed() if timed is not None else None
-            self.busy.end(device_s, getattr(self.runner, "ready_at", 0.0))
-            timing = pb.StageTiming(layer_start=self.runner.layer_start, layer_end=self.runner.layer_end,
-                                    compute_ms=1e3 * (device_s if device_s is not None else time.perf_counter() - t0))
-            self.compute_s += timing.compute_ms / 1e3
             self.steps_served += 1
-            ready_at = getattr(self.runner, "ready_at", 0.0)
-            none = np.zeros(0, dtype=np.int64)
-            if self.runner.is_last:
-                reply = pb.StepReply(step_id=sid, cache_epoch=self.epoch)
-                reply.timings.extend(request.upstream_timings)
-                reply.timings.append(timing)
-                return StepOutcome(reply, None, timing, none, ready_at)
-            fwd = pb.StepRequest()
-            fwd.CopyFrom(request)
-            fwd.cache_epoch = self.next_stage.pin_epoch()
-            fwd.upstream_timings.append(timing)
-            return StepOutcome(None, fwd, timing, none, ready_at, b"" if self.next_stage.data_address else None)
+        timed = getattr(self.runner, "pull_ready_at", None)
+        ready_at = timed(mv.dst.size, p.after) if timed is not None else 0.0
+        seconds = max(0.0, ready_at - time.monotonic()) if timed is not None else time.perf_counter() - t0
+        timing = pb.StageTiming(layer_start=self.runner.layer_start, layer_end=self.runner.layer_end,
+                                compute_ms=1e3 * seconds)
+        none = np.zeros(0, dtype=np.int64)
+        if self.runner.is_last:
+            reply = pb.StepReply(step_id=sid, cache_epoch=p.epoch)
+            reply.timings.extend(request.upstream_timings)
+            reply.timings.append(timing)
+            return StepOutcome(reply, None, timing, none, ready_at)
+        fwd = pb.StepRequest()
+        fwd.CopyFrom(request)
+        fwd.cache_epoch = self.next_stage.pin_epoch()
+        fwd.upstream_timings.append(timing)
+        return StepOutcome(None, fwd, timing, none, ready_at, b"" if self.next_stage.data_address else None)
 
     def _outcome(self, request, a, out, payload, timing: pb.StageTiming) -> StepOutcome:
         """Count the step and stamp what leaves this stage: the reply (last stage) or the forward."""

@@ -85,32 +85,64 @@ class StepPipe:
         """Run one step and send on what it makes. True when `release` went with the forward (the
         link calls it once the bytes, which may be the input's own, have left)."""
         s = self.s
+        if request.kv_pull_dst_blocks or request.kv_sources:
+            self._move(request)
+            return False
         try:
             o = s._process(request, hidden)
         except StepError as e:
-            self.out.put((error_reply(request.step_id, e.code, e.message, s.epoch), 0.0))
+            self._error(request.step_id, e)
             return False
         if o.reply is not None:          # the last stage: straight to the metadata service
             if request.first_gets_tokens and o.sampled_ids.size:
                 s.first_stage.send(request.step_id, s.epoch, o.sampled_ids.tobytes(), o.reply.sampled_token_ids,
                                    o.ready_at)
-            if s.results is not None:
-                s.results.put((o.reply, o.ready_at))
-            else:
-                self.out.put((error_reply(request.step_id, grpc.StatusCode.FAILED_PRECONDITION,
-                                          "the last stage has no StepResults subscriber for this epoch",
-                                          s.epoch), 0.0))
+            self._reply(request.step_id, o)
             return False
-        if self.link is None:
-            try:
-                self.link = s.next_stage.open_link(self._relay, self._failed)
-            except StepError as e:
-                self.out.put((error_reply(request.step_id, e.code, e.message, s.epoch), 0.0))
-                return False
+        try:
+            self._open_link()
+        except StepError as e:
+            self._error(request.step_id, e)
+            return False
         if request.first_gets_tokens and s.runner.is_first and o.sampled_ids.size:
             s.await_tokens(request.step_id, o.sampled_ids)
         self.link.send(o.forward, o.ready_at, hidden=o.hidden, done=release)
         return True
+
+    def _move(self, request) -> None:
+        """A K/V move (worker/kv_move.py): taken here, in stream order; its bytes come on the
+        stage's PullQueue while the next steps run, and then it goes on like any step."""
+        s = self.s
+        try:
+            pending = s._start_move(request)
+            if not s.runner.is_last:
+                self._open_link()
+        except StepError as e:
+            self._error(request.step_id, e)
+            return
+        s.pulls.put(lambda: s._finish_move(pending), self._moved, lambda e: self._error(request.step_id, e))
+
+    def _moved(self, o) -> None:
+        if o.reply is not None:
+            self._reply(o.reply.step_id, o)
+        else:
+            self.link.send(o.forward, o.ready_at, hidden=o.hidden)
+
+    def _open_link(self) -> None:
+        if self.link is None:
+            self.link = self.s.next_stage.open_link(self._relay, self._failed)
+
+    def _reply(self, step_id: int, o) -> None:
+        results = self.s.results
+        if results is not None:
+            results.put((o.reply, o.ready_at))
+        else:
+            self.out.put((error_reply(step_id, grpc.StatusCode.FAILED_PRECONDITION,
+                                      "the last stage has no StepResults subscriber for this epoch",
+                                      self.s.epoch), 0.0))
+
+    def _error(self, step_id: int, e: StepError) -> None:
+        self.out.put((error_reply(step_id, e.code, e.message, self.s.epoch), 0.0))
 
     def _relay(self, down: pb.StepReply) -> None:
         """An error from further down the chain: no token of that step is coming; up it goes."""

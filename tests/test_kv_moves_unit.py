@@ -1,0 +1,47 @@
+"""The metadata plane's side of a prefill -> decode move (metadata_service/kv_moves.py), alone: a move
+whose reply does not come back within --step-timeout plus the workers' read timeout fails the decode
+chain (its stages might still write the reserved blocks, so they cannot go to anyone else)."""
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+from metadata_service.kv_moves import KvMoves, Move
+from minipaged.constants import KV_MOVE_TIMEOUT_S
+
+
+class _Chain(KvMoves):
+    def __init__(self, step_timeout_s: float):
+        self.cfg = SimpleNamespace(step_timeout_s=step_timeout_s)
+        self.moving, self.last_move_at, self.missed_deadline, self.lost = {}, 0.0, False, None
+
+    def _lose(self, why: str) -> None:
+        self.lost = why
+
+
+def _move(age_s: float) -> Move:
+    return Move(seq=None, src=None, src_blocks=[1, 2], sent_at=time.monotonic() - age_s)
+
+
+def test_a_move_within_its_deadline_is_left_alone():
+    c = _Chain(8.0)
+    c.moving[5] = _move(8.0 + KV_MOVE_TIMEOUT_S - 5)
+    c._check_move_deadline()
+    assert c.lost is None and not c.missed_deadline
+
+
+def test_a_move_past_its_deadline_fails_the_chain():
+    c = _Chain(8.0)
+    c.moving[5] = _move(8.0 + KV_MOVE_TIMEOUT_S + 1)
+    c.moving[6] = _move(0.0)
+    c._check_move_deadline()
+    assert c.missed_deadline and "K/V move step 5" in c.lost
+
+
+def test_the_last_move_reply_restarts_the_clock():
+    # a stage pulls one move at a time: the second waits behind the first, not on a hung device
+    c = _Chain(8.0)
+    c.moving[6] = _move(8.0 + KV_MOVE_TIMEOUT_S + 1)
+    c.last_move_at = time.monotonic() - 1.0
+    c._check_move_deadline()
+    assert c.lost is None

@@ -15,7 +15,7 @@ import time
 
 import grpc
 
-from minipaged.config import load_model_config
+from minipaged.config import lm_head_layers, load_model_config
 
 from .errors import MiniPagedError
 from .procs import LIVE, Proc, log_tail, spawn, stop_all
@@ -28,11 +28,20 @@ class ClusterError(RuntimeError):
     """The cluster did not come up (the message carries the tail of every process's log)."""
 
 
-def split_layers(num_layers: int, workers: int) -> list[tuple[int, int]]:
-    """Contiguous, even [start, end) ranges; the first stages take the remainder."""
+def split_layers(num_layers: int, workers: int, head_layers: float = 0.0) -> list[tuple[int, int]]:
+    """Contiguous [start, end) ranges, even, the first stages taking the remainder; with
+    `head_layers` (lm_head_layers: the weights the last stage reads beside its layers on every
+    decode step), the last stage takes as many fewer layers as makes the busiest stage's decode
+    reads smallest (vLLM's VLLM_PP_LAYER_PARTITION does this by hand). A prefill-heavy load would
+    rather have the even split: the lm_head runs only for sampled rows there."""
     if workers < 1 or workers > num_layers:
         raise ValueError(f"cannot split {num_layers} layers over {workers} workers "
                          f"(need 1 <= workers <= num_layers)")
+    if workers > 1 and head_layers > 0:
+        # the last stage's size that minimises the busiest stage (ties: the larger, nearer even)
+        cost = lambda last: (max(-(-(num_layers - last) // (workers - 1)), last + head_layers), -last)  # noqa: E731
+        last = min(range(1, num_layers - workers + 2), key=cost)
+        return split_layers(num_layers - last, workers - 1) + [(num_layers - last, num_layers)]
     base, extra = divmod(num_layers, workers)
     out, start = [], 0
     for i in range(workers):
@@ -99,7 +108,8 @@ class LocalCluster:
             raise ValueError("replicas must be >= 1 and standby >= 0")
         if roles is not None and (len(roles) != replicas or not set(roles) <= {"prefill", "decode", "both"}):
             raise ValueError(f"roles: one of prefill / decode / both per replica ({replicas}), got {roles}")
-        stages = split_layers(load_model_config(model).num_hidden_layers, workers)  # may raise
+        cfg = load_model_config(model)
+        stages = split_layers(cfg.num_hidden_layers, workers, lm_head_layers(cfg))  # may raise
         self.layers = stages * replicas + [stages[-1]] * standby
         self.replicas = replicas
         self.log_dir = tempfile.mkdtemp(prefix="minipaged-cluster-")

@@ -99,6 +99,20 @@ def test_split_layers():
         split_layers(4, 5)
 
 
+def test_split_layers_gives_the_last_stage_fewer_layers_for_the_lm_head():
+    from minipaged.config import lm_head_layers, load_model_config
+    assert abs(lm_head_layers(load_model_config("tiny")) - 0.133) < 1e-3
+    assert split_layers(4, 2, 0.133) == [(0, 2), (2, 4)]               # tiny: as even
+    assert split_layers(28, 2, 9.9) == [(0, 19), (19, 28)]             # Qwen3-0.6B: 19 vs 9 + 9.9
+    assert split_layers(36, 4, 3.2) == [(0, 10), (10, 20), (20, 30), (30, 36)]   # Qwen3-8B
+    assert split_layers(28, 4, 30.0)[-1] == (27, 28)                   # never fewer than one layer
+    assert split_layers(28, 1, 9.9) == [(0, 28)]
+    for n, w, h in [(5, 2, 1.5), (7, 7, 3.0), (36, 5, 2.0), (3, 2, 0.4)]:
+        parts = split_layers(n, w, h)
+        assert parts[0][0] == 0 and parts[-1][1] == n and len(parts) == w and all(a < b for a, b in parts)
+        assert all(parts[i][1] == parts[i + 1][0] for i in range(w - 1))
+
+
 def test_cli_parser():
     p = build_parser()
     a = p.parse_args(["generate", "--address", "h:1", "--prompt-ids", "1,2,3", "--stop", "a",

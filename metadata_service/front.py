@@ -90,7 +90,8 @@ class FrontServicer(FrontJobRpcs, metadata_pb2_grpc.MetadataServiceServicer):
 
     # ------------------------------------------------------------------ generation
     def Generate(self, request, context):
-        k = self.shards.router.choose(request, self.shards.stats)
+        k, blocks = self.shards.router.choose(request, self.shards.stats)
+        context.add_callback(lambda: self.shards.router.finished(k, blocks))
         stream = self.shards.stubs[k].Generate(request, metadata=self._metadata(context),
                                                timeout=self._timeout(context))
         context.add_callback(stream.cancel)

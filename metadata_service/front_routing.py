@@ -31,7 +31,7 @@ def prompt_blocks(request, block_size: int) -> list[int]:
 class ShardRouter:
     def __init__(self, n: int):
         self.index = [PrefixIndex(1024) for _ in range(n)]
-        self.routed = [0.0] * n        # blocks of streams routed since the shard's last Stats
+        self.routed = [0.0] * n        # blocks of streams routed since the shard's last Stats, still running
         self.lock = threading.Lock()
         self._rr = itertools.count()
 
@@ -40,8 +40,8 @@ class ShardRouter:
         with self.lock:
             self.routed[k] = 0.0
 
-    def choose(self, request, stats: list) -> int:
-        """The shard for one stream: overlap (x OVERLAP_WEIGHT) against blocks in use per chain, among
+    def choose(self, request, stats: list) -> tuple[int, float]:
+        """The shard for one stream (and the blocks it adds to that shard's load): overlap (x OVERLAP_WEIGHT) against blocks in use per chain, among
         the ready shards (all of them while none is)."""
         ready = [k for k, s in enumerate(stats) if s is not None and s.ready] or list(range(len(stats)))
         block_size = next((s.block_size for s in stats if s is not None and s.block_size), 16)
@@ -61,4 +61,11 @@ class ShardRouter:
             _, _, best = min(costs)
             self.index[best].insert(hashes)
             self.routed[best] += new
-        return best
+        return best, new
+
+    def finished(self, k: int, blocks: float) -> None:
+        """A stream routed to shard k ended: its blocks leave the load figure at once, not at the
+        next poll (a burst of short streams would otherwise pile up on one shard's figure and push
+        a conversation's next turn away from the shard that holds its history)."""
+        with self.lock:
+            self.routed[k] = max(0.0, self.routed[k] - blocks)

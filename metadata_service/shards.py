@@ -168,8 +168,11 @@ class ShardSet:
 
     def fresh_weights(self, max_age_s: float = 0.1) -> list[int]:
         """weights() from Stats at most max_age_s old (a job split on a stale view could leave a
-        shard whose chain just came up without work)."""
+        shard whose chain just came up without work). A shard about to get nothing is asked again
+        first: the last poll may have begun just before its chain came up."""
         if time.monotonic() - self.polled_at > max_age_s:
+            self.poll(restart=False)
+        elif 0 in self.weights():
             self.poll(restart=False)
         return self.weights()
 

@@ -273,3 +273,20 @@ def test_shards_metrics_merge_into_one_family_per_name_labelled_by_shard():
     assert out[("vllm:generation_tokens_total", "0")] == 5 and out[("vllm:generation_tokens_total", "2")] == 7
     assert ("vllm:generation_tokens_total", "1") not in out
     assert [out[("minipaged:shard_up", k)] for k in "012"] == [1, 0, 1]
+
+
+def test_a_finished_stream_leaves_its_shards_load_at_once():
+    # a burst of short streams must not pile up on one shard's figure until the next poll and push a
+    # conversation's next turn away from the shard that holds its history
+    from metadata_service.front_routing import ShardRouter
+    r = ShardRouter(2)
+    stats = [SimpleNamespace(ready=True, block_size=16, num_blocks=1024, num_chains=1, used_blocks=0)] * 2
+    history = metadata_pb2.GenerateRequest(prompt_token_ids=bytes(4 * 64), max_new_tokens=16)
+    home, blocks = r.choose(history, stats)
+    assert blocks == 3 + 1
+    for i in range(6):                           # others' streams, each finished before the next turn
+        k, b = r.choose(metadata_pb2.GenerateRequest(prompt_token_ids=bytes([i + 1]) * 64, max_new_tokens=16), stats)
+        r.finished(k, b)
+    r.finished(home, blocks)
+    assert r.routed == [0.0, 0.0]
+    assert r.choose(history, stats)[0] == home

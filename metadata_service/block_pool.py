@@ -170,6 +170,7 @@ class BlockPool:
         if not cached[lru].all() or cached[free].any():
             errs.append("cached-free / free split disagrees with the prefix cache")
         c = self.cache
-        if any(c.block_of.get(h) != b for b, h in c.hash_of.items()) or len(c.block_of) != len(c.hash_of):
+        # the two maps are inverses: building one from the other is a C loop, not a Python one
+        if len(c.block_of) != len(c.hash_of) or dict(zip(c.hash_of.values(), c.hash_of.keys())) != c.block_of:
             errs.append("prefix cache maps are inconsistent")
         return errs

@@ -250,6 +250,22 @@ def test_cached_blocks_survive_release_and_are_revived():
     ok(m)
 
 
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda pool: pool.cache.block_of.update({next(iter(pool.cache.block_of)): 7}), "prefix cache maps"),
+    (lambda pool: pool.cache.hash_of.pop(next(iter(pool.cache.hash_of))), "prefix cache"),
+    (lambda pool: pool.ref_count.__setitem__(int(pool._free[0]), 1), "a free block has a reference"),
+])
+def test_pool_check_catches_each_corruption(corrupt, message):
+    """Each pool check names its own broken invariant (a check that can never fail proves nothing)."""
+    m = KVBlockManager(8, 4)
+    filled(m, 1, list(range(9)))
+    m.release_sequence(1)                 # two cached-free blocks: both prefix-cache maps are non-empty
+    ok(m)
+    corrupt(m.pool)
+    assert any(message in e for e in m.check_invariants()), m.check_invariants()
+    assert not m.invariants_ok()
+
+
 def test_decode_tokens_are_hashed():
     m = KVBlockManager(8, 4)
     m.create_sequence(1)

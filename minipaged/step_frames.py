@@ -8,6 +8,12 @@ Little endian. Hello: 4-byte magic, u32 token length, token, u64 cache epoch, u3
 ring name (empty: none). The server answers b"OS" (ring opened), b"OK" or b"NO" and closes.
 - STEPS_MAGIC: then steps, b"S", u32 header length, u64 hidden length, the StepRequest bytes, the
   hidden bytes; or b"M", the same lengths, the StepRequest bytes, u64 ring offset, u64 ring end.
+  A stage whose device is asynchronous (its hidden states exist later, at `ready_at`) may split a
+  step: b"H", the same lengths, the StepRequest bytes, at once (the next stage checks the step while
+  this one computes); then, when the bytes exist, b"D", 0, the hidden length, the hidden bytes, or
+  b"R", 0, the hidden length, u64 ring offset, u64 ring end. Data frames come in the order of their
+  H frames; other frames may come between an H and its data, but never a frame that an earlier
+  step's header has not preceded.
   Back: u32 length, a StepReply (errors, in-band, as on the StepStream).
 - RESULTS_MAGIC (the last stage, at the chain's epoch): StepResults as frames, u32 length, a
   StepReply, for every step of the epoch, in order.

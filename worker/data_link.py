@@ -29,15 +29,15 @@ import threading
 import grpc
 from google.protobuf.message import DecodeError
 
-from minipaged.step_frames import HELLO as _HELLO, KV_MAGIC, REPLY as _REPLY, RESULTS_MAGIC, RING as _RING, \
-    STEP as _STEP, STEPS_MAGIC, TOKENS_MAGIC, connect, read_reply, recv_exact as _recv_exact
+from minipaged.step_frames import HELLO as _HELLO, KV_MAGIC, REPLY as _REPLY, RESULTS_MAGIC, STEPS_MAGIC, \
+    TOKENS_MAGIC, connect, read_reply, recv_exact as _recv_exact
 from minipaged.v1 import worker_pb2 as pb
 from worker.kv_move import serve_kv_read
+from worker.link_frames import END, FrameReader, FrameWriter
 from worker.shm_ring import ShmRingReader, ShmRingWriter, capacity_from_env
 from worker.step_stream import StepPipe, wait_until
 
 log = logging.getLogger("worker.data_link")
-_END = object()
 
 
 def payload_parts(payload) -> tuple:
@@ -145,29 +145,11 @@ class DataServer:
         writer = threading.Thread(target=self._write_replies, args=(conn, pipe), name="data-replies", daemon=True)
         writer.start()
         try:
-            pipe.pump(self._frames(conn, pipe, ring))
+            pipe.pump(FrameReader(conn, ring, pipe.cancelled))
         finally:
             self.s.streams.discard(pipe)
             writer.join(5)
             conn.close()
-
-    @staticmethod
-    def _frames(conn: socket.socket, pipe: StepPipe, ring: ShmRingReader | None):
-        while not pipe.cancelled.is_set():
-            try:
-                kind, hlen, blen = _STEP.unpack(_recv_exact(conn, _STEP.size))
-                header = _recv_exact(conn, hlen)
-                release = None
-                if kind == b"M" and ring is not None:
-                    offset, end = _RING.unpack(_recv_exact(conn, _RING.size))
-                    hidden, release = ring.hold(offset, blen, end)   # freed once the step is done with it
-                elif kind == b"S":
-                    hidden = _recv_exact(conn, blen) if blen else None   # a bytearray: no second copy
-                else:
-                    return                # not a frame of this protocol: drop the link
-            except (OSError, ConnectionError, struct.error):
-                return                    # the previous stage hung up (or was cancelled)
-            yield pb.StepRequest.FromString(bytes(header)), hidden, release
 
     @staticmethod
     def _write_replies(conn: socket.socket, pipe: StepPipe) -> None:
@@ -227,38 +209,15 @@ class TcpStageLink:
     def send(self, request: pb.StepRequest, ready_at: float = 0.0, hidden: bytes | None = None, done=None) -> None:
         """`done()` runs once `hidden` is no longer needed (its bytes are sent or copied on)."""
         self._sent = True
-        self._q.put((request, ready_at, hidden, done))
+        parts = payload_parts(hidden) if hidden is not None else ()
+        self._q.put((request, ready_at, parts, sum(len(p) for p in parts), done))
 
     def _write(self) -> None:
-        while True:
-            item = self._q.get()
-            if item is _END:
-                try:
-                    self.sock.shutdown(socket.SHUT_WR)    # the next stage finishes what it has
-                except OSError:
-                    pass
-                return
-            request, ready_at, hidden, done = item
-            wait_until(ready_at)          # hidden states leave an asynchronous device once they exist
-            try:
-                self._frame(request, hidden)
-            except (OSError, ConnectionError):
-                return                    # the reader reports the break
-            finally:
-                if done is not None:
-                    done()                # the bytes are in the next ring or the socket: free ours
-
-    def _frame(self, request: pb.StepRequest, hidden) -> None:
-        header = request.SerializeToString()
-        parts = payload_parts(hidden) if hidden is not None else ()
-        length = sum(len(p) for p in parts)
-        if self.ring is not None and 0 < length <= self.ring.capacity:
-            offset, end = self.ring.put(parts, stopped=lambda: self._broken)
-            self.sock.sendall(_STEP.pack(b"M", len(header), length) + header + _RING.pack(offset, end))
-            return
-        self.sock.sendall(_STEP.pack(b"S", len(header), length) + header)
-        for part in parts:
-            self.sock.sendall(part)     # no copy in Python: the kernel reads the bytes
+        FrameWriter(self.sock, self.ring, self._q, lambda: self._broken).run()
+        try:
+            self.sock.shutdown(socket.SHUT_WR)    # the next stage finishes what it has
+        except OSError:
+            pass
 
     def _read(self) -> None:
         broke = False
@@ -273,13 +232,13 @@ class TcpStageLink:
 
     def close(self, wait_s: float = 0.0) -> None:
         self._closed = True
-        self._q.put(_END)
+        self._q.put(END)
         if wait_s:
             self._reader.join(wait_s)
 
     def cancel(self) -> None:
         self._closed = self._broken = True
-        self._q.put(_END)
+        self._q.put(END)
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:

@@ -20,7 +20,7 @@ from worker.data_link import payload_bytes
 from worker.kv_move import MOVE_TIMEOUT_S, KvMove, parse_move, read_remote_blocks
 from worker.validate_cache import tier_moves
 from worker.validate_common import StepValidationError as _Invalid
-from worker.step_stream import StepError
+from worker.step_stream import PendingHidden, StepError
 from worker.validation import StepPrecondition, StepValidationError, validate_step
 
 log = logging.getLogger("worker.server")
@@ -78,34 +78,45 @@ class StepExecution:
         they came outside the message (the TCP data link)."""
         if request.kv_pull_dst_blocks or request.kv_sources:
             return self._process_move(request)
+        if isinstance(hidden, PendingHidden):     # a split step: checked while the previous stage computes
+            with self.lock:
+                self._check_epoch(request.cache_epoch)
+                a = self._validated(request, hidden)
+            a.hidden_states = hidden.get()        # outside the lock: a stalled upstream blocks no InitCache
+            with self.lock:
+                self._check_epoch(request.cache_epoch)   # a new cache since: the check is void
+                return self._run(request, a)
         with self.lock:
             self._check_epoch(request.cache_epoch)
-            a = self._validated(request, hidden)
-            t0 = time.perf_counter()
-            self.busy.begin()
-            try:
-                self.store.release(a.release_ids)
-                if a.table_delta is not None:
-                    self.store.commit_tables(a.seq_ids, a.block_tables, *a.table_delta)
-                if a.tier is not None:          # saves, then loads, then copies: the order the plan assumes
-                    self.runner.kv_cache.tier_moves(*a.tier)
-                if a.copy_src is not None and a.copy_src.size:
-                    self.runner.kv_cache.copy_blocks(a.copy_src, a.copy_dst)
-                out, payload = self._compute(request, a)  # the sampled reply, or the next stage's request
-            except Exception as e:  # a bug or a device failure: say where, never hang the chain
-                self.busy.end()
-                log.exception("step %d failed", request.step_id)
-                code = (grpc.StatusCode.RESOURCE_EXHAUSTED if "out of memory" in str(e).lower()
-                        else grpc.StatusCode.INTERNAL)
-                raise StepError(code, f"step {request.step_id} on stage [{self.runner.layer_start}, "
-                                      f"{self.runner.layer_end}): {type(e).__name__}: {e}") from None
-            # A runner may model an asynchronous device (the simulator does): the call returns at once,
-            # the results exist at `ready_at`, and the stage's busy time is the device's.
-            device_s = getattr(self.runner, "last_step_s", None)
-            self.busy.end(device_s, getattr(self.runner, "ready_at", 0.0))
-            timing = pb.StageTiming(layer_start=self.runner.layer_start, layer_end=self.runner.layer_end,
-                                    compute_ms=1e3 * (device_s if device_s is not None else time.perf_counter() - t0))
-            return self._outcome(request, a, out, payload, timing)
+            return self._run(request, self._validated(request, hidden))
+
+    def _run(self, request, a) -> StepOutcome:
+        """A validated step, under the lock."""
+        t0 = time.perf_counter()
+        self.busy.begin()
+        try:
+            self.store.release(a.release_ids)
+            if a.table_delta is not None:
+                self.store.commit_tables(a.seq_ids, a.block_tables, *a.table_delta)
+            if a.tier is not None:          # saves, then loads, then copies: the order the plan assumes
+                self.runner.kv_cache.tier_moves(*a.tier)
+            if a.copy_src is not None and a.copy_src.size:
+                self.runner.kv_cache.copy_blocks(a.copy_src, a.copy_dst)
+            out, payload = self._compute(request, a)  # the sampled reply, or the next stage's request
+        except Exception as e:  # a bug or a device failure: say where, never hang the chain
+            self.busy.end()
+            log.exception("step %d failed", request.step_id)
+            code = (grpc.StatusCode.RESOURCE_EXHAUSTED if "out of memory" in str(e).lower()
+                    else grpc.StatusCode.INTERNAL)
+            raise StepError(code, f"step {request.step_id} on stage [{self.runner.layer_start}, "
+                                  f"{self.runner.layer_end}): {type(e).__name__}: {e}") from None
+        # A runner may model an asynchronous device (the simulator does): the call returns at once,
+        # the results exist at `ready_at`, and the stage's busy time is the device's.
+        device_s = getattr(self.runner, "last_step_s", None)
+        self.busy.end(device_s, getattr(self.runner, "ready_at", 0.0))
+        timing = pb.StageTiming(layer_start=self.runner.layer_start, layer_end=self.runner.layer_end,
+                                compute_ms=1e3 * (device_s if device_s is not None else time.perf_counter() - t0))
+        return self._outcome(request, a, out, payload, timing)
 
     def _process_move(self, request) -> StepOutcome:
         """A prefill -> decode move (worker/kv_move.py), at once (a unary Step)."""

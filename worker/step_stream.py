@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import struct
 import threading
 import time
 
@@ -26,6 +27,40 @@ class StepError(Exception):
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(message)
         self.code, self.message = code, message
+
+
+class PendingHidden:
+    """A split step's hidden states before their data frame came (worker/link_frames.py): `len()` is
+    their announced size (all validation needs); `get()` reads the link's frames on until they are here."""
+
+    def __init__(self, length: int, reader):
+        self.length, self.reader = length, reader
+        self.data = self.release = None
+        self.filled = False
+
+    def __len__(self) -> int:
+        return self.length
+
+    def get(self):
+        while not self.filled:
+            try:
+                more = self.reader.read_frame()
+            except (OSError, ConnectionError, struct.error) as e:
+                more, why = False, str(e)
+            else:
+                why = "a frame of no protocol"
+            if not self.filled and not more:
+                self.reader.broken = True
+                raise StepError(grpc.StatusCode.UNAVAILABLE,
+                                f"the previous stage's link ended before this step's hidden states came ({why})")
+        return self.data
+
+    def settle(self) -> None:
+        """A step refused before its data came still takes its data frame (the next step's is after)."""
+        try:
+            self.get()
+        except StepError:
+            pass
 
 
 def wait_until(t: float) -> None:
@@ -70,7 +105,11 @@ class StepPipe:
                 if self.cancelled.is_set():
                     break
                 request, hidden, release = item if isinstance(item, tuple) else (item, None, None)
-                if not self._one(request, hidden, release) and release is not None:
+                forwarded = self._one(request, hidden, release)
+                if isinstance(hidden, PendingHidden):
+                    hidden.settle()           # a refused split step's data frame is still taken
+                    release = hidden.release
+                if not forwarded and release is not None:
                     release()
         except grpc.RpcError:
             pass  # the caller went away
@@ -106,6 +145,8 @@ class StepPipe:
             return False
         if request.first_gets_tokens and s.runner.is_first and o.sampled_ids.size:
             s.await_tokens(request.step_id, o.sampled_ids)
+        if isinstance(hidden, PendingHidden):
+            release = hidden.release          # known now: the step ran, so its data came
         self.link.send(o.forward, o.ready_at, hidden=o.hidden, done=release)
         return True
 

@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=256, help="running sequences per micro-batch")
     p.add_argument("--micro-batches", type=int, default=0,
                    help="micro-batches in flight per chain (0: one stage 1; N CPU stages N; N GPU or simulated "
-                        "stages N + N // 2). Up to N are overlapped by async scheduling")
+                        "stages N + 1). Up to N are overlapped by async scheduling")
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="schedule a micro-batch's next step only after its tokens are back")
     p.add_argument("--router", choices=POLICIES, default="exact",

@@ -29,16 +29,18 @@ def default_micro_batches(stages: int, host_compute: bool = False) -> int:
     pipeline. A GPU runs beside the host, so extra micro-batches hide the host's work; on a CPU the
     cores that would hide it are the ones computing, and each extra micro-batch only makes every
     one smaller (tiny model, 2 stages on 2 cores: 3 micro-batches 0.84-0.92x of one worker, 2 with
-    overlap 0.89-1.08x). GPU (and simulated) stages: N + N // 2. A micro-batch's round trip
-    crosses every stage's host path, so more than N must be in flight, but each one more makes every
-    micro-batch smaller (weights read per token go up). Measured on 2 cores with simulated H200
-    stages and the shared-memory data link: 2 stages 3 -> 96-98% busy (4: 95-98%, fewer tokens/s;
-    2 with overlap: 86-87%); 4 stages 5 / 6 / 8 / 12 -> 3.20 / 3.38 / 3.26 / 3.02x of one worker,
-    84 / 91 / 91 / 91% busy; 8 stages (9 processes on 2 cores: host-bound) 12 / 24 -> 2.56 / 2.70x.
+    overlap 0.89-1.08x). GPU (and simulated) stages: N + 1. A micro-batch's round trip crosses
+    every stage's host path, so more than N must be in flight, but each one more makes every
+    micro-batch smaller (weights read per token go up). Since a step's header goes ahead of its
+    hidden states (worker/link_frames.py: a hop 0.8 -> 0.4 ms), one more is enough. Measured on 2
+    cores with simulated H200 stages (bench/results/step-headers-2026-12-06.md), median of 3 jobs,
+    2 rounds: 4 stages 5 / 6 micro-batches 51.4 / 49.0k tok/s short prompts, 13.6 / 13.35k long;
+    8 stages 9 / 12: 57.9 / 54.3k short. (Before the split headers N + N // 2 was best: 4 stages
+    5 / 6 / 8 / 12 -> 3.20 / 3.38 / 3.26 / 3.02x, long prompts.)
     `--micro-batches` overrides."""
     if stages == 1:
         return 1
-    return stages if host_compute else stages + stages // 2
+    return stages if host_compute else stages + 1
 
 
 @dataclass

@@ -132,12 +132,12 @@ def bench_workers(args, kind: str):
     for name in args.prompts:
         lo, hi, new = args.workloads[name]
         rows, base = [], {}
-        points = [(n, k) for n in getattr(args, kind) for k in (args.shards if kind == "replicas" else [1])
-                  if k == 1 or k <= n]
-        for n, shards in points:
+        points = [(n, k, m) for n in getattr(args, kind) for k in (args.shards if kind == "replicas" else [1])
+                  for m in (args.micro_batches if kind == "stages" and n > 1 else [0]) if k == 1 or k <= n]
+        for n, shards, mb in points:
             for label, root in trees:
                 kw = dict(replicas=n) if kind == "replicas" else dict(stages=n)
-                extra = ["--shards", str(shards)] if shards > 1 else []
+                extra = (["--shards", str(shards)] if shards > 1 else []) + (["--micro-batches", str(mb)] if mb else [])
                 with sim_cluster(root=root, extra=extra, **kw) as c:
                     run_job(c, requests(8 * n, 64, 128, 4, seed=99))          # warm-up
                     runs = sorted((timed_job(c, requests(args.per_worker * n, lo, hi, new, seed=n + 100 * i))
@@ -145,6 +145,7 @@ def bench_workers(args, kind: str):
                     tps, wall, b, a, svc_us, wrk_us = runs[len(runs) // 2]   # the median run by tok/s
                 base.setdefault(label, tps)
                 setup = (f"{n} {kind if n > 1 else kind[:-1]}" + (f", {shards} shards" if shards > 1 else "")
+                         + (f", {mb} micro-batches" if mb else "")
                          + (f" ({label or 'this tree'})" if args.against else ""))
                 busy = [" ".join(f"{x:.0%}" for x in busy_fractions(b, a, wall))] if kind == "stages" else []
                 rows.append((setup, f"{tps:,.0f}", f"{tps / base[label]:.2f}x", *busy, f"{cpu_percent(b, a, wall):.0f}%",
@@ -342,12 +343,15 @@ def main() -> int:
                     help="replica and stage rows: run the job this many times on the same cluster, report the median")
     ap.add_argument("--replicas", default="", help="replica counts of the replica tables (default 1,2,4,8)")
     ap.add_argument("--stages", default="", help="stage counts of the stage tables (default 1,2,4,8)")
+    ap.add_argument("--micro-batches", default="0",
+                    help="micro-batch counts of the multi-stage rows (0 = the service's default), e.g. 5,6")
     args = ap.parse_args()
     args.shards = [int(x) for x in args.shards.split(",")]
     q = args.quick
     counts = [1, 2] if q else [1, 2, 4, 8]
     args.replicas = [int(x) for x in args.replicas.split(",")] if args.replicas else counts
     args.stages = [int(x) for x in args.stages.split(",")] if args.stages else counts
+    args.micro_batches = [int(x) for x in args.micro_batches.split(",")]
     args.per_worker = 32 if q else 256
     args.prompts = args.prompts.split(",")
     args.workloads = {k: (lo // 2, hi // 2, 16) for k, (lo, hi, _) in WORKLOADS.items()} if q else WORKLOADS

@@ -4,6 +4,7 @@ split one's bytes exactly, whatever frames come between; a refused step still ta
 link that ends first fails the step, not the stream's order."""
 from __future__ import annotations
 
+import json
 import queue
 import socket
 import threading
@@ -12,11 +13,13 @@ import time
 import grpc
 import pytest
 
+from client import LocalCluster
 from minipaged.step_frames import STEP
 from minipaged.v1 import worker_pb2 as pb
 from worker.link_frames import END, FrameReader, FrameWriter
 from worker.shm_ring import ShmRingReader, ShmRingWriter
 from worker.step_stream import PendingHidden, StepError
+from tests.test_scale import config_only, settle_all  # noqa: F401 (fixture)
 
 SOON = 1.0   # seconds until a split step's bytes "exist": long enough that its header surely goes first
 
@@ -114,3 +117,26 @@ def test_data_of_another_length_than_announced_drops_the_link():
     r, h, _ = next(iter(FrameReader(b, None, threading.Event())))
     with pytest.raises(StepError):
         h.get()
+
+
+def test_a_pipeline_whose_head_dies_between_header_and_data_recomputes_exactly(config_only, tmp_path):
+    """Simulated stages split every step (their results exist 30 ms after the call): stage 0 of one
+    replica is killed mid-job, so its next stage may hold a header whose data never comes. That
+    step fails UNAVAILABLE, the chain is lost, and its requests finish on the other replica with
+    the tokens of a quiet run."""
+    slow = tmp_path / "slow.json"
+    slow.write_text(json.dumps({"fixed_step_s": 0.03}))
+    reqs = [{"prompt_token_ids": list(range(4000 + i, 4030 + 3 * i)), "max_new_tokens": 24} for i in range(12)]
+    with LocalCluster(model=config_only, workers=2, replicas=2, simulate=str(slow), dtype=None,
+                      extra_service_args=["--max-num-seqs", "4"]) as c:
+        want = [r.token_ids for r in c.client.wait(c.client.submit(reqs), timeout=120)]
+        job = c.client.submit(reqs)
+        deadline = time.monotonic() + 60
+        while c.client.get_job(job).completed < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        c.kill_worker(0)                                  # replica 0's stage 0, steps in flight
+        got = c.client.wait(job, timeout=120)
+        assert [r.token_ids for r in got] == want and not any(r.error for r in got)
+        assert c.client.stats().num_chains == 1
+        settle_all(c.client)

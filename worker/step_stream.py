@@ -43,6 +43,9 @@ class PendingHidden:
 
     def get(self):
         while not self.filled:
+            if self.reader.broken:
+                raise StepError(grpc.StatusCode.UNAVAILABLE, "the previous stage's link ended before this step's "
+                                                             "hidden states came")
             try:
                 more = self.reader.read_frame()
             except (OSError, ConnectionError, struct.error) as e:
@@ -51,8 +54,9 @@ class PendingHidden:
                 why = "a frame of no protocol"
             if not self.filled and not more:
                 self.reader.broken = True
-                raise StepError(grpc.StatusCode.UNAVAILABLE,
-                                f"the previous stage's link ended before this step's hidden states came ({why})")
+                msg = f"the previous stage's link ended before this step's hidden states came ({why})"
+                log.warning("%s", msg)
+                raise StepError(grpc.StatusCode.UNAVAILABLE, msg)
         return self.data
 
     def settle(self) -> None:

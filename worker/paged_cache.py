@@ -6,6 +6,9 @@ belongs to whom is the metadata plane's business.
 """
 from __future__ import annotations
 
+import ctypes
+import os
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,6 +41,32 @@ def blocks_for_budget(budget_bytes: int, num_layers: int, num_kv_heads: int, blo
     return int(budget_bytes) // bytes_per_block(num_layers, num_kv_heads, block_size, head_dim, dtype)
 
 
+def _zeros(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """A zeroed cache tensor. On a CPU its memory is asked for in 2 MiB pages before it is first
+    touched: a decode step reads blocks scattered over the whole cache, and with 4 KiB pages nearly
+    every block read also misses the TLB (tiny model, 59 sequences of ~400 tokens on a 2-core EPYC:
+    a layer's decode attention 1.30-1.38 ms -> 1.13-1.26 ms). MINIPAGED_HUGEPAGES=0 turns it off."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if t.device.type == "cpu" and os.environ.get("MINIPAGED_HUGEPAGES", "1") != "0":
+        _advise_huge_pages(t.data_ptr(), t.numel() * t.element_size())
+    return t.zero_()
+
+
+def _advise_huge_pages(ptr: int, nbytes: int) -> None:
+    """madvise(MADV_HUGEPAGE) on the whole 2 MiB pages inside [ptr, ptr + nbytes); a hint only:
+    where the kernel has no transparent huge pages (or this is not Linux) nothing changes."""
+    huge = 1 << 21
+    start = (ptr + huge - 1) & ~(huge - 1)
+    length = (ptr + nbytes - start) & ~(huge - 1)
+    if length <= 0 or not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), 14)   # 14: MADV_HUGEPAGE
+    except (OSError, AttributeError):
+        pass
+
+
 def _ids(ids, device) -> torch.Tensor:
     if isinstance(ids, torch.Tensor):
         return ids.reshape(-1).to(device=device, dtype=torch.long)
@@ -62,10 +91,8 @@ class PagedKVCache:
         self.dtype = as_dtype(self.dtype)
         shape = (self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
         # Zeroed so that a fresh cache has a well-defined checksum (and no NaN garbage).
-        self.key_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                          for _ in range(self.num_layers)]
-        self.value_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                            for _ in range(self.num_layers)]
+        self.key_cache = [_zeros(shape, self.dtype, self.device) for _ in range(self.num_layers)]
+        self.value_cache = [_zeros(shape, self.dtype, self.device) for _ in range(self.num_layers)]
 
     @property
     def nbytes(self) -> int:

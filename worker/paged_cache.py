@@ -6,15 +6,13 @@ belongs to whom is the metadata plane's business.
 """
 from __future__ import annotations
 
-import ctypes
-import os
-import sys
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from minipaged.constants import kv_bytes_per_block
+from worker import huge_pages
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
            "float16": torch.float16}
@@ -42,29 +40,12 @@ def blocks_for_budget(budget_bytes: int, num_layers: int, num_kv_heads: int, blo
 
 
 def _zeros(shape, dtype: torch.dtype, device) -> torch.Tensor:
-    """A zeroed cache tensor. On a CPU its memory is asked for in 2 MiB pages before it is first
-    touched: a decode step reads blocks scattered over the whole cache, and with 4 KiB pages nearly
-    every block read also misses the TLB (tiny model, 59 sequences of ~400 tokens on a 2-core EPYC:
-    a layer's decode attention 1.30-1.38 ms -> 1.13-1.26 ms). MINIPAGED_HUGEPAGES=0 turns it off."""
-    t = torch.empty(shape, dtype=dtype, device=device)
-    if t.device.type == "cpu" and os.environ.get("MINIPAGED_HUGEPAGES", "1") != "0":
-        _advise_huge_pages(t.data_ptr(), t.numel() * t.element_size())
-    return t.zero_()
-
-
-def _advise_huge_pages(ptr: int, nbytes: int) -> None:
-    """madvise(MADV_HUGEPAGE) on the whole 2 MiB pages inside [ptr, ptr + nbytes); a hint only:
-    where the kernel has no transparent huge pages (or this is not Linux) nothing changes."""
-    huge = 1 << 21
-    start = (ptr + huge - 1) & ~(huge - 1)
-    length = (ptr + nbytes - start) & ~(huge - 1)
-    if length <= 0 or not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), 14)   # 14: MADV_HUGEPAGE
-    except (OSError, AttributeError):
-        pass
+    """A zeroed cache tensor; on the CPU in 2 MiB pages (worker/huge_pages.py: a decode step reads
+    blocks scattered over the whole cache; a tiny-model decode layer of 59 sequences x ~400 tokens
+    1.30-1.38 ms -> 1.13-1.26 ms on a 2-core EPYC)."""
+    if torch.device(device).type == "cpu":
+        return huge_pages.empty(shape, dtype).zero_()
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def _ids(ids, device) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """Host tensors in 2 MiB pages: the K/V cache, which a decode step reads at blocks scattered over
 all of it, so that with 4 KiB pages nearly every block read also misses the TLB. Linux gives an
 anonymous mapping transparent huge pages when it is advised to (MADV_HUGEPAGE; the default
-`madvise` mode of /sys/kernel/mm/transparent_hugepage/enabled), before its pages are first touched. A hint only:
-where the kernel has none, or this is not Linux, nothing changes. MINIPAGED_HUGEPAGES=0 turns it off.
+`madvise` mode of /sys/kernel/mm/transparent_hugepage/enabled), before its pages are first
+touched. A hint only: where the kernel has none, or this is not Linux, nothing changes.
+MINIPAGED_HUGEPAGES=0 turns it off.
 Only whole 2 MiB pages inside the allocation are advised. The packed weight panels (read end to end,
 6 MB a matrix at the 0.6B shape) were tried too: one huge page of three per matrix (malloc aligns to
 4 KiB) and no difference measured at 1 or 4 rows, so they stay as they are."""

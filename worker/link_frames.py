@@ -14,6 +14,7 @@ header sent."""
 from __future__ import annotations
 
 import collections
+import logging
 import queue
 import socket
 import struct
@@ -24,6 +25,7 @@ from minipaged.step_frames import RING, STEP, recv_exact
 from minipaged.v1 import worker_pb2 as pb
 from worker.step_stream import PendingHidden
 
+log = logging.getLogger("worker.link_frames")
 END = object()          # put on a writer's queue: send what is left, then end the link
 
 
@@ -35,18 +37,32 @@ class FrameReader:
         self.conn, self.ring, self.cancelled = conn, ring, cancelled
         self.ready: collections.deque = collections.deque()    # steps read, not yet yielded
         self.waiting: collections.deque = collections.deque()  # PendingHidden without their data
-        self.broken = False
+        self.broken, self.why = False, ""
 
     def __iter__(self):
-        while not self.cancelled.is_set() and not self.broken:
+        while not self.cancelled.is_set():
             if not self.ready:
-                try:
-                    if not self.read_frame():
-                        return                # not a frame of this protocol: drop the link
-                except (OSError, ConnectionError, struct.error):
-                    return                    # the previous stage hung up (or was cancelled)
+                if not self.advance():
+                    return                    # the previous stage hung up, or sent no protocol's frame
                 continue
             yield self.ready.popleft()
+
+    def advance(self) -> bool:
+        """Read one frame; False, for good, once the previous stage hung up (or was cancelled) or
+        sent a frame of no protocol (the link is dropped)."""
+        if self.broken:
+            return False
+        try:
+            if self.read_frame():
+                return True
+            self.why = "a frame of no protocol"
+        except (OSError, ConnectionError, struct.error) as e:
+            self.why = str(e) or type(e).__name__
+        self.broken = True
+        if self.waiting:
+            log.warning("the previous stage's link ended with %d split steps waiting for their hidden states (%s)",
+                        len(self.waiting), self.why)
+        return False
 
     def read_frame(self) -> bool:
         """One frame off the socket: a step onto `ready`, or the data of the oldest waiting split

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import struct
 import threading
 import time
 
@@ -43,20 +42,9 @@ class PendingHidden:
 
     def get(self):
         while not self.filled:
-            if self.reader.broken:
+            if not self.reader.advance():
                 raise StepError(grpc.StatusCode.UNAVAILABLE, "the previous stage's link ended before this step's "
-                                                             "hidden states came")
-            try:
-                more = self.reader.read_frame()
-            except (OSError, ConnectionError, struct.error) as e:
-                more, why = False, str(e)
-            else:
-                why = "a frame of no protocol"
-            if not self.filled and not more:
-                self.reader.broken = True
-                msg = f"the previous stage's link ended before this step's hidden states came ({why})"
-                log.warning("%s", msg)
-                raise StepError(grpc.StatusCode.UNAVAILABLE, msg)
+                                                             f"hidden states came ({self.reader.why})")
         return self.data
 
     def settle(self) -> None:

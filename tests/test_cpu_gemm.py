@@ -93,6 +93,17 @@ def test_stage_uses_it_only_for_bf16_values_in_float32():
     assert stage.layers[0].mlp.down_proj.packed is not None
     assert stage.embed_packed is stage.lm_head.packed          # tied: one bfloat16 copy of the table
     assert stage.lm_head.weight.numel() == stage.embed_tokens.weight.numel() == 0
+    down = stage.layers[0].mlp.down_proj
+    if cpu_gemm.amx_available():                       # AMX's copy for 8+ rows, no float32 one
+        assert down.vnni is not None and down.weight.numel() == 0
+    elif cpu_gemm.all_batches():                       # AVX-512: the panels for every batch
+        assert down.weight.numel() == 0 and down.packed_rows >= 1 << 62
+        x = torch.randn(100, down.in_features)         # a prefill-sized batch takes them too
+        torch.testing.assert_close(down(x), x @ down.packed.view(torch.bfloat16).float()
+                                   .permute(0, 2, 1).reshape(-1, down.in_features)[:down.out_features].T,
+                                   rtol=1e-5, atol=1e-5)
+    else:                                              # AVX2: oneDNN's float32 GEMM for prefill
+        assert down.weight.numel() == down.in_features * down.out_features
     f64 = Qwen3Stage(cfg, 0, cfg.num_hidden_layers, torch.float64, "cpu")
     f64.load_weights({k: v.bfloat16().float() for k, v in sd.items()})
     assert not f64.use_bf16_weights()                 # the parity mode keeps its own GEMMs
@@ -125,3 +136,15 @@ def test_amx_matches_float32_linear(m, n, k):
         got = cpu_gemm.linear(x, packed, n, bias, vnni=vnni)
         assert got.dtype == torch.float32 and got.shape == (m, n)
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+def test_bench_quick_at_the_real_shape():
+    """bench/cpu_gemm.py runs at the Qwen3-0.6B shape (sizes only: no checkpoint is made)."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "bench/cpu_gemm.py", "--quick", "--threads", "1"], cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| gate_up (1024 x 6144) | 16 |" in proc.stdout

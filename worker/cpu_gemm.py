@@ -15,8 +15,11 @@ Policy (Qwen3Stage.use_bf16_weights):
   - every matrix of a layer gains a panel copy for batches of at most SMALL_BATCH_ROWS rows (decode
     steps), where it is 1.3-2.6x faster than oneDNN's float32 GEMM (bench/results/profile-*.md);
   - with AMX (amx_available()) it also gains the AMX copy, which batches of AMX_MIN_ROWS or more
-    take, and loses its float32 copy; without, it keeps its float32 copy for large batches
-    (prefill chunks, where oneDNN's blocked GEMM is ~15% faster than the panels on AVX2);
+    take, and loses its float32 copy;
+  - without AMX but with AVX-512 (all_batches()) every batch takes the panels and the float32 copy
+    goes: the panels match or beat oneDNN's blocked GEMM at every size there;
+  - on AVX2 it keeps its float32 copy for large batches (prefill chunks, where oneDNN's blocked
+    GEMM is ~15% faster than the panels);
   - the lm_head keeps only its panels: its input is one row per sampling sequence, a small batch,
     and dropping its float32 copy pays for half the layers' second copy in memory; a tied embedding
     on the same stage reads its rows from those panels (rows_of), another stage's embedding is kept
@@ -44,6 +47,14 @@ def available() -> bool:
         return False
     lib = load_library()
     return lib is not None and bool(lib.minipaged_bf16w_available())
+
+
+def all_batches() -> bool:
+    """The panels are the fastest float32 GEMM here at every batch size, so a layer needs no float32
+    copy: the AVX-512 tiles (16 x 1024 x 6144 to 1024 rows on this project's AVX-512 EPYC, 2
+    threads: 0-5% faster than oneDNN's prepacked float32 GEMM from 256 rows, 3-20% at 48-128,
+    1.5x at 16). On AVX2 oneDNN stays ~15% faster for prefill chunks."""
+    return available() and bool(load_library().minipaged_bf16w_all_batches())
 
 
 def amx_available() -> bool:

@@ -112,7 +112,8 @@ def load_library() -> ctypes.CDLL | None:
                    lib.minipaged_silu_mul_bf16, lib.minipaged_add_rmsnorm_bf16, lib.minipaged_add_rmsnorm_f32,
                    lib.minipaged_linear_bf16w_f32):
             fn.restype = None
-        for fn in (lib.minipaged_bf16w_available, lib.minipaged_amx_available, lib.minipaged_linear_amx_f32,
+        for fn in (lib.minipaged_bf16w_available, lib.minipaged_bf16w_all_batches, lib.minipaged_amx_available,
+                   lib.minipaged_linear_amx_f32,
                    lib.minipaged_decode_rounds_q_bf16):
             fn.restype = I
         L = ctypes.c_int64

@@ -216,10 +216,13 @@ class Qwen3Stage(nn.Module):
             return False
         empty = nn.Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)
         amx = cpu_gemm.amx_available()
+        every_batch = not amx and cpu_gemm.all_batches()
         for m in layers:
             m.packed, m.packed_rows = cpu_gemm.pack(m.weight), cpu_gemm.SMALL_BATCH_ROWS
             if amx:                      # large batches from AMX's copy: the float32 one goes
                 m.vnni, m.weight = cpu_gemm.pack_vnni(m.weight), empty
+            elif every_batch:            # the panels for every batch: the float32 one goes
+                m.packed_rows, m.weight = 1 << 62, empty
         tied = self.embed_tokens is not None and self.lm_head is not None and self.config.tie_word_embeddings
         if self.lm_head is not None:     # the panels only: its float32 copy is never read again
             self.lm_head.packed, self.lm_head.packed_rows = cpu_gemm.pack(self.lm_head.weight), 1 << 62

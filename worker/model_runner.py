@@ -93,9 +93,12 @@ class ModelRunner:
             return " (oneDNN bfloat16 GEMMs, bfloat16 K/V, float32 activations between them)"
         if not self.bf16_weights:
             return ""
-        amx = any(getattr(m, "vnni", None) is not None for m in self.stage.modules())
-        return (" (bfloat16 copies: AMX for 8+ rows, panels below; the lm_head in bfloat16 only)"
-                if amx else " (bfloat16 copies for small batches; the lm_head in bfloat16 only)")
+        linears = [m for m in self.stage.modules() if getattr(m, "packed", None) is not None]
+        if any(getattr(m, "vnni", None) is not None for m in linears):
+            return " (bfloat16 copies: AMX for 8+ rows, panels below; the lm_head in bfloat16 only)"
+        if all(m.packed_rows >= 1 << 62 for m in linears):
+            return " (bfloat16 panels for every batch, no float32 copy)"
+        return " (bfloat16 copies for small batches; the lm_head in bfloat16 only)"
 
     @property
     def is_first(self) -> bool:

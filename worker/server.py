@@ -37,6 +37,7 @@ from worker.busy_clock import BusyClock
 from worker.kv_move import PullQueue
 from worker.first_stage import FirstStageLink
 from worker.next_stage import GRPC_OPTIONS, NextStage, insecure_channel
+from worker.omp_pool import in_own_thread
 from worker.step_execution import StepExecution
 from worker.step_rpcs import StepRpcs
 from worker.step_state import SequenceStore, Ticket
@@ -141,9 +142,11 @@ class WorkerServicer(StepExecution, StepRpcs, pb_grpc.WorkerServiceServicer):
             self.epoch, self.num_blocks, self.block_size = 0, 0, 0
             self.store.clear()
             try:
-                self.runner.init_cache(nb, bs)  # frees the old cache before allocating the new one
+                # frees the old cache before allocating the new one; on a thread of its own, which
+                # takes its OpenMP pool with it when done (worker/omp_pool.py)
+                in_own_thread(self.runner.init_cache, nb, bs)
                 if request.tier_blocks:
-                    self.runner.kv_cache.attach_tier(request.tier_blocks)
+                    in_own_thread(self.runner.kv_cache.attach_tier, request.tier_blocks)
             except (RuntimeError, MemoryError) as e:  # CPU OOM is a RuntimeError (torch's OOM is one too)
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"allocating {nb} blocks of {bs}: {e}")
             self.next_stage.connect(request.next_stage_address, request.next_stage_token, request.cache_epoch,

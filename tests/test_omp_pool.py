@@ -1,0 +1,60 @@
+"""worker/omp_pool.py: work run through in_own_thread leaves no OpenMP pool behind (the helpers of
+the pool it opened exit with it), so the thread that runs steps keeps the only one; results and
+exceptions come back to the caller."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from worker.omp_pool import in_own_thread
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _parallel_work() -> float:
+    return float(torch.ones(1 << 22).add_(1).sum())   # large enough for torch to open a parallel region
+
+
+def _settles_at(count: int, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while _threads() != count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return _threads() == count
+
+
+def test_result_and_exception_come_back():
+    assert in_own_thread(lambda a, b=0: a + b, 2, b=3) == 5
+    with pytest.raises(ValueError, match="bad"):
+        in_own_thread(lambda: (_ for _ in ()).throw(ValueError("bad")))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task") or (os.cpu_count() or 1) < 2, reason="needs Linux, 2+ CPUs")
+def test_its_openmp_pool_goes_with_it():
+    before_threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        base = _threads()
+        assert in_own_thread(_parallel_work) == 2.0 * (1 << 22)
+        assert _settles_at(base)                        # the thread and its pool's helper are gone
+        # the contrast: a thread that stays keeps its pool's helper alive
+        go, done = threading.Event(), threading.Event()
+
+        def stays():
+            _parallel_work()
+            go.set()
+            done.wait()
+        t = threading.Thread(target=stays, daemon=True)
+        t.start()
+        go.wait()
+        assert _threads() >= base + 2                   # the thread itself and at least one helper
+        done.set()
+        t.join()
+        assert _settles_at(base)
+    finally:
+        torch.set_num_threads(before_threads)

@@ -20,32 +20,35 @@ log = logging.getLogger("worker")
 SHUTDOWN_GRACE_S = 5.0
 
 
+def _glibc():
+    """glibc, for its malloc tuning, or None (not Linux, not glibc: nothing to tune)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
 def keep_freed_memory() -> None:
     """Ask glibc to keep freed memory instead of unmapping it: each step allocates the same large
     activations again, and on CPU re-faulting fresh pages cost as much as the attention itself
     (a decode step was ~2x slower). RSS then stays at its peak, as a server's should."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-        libc = ctypes.CDLL("libc.so.6")
+    libc = _glibc()
+    if libc is not None:
         libc.mallopt(-3, 1 << 30)      # M_MMAP_THRESHOLD: serve blocks up to 1 GiB from the heap
         libc.mallopt(-1, 2**31 - 1)    # M_TRIM_THRESHOLD: never give the heap's top back
-    except (OSError, AttributeError):  # not glibc: nothing to tune
-        pass
 
 
 def release_freed_memory() -> None:
     """Hand back, once, what loading freed (float32 weights replaced by their packed copies): it
     sat in the loading thread's malloc arena, which keep_freed_memory's settings never trim
     (Qwen3-0.6B shape: ~840 MB)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 def default_cpu_kv_bytes(args) -> int:

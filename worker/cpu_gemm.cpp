@@ -102,10 +102,6 @@ inline void tile2(const float* x, int64_t ldx, int K, const uint16_t* panel, flo
 struct Two {
   template <int MR, class... A> static void run(A... a) { tile2<MR>(a...); }
 };
-template <class Tile, int kRows>
-void over_rows(const float* x, int64_t ldx, int M, int K, const uint16_t* panel, float* y, int64_t ldy,
-               int ncols, const float* bias);
-
 template <class Tile, int MR>
 inline void tail(const float* x, int64_t ldx, int K, const uint16_t* panel, float* y, int64_t ldy,
                  int ncols, const float* bias, int left);

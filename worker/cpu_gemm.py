@@ -38,6 +38,7 @@ from worker.cpu_kernels import load_library
 
 PANEL = 16                  # output columns per packed panel (the kernel's register tile width)
 SMALL_BATCH_ROWS = 48       # at most this many rows: the packed kernel; more: the float32 GEMM
+EVERY_BATCH = 1 << 62       # packed_rows of a matrix with no float32 copy: every batch takes the panels
 AMX_MIN_ROWS = 8            # with AMX (pack_vnni) from this many rows on: the AMX kernel
 
 

@@ -222,10 +222,10 @@ class Qwen3Stage(nn.Module):
             if amx:                      # large batches from AMX's copy: the float32 one goes
                 m.vnni, m.weight = cpu_gemm.pack_vnni(m.weight), empty
             elif every_batch:            # the panels for every batch: the float32 one goes
-                m.packed_rows, m.weight = 1 << 62, empty
+                m.packed_rows, m.weight = cpu_gemm.EVERY_BATCH, empty
         tied = self.embed_tokens is not None and self.lm_head is not None and self.config.tie_word_embeddings
         if self.lm_head is not None:     # the panels only: its float32 copy is never read again
-            self.lm_head.packed, self.lm_head.packed_rows = cpu_gemm.pack(self.lm_head.weight), 1 << 62
+            self.lm_head.packed, self.lm_head.packed_rows = cpu_gemm.pack(self.lm_head.weight), cpu_gemm.EVERY_BATCH
             self.lm_head.weight = empty
         if tied:                         # the embedding's rows come from the same panels
             self.embed_packed, self.embed_tokens.weight = self.lm_head.packed, empty

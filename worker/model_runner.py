@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from minipaged.config import ModelConfig, load_model_config
-from worker import cpu_kernels, logits_processors, prompt_logprobs as plp, sampler
+from worker import cpu_gemm, cpu_kernels, logits_processors, prompt_logprobs as plp, sampler
 from worker.layers import onednn_bf16_gemm
 from worker.model import Qwen3Stage, StepBatch
 from worker.paged_cache import PagedKVCache, as_dtype, bytes_per_block
@@ -96,7 +96,7 @@ class ModelRunner:
         linears = [m for m in self.stage.modules() if getattr(m, "packed", None) is not None]
         if any(getattr(m, "vnni", None) is not None for m in linears):
             return " (bfloat16 copies: AMX for 8+ rows, panels below; the lm_head in bfloat16 only)"
-        if all(m.packed_rows >= 1 << 62 for m in linears):
+        if all(m.packed_rows == cpu_gemm.EVERY_BATCH for m in linears):
             return " (bfloat16 panels for every batch, no float32 copy)"
         return " (bfloat16 copies for small batches; the lm_head in bfloat16 only)"
 

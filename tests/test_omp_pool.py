@@ -58,3 +58,37 @@ def test_its_openmp_pool_goes_with_it():
         assert _settles_at(base)
     finally:
         torch.set_num_threads(before_threads)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task") or (os.cpu_count() or 1) < 2, reason="needs Linux, 2+ CPUs")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kv_move_copies_open_no_pool_on_their_thread(dtype):
+    """A K/V move reads and writes blocks on threads that live on (the PullQueue, the data link's
+    block reads): its copies must not give those threads an OpenMP pool of their own."""
+    from worker.paged_cache import PagedKVCache
+    before_threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _parallel_work()                                # this thread's pool, as the step thread's
+        src, dst = (PagedKVCache(2, 4096, 4, 16, 64, dtype) for _ in range(2))   # 64 MiB a layer in float32
+        for c in src.key_cache + src.value_cache:
+            c.copy_(torch.randn_like(c, dtype=torch.float32))
+        ids, to = list(range(0, 4096, 2)), list(range(1, 4096, 2))
+        base, go, done, out = _threads(), threading.Event(), threading.Event(), {}
+
+        def move():
+            dst.write_blocks(to, src.read_blocks(ids))
+            out["back"] = dst.read_blocks(to)
+            go.set()
+            done.wait()
+        t = threading.Thread(target=move, daemon=True)
+        t.start()
+        go.wait()
+        assert _threads() == base + 1                   # the thread itself, and no helper beside it
+        done.set()
+        t.join()
+        assert out["back"] == src.read_blocks(ids)
+        for a, b in zip(src.key_cache + src.value_cache, dst.key_cache + dst.value_cache):
+            assert torch.equal(b[1::2], a[0::2]) and not b[0::2].any()
+    finally:
+        torch.set_num_threads(before_threads)

@@ -54,6 +54,15 @@ def _ids(ids, device) -> torch.Tensor:
     return torch.tensor(np.asarray(ids, dtype=np.int64).reshape(-1), device=device)
 
 
+def _host_bytes(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's bytes as numpy [n, ...] uint8, sharing its memory. K/V moves run on threads of
+    their own (the PullQueue, the data link's block reads): a torch copy there opens an OpenMP
+    parallel region, and libgomp then keeps a second pool of helpers beside the step thread's,
+    which stops them spinning between the step's regions (worker/omp_pool.py). numpy copies on the
+    calling thread."""
+    return t.view(torch.uint8).numpy()
+
+
 @dataclass
 class PagedKVCache:
     num_layers: int
@@ -136,7 +145,11 @@ class PagedKVCache:
         idx = _ids(ids, self.key_cache[0].device) if self.num_layers else None
         if idx is None or idx.numel() == 0:
             return b""
-        parts = [c.index_select(0, idx).reshape(-1) for c in (*self.key_cache, *self.value_cache)]
+        caches = (*self.key_cache, *self.value_cache)
+        if idx.device.type == "cpu":     # numpy: no OpenMP region on the move's thread (see _host_bytes)
+            rows = idx.numpy()
+            return b"".join(_host_bytes(c)[rows].tobytes() for c in caches)
+        parts = [c.index_select(0, idx).reshape(-1) for c in caches]
         return torch.cat(parts).view(torch.uint8).cpu().numpy().tobytes()
 
     def check_block_bytes(self, n: int, nbytes: int) -> None:
@@ -159,7 +172,10 @@ class PagedKVCache:
         rows = rows.view(2 * self.num_layers, n, self.num_kv_heads, self.block_size, self.head_dim)
         idx = _ids(ids, dev)
         for i, cache in enumerate((*self.key_cache, *self.value_cache)):
-            cache[idx] = rows[i].to(dev, non_blocking=True)
+            if dev.type == "cpu":
+                _host_bytes(cache)[idx.numpy()] = _host_bytes(rows[i])
+            else:
+                cache[idx] = rows[i].to(dev, non_blocking=True)
 
     def checksum(self) -> float:
         """Cheap fingerprint of all K/V: per-block sums and norms weighted by block id (so moving

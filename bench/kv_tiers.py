@@ -11,6 +11,9 @@ tenants' prefixes: a request that lands where its prefix is not cached recompute
   - prefix: the approximate index (an LRU of what was routed to each chain);
   - round-robin;
   - 1 replica with the same pool cap (the hit rate a single cache reaches).
+With `--routing-tier-slots S` (a table for each value; 0: no tier) every worker also offers a second
+KV tier of S blocks (write-back): the exact router then sees what each chain's pool *and* tier hold,
+and the approximate index is sized to the pool plus the tier.
 Each row runs `--repeat` times on fresh clusters (fresh caches); the table shows the medians of
 the runs' hit rates and TTFT percentiles. SIMULATED H200s (worker/simulator.py), Qwen3-8B shape,
 every process on this machine's cores.
@@ -75,10 +78,14 @@ async def open_loop_ttfts(address: str, reqs: list[dict], rate: float, seed: int
     return sorted(out)
 
 
-def one_run(replicas: int, router: str, reqs: list[dict], args) -> tuple:
-    """(hit rate, TTFT p50, p90, p99 s, wall s) of one fresh cluster serving reqs."""
+PER_BLOCK_8B = 36 * 2 * 8 * 128 * 2 * 16      # Qwen3-8B K/V, bfloat16, a block of 16 tokens: 2.25 MiB
+
+
+def one_run(replicas: int, router: str, reqs: list[dict], args, tier_slots: int = 0) -> tuple:
+    """(device hit rate, tier hit rate, TTFT p50, p90, p99 s, wall s) of one fresh cluster serving reqs."""
     extra = ("--router", router, "--num-blocks", str(args.num_blocks))
-    with sim_cluster(replicas=replicas, extra=extra) as c:
+    worker = ("--kv-tier-bytes", str(tier_slots * PER_BLOCK_8B)) if tier_slots else ()
+    with sim_cluster(replicas=replicas, extra=extra, worker_extra=worker) as c:
         b = c.client.stats()
         t0 = time.perf_counter()
         if args.rate > 0:
@@ -88,29 +95,37 @@ def one_run(replicas: int, router: str, reqs: list[dict], args) -> tuple:
         wall = time.perf_counter() - t0
         a = c.client.stats()
     q, h = a.prefix_cache_queries - b.prefix_cache_queries, a.prefix_cache_hits - b.prefix_cache_hits
+    th = a.tier_hits - b.tier_hits
     pct = lambda p: lat[min(len(lat) - 1, int(len(lat) * p))]  # noqa: E731
-    return (h / q if q else 0.0, pct(0.5), pct(0.9), pct(0.99), wall)
+    return (h / q if q else 0.0, th / q if q else 0.0, pct(0.5), pct(0.9), pct(0.99), wall)
 
 
 def bench_routing(args) -> None:
+    for slots in [int(x) for x in args.routing_tier_slots.split(",")]:
+        routing_table(args, slots)
+
+
+def routing_table(args, tier_slots: int) -> None:
     setups = (("4 replicas, exact", 4, "exact"), ("4 replicas, prefix (approximate)", 4, "prefix"),
               ("4 replicas, round-robin", 4, "round_robin"), ("1 replica", 1, "exact"))
     runs: dict[str, list] = {label: [] for label, *_ in setups}
     for r in range(args.repeat):          # rows take turns within each repetition (the machine drifts)
         reqs = shared_prefix_requests(seed=11 + r, systems=args.tenants, per=args.per, new=args.new)
         for label, replicas, router in setups:
-            runs[label].append(one_run(replicas, router, reqs, args))
+            runs[label].append(one_run(replicas, router, reqs, args, tier_slots))
     rows, exact = [], None
     for label, *_ in setups:
         med = [sorted(x)[len(x) // 2] for x in zip(*runs[label])]
         exact = exact or med
-        rows.append((label, f"{med[0]:.3f}", f"{1e3 * med[1]:.0f}", f"{1e3 * med[2]:.0f}", f"{1e3 * med[3]:.0f}",
-                     f"{med[2] / exact[2]:.2f}x", f"{med[4]:.1f}"))
+        rows.append((label, f"{med[0]:.3f}", f"{med[1]:.3f}", f"{1e3 * med[2]:.0f}", f"{1e3 * med[3]:.0f}",
+                     f"{1e3 * med[4]:.0f}", f"{med[3] / exact[3]:.2f}x", f"{med[5]:.1f}"))
     load = f"Poisson arrivals at {args.rate:g}/s" if args.rate > 0 else f"{args.concurrency} concurrent streams"
     table(f"tenants' system prompts under cache pressure ({args.tenants} prompts of 1-2k ids x {args.per} requests, "
-          f"user turns of 32-128 ids, {args.new} new; {load}; pool {args.num_blocks} blocks of 16 per chain), "
+          f"user turns of 32-128 ids, {args.new} new; {load}; pool {args.num_blocks} blocks of 16 per chain"
+          f"{f', KV tier {tier_slots} blocks per chain (write-back)' if tier_slots else ', no KV tier'}), "
           f"simulated H200, median of {args.repeat} runs",
-          ("routing", "hit rate", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms", "p90 vs exact", "wall s"), rows)
+          ("routing", "device hit rate", "tier hit rate", "TTFT p50 ms", "TTFT p90 ms", "TTFT p99 ms", "p90 vs exact",
+           "wall s"), rows)
 
 
 # ---------------------------------------------------------------- the second KV tier
@@ -182,8 +197,7 @@ def tier_table(title: str, runs: dict, check_tokens: bool) -> None:
 
 
 def bench_tier_sim(args) -> None:
-    per_block = 36 * 2 * 8 * 128 * 2 * 16      # Qwen3-8B, bfloat16, blocks of 16: 2.25 MiB
-    tier_bytes = args.tier_slots * per_block
+    tier_bytes = args.tier_slots * PER_BLOCK_8B
 
     def cluster(policy):
         return LocalCluster(model=CONFIG_8B, workers=1, simulate="h200", dtype=None, startup_timeout=300,
@@ -233,6 +247,8 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second (0: closed loop)")
     ap.add_argument("--concurrency", type=int, default=32, help="streams at a time when --rate is 0")
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--routing-tier-slots", default="0",
+                    help="routing: each chain's KV tier in blocks of 16, a table for each (0: no tier)")
     ap.add_argument("--convs", type=int, default=48, help="tier: conversations at once (simulated)")
     ap.add_argument("--turns", type=int, default=4, help="tier: turns per conversation")
     ap.add_argument("--at-once", type=int, default=0,

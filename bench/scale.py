@@ -107,9 +107,10 @@ WORKLOADS = {"short": (64, 256, 128), "long": (512, 1536, 128)}   # prompt ids l
 
 
 # ---------------------------------------------------------------- simulated
-def sim_cluster(stages=1, replicas=1, profile="h200", extra=(), root=None):
+def sim_cluster(stages=1, replicas=1, profile="h200", extra=(), root=None, worker_extra=()):
     return LocalCluster(model=CONFIG_8B, workers=stages, replicas=replicas, simulate=profile, dtype=None,
-                        startup_timeout=300, extra_service_args=list(extra), root=root)
+                        startup_timeout=300, extra_service_args=list(extra), root=root,
+                        extra_worker_args=list(worker_extra))
 
 
 def workload_title(name, args):

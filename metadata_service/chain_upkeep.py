@@ -138,7 +138,8 @@ class ChainUpkeep:
             chain.manager.attach_tier(tier, self.cfg.kv_tier_policy)
         with self.route_lock:
             self.chains[chain.chain_id] = chain
-            self.router.add_chain(chain.chain_id, cap, self.cfg.max_num_seqs * chain.micro_batches,
+            # the approximate index predicts what the chain holds, so its size is the pool's and the tier's
+            self.router.add_chain(chain.chain_id, cap + tier, self.cfg.max_num_seqs * chain.micro_batches,
                                   chain.manager.cached_hashes())
         chain.start()
         for cb in self.on_chain_started:

@@ -3,9 +3,9 @@
 A conversation's next turn repeats the whole history as its prompt, so it must go where the last
 turn went or the shard recomputes all of it. The front cannot see the shards' pools (each shard
 routes exactly among its own chains); it keeps the approximate index of router.py's "prefix"
-policy per shard (an LRU of the prompt blocks routed there, the size of the shard's pools) and
-weighs overlap against load with the same score. A text prompt is hashed as its UTF-8 bytes, four
-to a "token": the front has no tokenizer, and equal text prefixes are what matter."""
+policy per shard (an LRU of the prompt blocks routed there, the size of the shard's pools and KV
+tiers) and weighs overlap against load with the same score. A text prompt is hashed as its UTF-8
+bytes, four to a "token": the front has no tokenizer, and equal text prefixes are what matter."""
 from __future__ import annotations
 
 import itertools
@@ -52,8 +52,8 @@ class ShardRouter:
             costs = []
             for k in ready:
                 s = stats[k]
-                if s is not None and s.num_blocks:
-                    self.index[k].capacity = s.num_blocks
+                if s is not None and s.num_blocks:      # what the shard holds: its pools and tiers
+                    self.index[k].capacity = s.num_blocks + s.tier_blocks
                 chains = max(1, s.num_chains) if s is not None else 1
                 load = ((s.used_blocks if s is not None else 0) + self.routed[k]) / chains
                 overlap = self.index[k].overlap(hashes)

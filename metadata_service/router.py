@@ -6,15 +6,15 @@ compute (weighted, OVERLAP_WEIGHT) plus its load, and the cheapest chain wins. `
 function.
 
 Where overlap comes from is the policy:
-  - "exact" (the default): what the chain's pool holds now. The metadata plane owns every chain's
-    KVBlockManager, so the router reads each prefix cache's index (hash -> block, prefix_cache.py)
-    itself, with no events and no guess: a block evicted a moment ago is gone from it, a block
-    computed a moment ago is there. To that it adds the blocks of sequences already routed to the
+  - "exact" (the default): what the chain's pool and KV tier hold now. The metadata plane owns
+    every chain's KVBlockManager, so the router reads each prefix cache's index (hash -> block,
+    prefix_cache.py) and the tier's (kv_tier.py) itself, with no events and no guess: a block
+    evicted a moment ago is gone from it, a block computed a moment ago is there. To that it adds the blocks of sequences already routed to the
     chain and not finished (`pending`), so a burst of requests sharing a system prompt all go where
     the first one went, before any of them has run.
   - "prefix" (approximate, Dynamo's mode without KV events; kept to compare): a PrefixIndex per
     chain, an LRU of the hashes of the full prompt blocks routed there, the size of the chain's
-    pool. It predicts the prefix cache from the routing decisions, and drifts from it once the pool
+    pool plus its tier. It predicts the prefix cache from the routing decisions, and drifts from it once the pool
     evicts for other reasons (decode tokens, other prompts).
 Load is counted in blocks: each unfinished sequence adds the blocks it will allocate beyond its
 cached prefix. A chain whose batch slots (max_num_seqs x micro-batches) are all taken is chosen

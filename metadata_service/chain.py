@@ -56,10 +56,11 @@ class ChainRunner(ChainStats, KvMoves):
         host_compute = all(w.info.device == "cpu" and not w.info.simulate for w in stages)
         self.micro_batches = cfg.micro_batches or default_micro_batches(n, host_compute)
         # One protocol for every chain: steps go down the StepStream to stage 0 and on; the last
-        # stage answers on StepResults. With no more micro-batches than stages a micro-batch would
-        # wait for its own tokens, so async scheduling sends its next step first (inputs -1): stage
-        # 0 embeds them once the last stage has sent it their tokens (the SampledTokens stream).
-        overlap = cfg.async_scheduling and self.micro_batches <= n
+        # stage answers on StepResults. Async scheduling sends a micro-batch's next step before its
+        # tokens are back (inputs -1): stage 0 embeds them once the last stage has sent it their
+        # tokens (the SampledTokens stream), so no micro-batch waits for the service's round trip
+        # (with N + 1 micro-batches too: 4 simulated stages 3.01 / 3.05x -> 3.07 / 3.09x).
+        overlap = cfg.async_scheduling
         self.slot_cap = 2 if overlap else 1            # steps in flight per micro-batch
         self.depth = self.micro_batches * self.slot_cap
         self.tokens_to_first = overlap and n > 1       # one stage samples and embeds: it knows them

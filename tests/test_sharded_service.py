@@ -280,7 +280,8 @@ def test_a_finished_stream_leaves_its_shards_load_at_once():
     # conversation's next turn away from the shard that holds its history
     from metadata_service.front_routing import ShardRouter
     r = ShardRouter(2)
-    stats = [SimpleNamespace(ready=True, block_size=16, num_blocks=1024, num_chains=1, used_blocks=0)] * 2
+    stats = [SimpleNamespace(ready=True, block_size=16, num_blocks=1024, tier_blocks=0, num_chains=1,
+                             used_blocks=0)] * 2
     history = metadata_pb2.GenerateRequest(prompt_token_ids=bytes(4 * 64), max_new_tokens=16)
     home, blocks = r.choose(history, stats)
     assert blocks == 3 + 1

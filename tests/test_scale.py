@@ -32,6 +32,8 @@ def settle_all(client):
 
 
 def test_three_stages_keep_nine_micro_batches_in_flight_exactly(ckpt, oracle):
+    """More micro-batches than stages, each with its next step sent ahead (async scheduling: stage 0
+    embeds the -1 inputs from the last stage's tokens), still gives transformers' tokens."""
     # 4 layers over 3 stages; a small per-step budget so prompts are chunked across micro-batches
     with LocalCluster(model=ckpt, workers=3, dtype="float64", block_size=4,
                       extra_service_args=["--max-num-batched-tokens", "24", "--micro-batches", "9"]) as c:

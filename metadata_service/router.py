@@ -96,7 +96,7 @@ class Route:
 
 @dataclass
 class _ChainLoad:
-    index: PrefixIndex                    # "prefix": hashes routed here, an LRU of the pool's size
+    index: PrefixIndex                    # "prefix": hashes routed here, an LRU the size of the pool and tier
     cached: Container = ()                # "exact": the chain's prefix cache index, read live
     pending: Counter = field(default_factory=Counter)   # "exact": prompt blocks of unfinished sequences
     blocks: float = 0.0

@@ -9,13 +9,13 @@ Where overlap comes from is the policy:
   - "exact" (the default): what the chain's pool and KV tier hold now. The metadata plane owns
     every chain's KVBlockManager, so the router reads each prefix cache's index (hash -> block,
     prefix_cache.py) and the tier's (kv_tier.py) itself, with no events and no guess: a block
-    evicted a moment ago is gone from it, a block computed a moment ago is there. To that it adds the blocks of sequences already routed to the
-    chain and not finished (`pending`), so a burst of requests sharing a system prompt all go where
-    the first one went, before any of them has run.
+    evicted a moment ago is gone from it, a block computed a moment ago is there. To that it adds
+    the blocks of sequences already routed to the chain and not finished (`pending`), so a burst
+    of requests sharing a system prompt all go where the first one went, before any of them ran.
   - "prefix" (approximate, Dynamo's mode without KV events; kept to compare): a PrefixIndex per
     chain, an LRU of the hashes of the full prompt blocks routed there, the size of the chain's
-    pool plus its tier. It predicts the prefix cache from the routing decisions, and drifts from it once the pool
-    evicts for other reasons (decode tokens, other prompts).
+    pool plus its tier. It predicts the caches from the routing decisions, and drifts from them
+    once they evict for other reasons (decode tokens, other prompts).
 Load is counted in blocks: each unfinished sequence adds the blocks it will allocate beyond its
 cached prefix. A chain whose batch slots (max_num_seqs x micro-batches) are all taken is chosen
 only when every chain's are: a sequence sent there waits for a whole request to finish while
@@ -96,7 +96,7 @@ class Route:
 
 @dataclass
 class _ChainLoad:
-    index: PrefixIndex                    # "prefix": hashes routed here, an LRU the size of the pool and tier
+    index: PrefixIndex                    # "prefix": hashes routed here, an LRU of pool + tier size
     cached: Container = ()                # "exact": the chain's prefix cache index, read live
     pending: Counter = field(default_factory=Counter)   # "exact": prompt blocks of unfinished sequences
     blocks: float = 0.0

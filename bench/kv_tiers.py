@@ -53,6 +53,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from scale import shared_prefix_requests, sim_cluster, table, ttfts  # noqa: E402  (puts the repo root on the path)
 
 from client import AsyncClient, LocalCluster  # noqa: E402
+from minipaged.config import load_model_config  # noqa: E402
+from minipaged.constants import kv_bytes_per_block  # noqa: E402
 from scale import CONFIG_8B  # noqa: E402
 from pd_split import add_arguments, bench_disagg  # noqa: E402
 
@@ -78,7 +80,13 @@ async def open_loop_ttfts(address: str, reqs: list[dict], rate: float, seed: int
     return sorted(out)
 
 
-PER_BLOCK_8B = 36 * 2 * 8 * 128 * 2 * 16      # Qwen3-8B K/V, bfloat16, a block of 16 tokens: 2.25 MiB
+def _per_block_8b() -> int:
+    """K/V bytes of one block of 16 tokens of the simulated Qwen3-8B, all layers, bfloat16 (2.25 MiB)."""
+    c = load_model_config(CONFIG_8B)
+    return kv_bytes_per_block(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 16, 2)
+
+
+PER_BLOCK_8B = _per_block_8b()
 
 
 def one_run(replicas: int, router: str, reqs: list[dict], args, tier_slots: int = 0) -> tuple:

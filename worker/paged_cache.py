@@ -148,7 +148,11 @@ class PagedKVCache:
         caches = (*self.key_cache, *self.value_cache)
         if idx.device.type == "cpu":     # numpy: no OpenMP region on the move's thread (see _host_bytes)
             rows = idx.numpy()
-            return b"".join(_host_bytes(c)[rows].tobytes() for c in caches)
+            out = bytearray(rows.size * (self.nbytes // self.num_blocks))   # all layers' K, then all V
+            view = np.frombuffer(out, dtype=np.uint8).reshape(len(caches), rows.size, -1)
+            for i, c in enumerate(caches):
+                view[i] = _host_bytes(c).reshape(self.num_blocks, -1)[rows]
+            return out
         parts = [c.index_select(0, idx).reshape(-1) for c in caches]
         return torch.cat(parts).view(torch.uint8).cpu().numpy().tobytes()
 

@@ -1,5 +1,8 @@
 """The batch lookups of the step path (minipaged/id_index.py) and a worker's remembered tables
 (worker/step_state.py): vectorized, and the same answers as the per-id dict they index."""
+import threading
+import time
+
 import numpy as np
 import pytest
 
@@ -174,3 +177,32 @@ def test_a_token_of_a_released_run_never_lands_on_the_sequence_that_came_back():
     store.release([6])
     store.record_forwarded(old, None)                          # a late failure of the old step
     assert store.resolve_placeholders([5], timeout_s=0.01).tolist() == [21]
+
+
+def test_stage_0_checks_a_step_before_it_waits_for_its_tokens():
+    # With async scheduling stage 0 holds a step whose input -1 is still being sampled downstream.
+    # Every other check runs first: a bad step fails at once (not after the wait), and the wait
+    # for the token is the last thing between the tokens' arrival and the compute.
+    from minipaged import wire
+    from minipaged.v1 import worker_pb2 as pb
+    from worker.validation import StepLimits, StepValidationError, validate_step
+
+    i32 = lambda v: wire.pack(np.array(v, dtype=np.int32))  # noqa: E731
+    store = SequenceStore()
+    ticket = store.note_forwarded([5])
+    req = pb.StepRequest(sequence_ids=wire.pack(np.array([5]), wire.INT64), input_ids=i32([-1]),
+                         positions=i32([3]), slot_mapping=i32([3]), query_start_loc=i32([0, 1]),
+                         seq_lens=i32([4]), block_tables=i32([0]), max_blocks_per_seq=1,
+                         do_sample=wire.pack(np.array([1]), wire.UINT8), temperature=wire.pack(np.zeros(1), wire.FLOAT32),
+                         top_p=wire.pack(np.ones(1), wire.FLOAT32), top_k=i32([0]),
+                         seeds=wire.pack(np.zeros(1), wire.INT64), sample_offsets=i32([0]))
+    lim = StepLimits(512, 256, 4096, 64, 16, True)
+    bad = pb.StepRequest()
+    bad.CopyFrom(req)
+    bad.slot_mapping = i32([70])                      # not the slot of position 3 in block 0
+    t0 = time.monotonic()
+    with pytest.raises(StepValidationError, match="slot_mapping"):
+        validate_step(bad, lim, store, placeholder_timeout_s=5.0)
+    assert time.monotonic() - t0 < 2.0                # refused without waiting for the token
+    threading.Timer(0.05, lambda: store.record_forwarded(ticket, np.array([42]))).start()
+    assert validate_step(req, lim, store, placeholder_timeout_s=5.0).input_ids.tolist() == [42]

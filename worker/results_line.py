@@ -9,9 +9,9 @@ from the step's own thread. An asynchronous device's reply (the simulator: ready
 through the queue; the writer thread waits until it exists, and while it holds one, later
 replies queue behind it, so the order stays the steps' order.
 
-`put(None)` ends the line (a newer subscriber, a new epoch, the subscriber gone): it never waits
-for a send, so a re-initialisation is not held up by a peer that stopped reading; the writer then
-closes the socket, which fails a send still blocked on it."""
+`put(None)` ends the line (a newer subscriber, a new epoch, the subscriber gone, a failed send):
+it never waits for a send, so a re-initialisation is not held up by a peer that stopped reading;
+the writer then unsubscribes and closes the socket, which fails a send still blocked on it."""
 from __future__ import annotations
 
 import logging
@@ -69,6 +69,7 @@ class ResultsLine:
         data = reply.SerializeToString()
         try:
             self.conn.sendall(REPLY.pack(len(data)) + data)
-        except OSError as e:             # the subscriber left: its lease or a new one takes over
-            log.info("step results on the data link: %s", e)
+        except OSError as e:             # the subscriber left: the line ends (later replies find no
+            log.info("step results on the data link: %s", e)   # subscriber and go back as errors)
             self._broken = True
+            self._q.put(None)

@@ -1,5 +1,6 @@
-"""A host device's replies and sampled tokens leave from the step's own thread (worker/results_line.py,
-worker/first_stage.py), an asynchronous device's through a writer thread; either way in step order."""
+"""A host device's replies and sampled tokens leave from the step's own thread (worker/frame_line.py,
+used by the results link and worker/first_stage.py), an asynchronous device's through a writer
+thread; either way in step order."""
 from __future__ import annotations
 
 import select
@@ -11,7 +12,7 @@ import time
 from minipaged import step_frames
 from minipaged.v1 import worker_pb2 as pb
 from worker.first_stage import FirstStageLink
-from worker.results_line import ResultsLine
+from worker.frame_line import FrameLine
 
 
 def _read_frames(sock: socket.socket, n: int, parse) -> list:
@@ -33,7 +34,7 @@ def _readable_now(sock: socket.socket) -> bool:
 def test_results_go_out_in_step_order_and_host_replies_at_once():
     a, b = socket.socketpair()
     b.settimeout(5)
-    line = ResultsLine(a)
+    line = FrameLine("step results", a)
     line.put((_reply(1), 0.0))                       # before the subscriber's b"OK": queued
     assert not _readable_now(b)
     writer = threading.Thread(target=line.write, daemon=True)
@@ -57,7 +58,7 @@ def test_results_go_out_in_step_order_and_host_replies_at_once():
 
 def test_a_failed_send_ends_the_results_line():
     a, b = socket.socketpair()
-    line = ResultsLine(a)
+    line = FrameLine("step results", a)
     writer = threading.Thread(target=line.write, daemon=True)
     writer.start()
     for _ in range(50):
@@ -115,8 +116,8 @@ def test_sampled_tokens_keep_step_order_across_the_thread_and_the_inline_sends()
     conn = got[0]
     parse = pb.SampledTokens.FromString
     assert [m.step_id for m in _read_frames(conn, 1, parse)] == [1]
-    for _ in range(50):
-        if link._inline is not None:
+    for _ in range(50):                              # the line's thread has drained what it queued
+        if link._line is not None and link._line._writing and link._line._queued == 0:
             break
         time.sleep(0.01)
     send(2)                                          # drained: this thread sends it

@@ -34,7 +34,7 @@ from minipaged.step_frames import HELLO as _HELLO, KV_MAGIC, REPLY as _REPLY, RE
 from minipaged.v1 import worker_pb2 as pb
 from worker.kv_move import serve_kv_read
 from worker.link_frames import END, FrameReader, FrameWriter
-from worker.results_line import ResultsLine
+from worker.frame_line import FrameLine
 from worker.shm_ring import ShmRingReader, ShmRingWriter, capacity_from_env
 from worker.step_stream import StepPipe, wait_until
 
@@ -110,7 +110,7 @@ class DataServer:
     def _serve_results(self, conn: socket.socket) -> None:
         """StepResults on the socket: this epoch's replies, in order, until the subscriber hangs
         up, a newer one takes over, or the epoch ends."""
-        q = self.s.subscribe_results(ResultsLine(conn))
+        q = self.s.subscribe_results(FrameLine("step results", conn))
         try:
             conn.sendall(b"OK")          # subscribed: steps may flow now
         except OSError:

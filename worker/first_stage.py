@@ -12,36 +12,30 @@ interpreter time on each side. A link that does not answer falls back to gRPC. I
 the next send opens a new one; a token that never arrives makes stage 0's step fail
 FAILED_PRECONDITION after its wait, and the chain is re-formed.
 
-A host device's tokens exist when its step returns (ready_at already past). Once the data link is
-up and nothing is queued before them, they go on it from the step's own thread: a hand-off to the
-sender thread waits for the interpreter lock, which the step thread takes straight back for its
-next step, and stage 0 waits for these tokens (on 2 tiny CPU stages, ~0.2 ms a step)."""
+A host device's tokens go on the data link from the step's own thread once nothing queued is
+ahead of them (worker/frame_line.py, as the last stage's replies do): stage 0 waits for them."""
 from __future__ import annotations
 
 import logging
-import queue
 import threading
-import time
 
 import grpc
 
-from minipaged.step_frames import REPLY, TOKENS_MAGIC, connect
+from minipaged.step_frames import TOKENS_MAGIC, connect
 from minipaged.v1 import worker_pb2 as pb
 from minipaged.v1 import worker_pb2_grpc as pb_grpc
+from worker.frame_line import FrameLine
 from worker.step_stream import wait_until
 
 log = logging.getLogger("worker.first_stage")
-_END = object()
 
 
 class FirstStageLink:
     def __init__(self):
         self.address, self.data_address, self.token, self.epoch, self.meta = "", "", "", 0, ()
         self._channel: grpc.Channel | None = None
-        self._queue: queue.SimpleQueue | None = None
-        self._inline = None          # the data link's socket, once the sender thread has drained
+        self._line: FrameLine | None = None
         self._lock = threading.Lock()
-        self._send_lock = threading.Lock()   # inline sends (never taken by close: a send may block)
 
     def connect(self, address: str, token: str, channel_factory, options, data_address: str = "",
                 epoch: int = 0) -> None:
@@ -52,37 +46,22 @@ class FirstStageLink:
         self._channel = channel_factory(address, options) if address else None
 
     def send(self, step_id: int, epoch: int, sequence_ids: bytes, token_ids: bytes, ready_at: float) -> None:
-        """One step's tokens for stage 0: sent now, or queued for the sender thread."""
+        """One step's tokens for stage 0: sent now, or queued for the line's thread."""
         if self._channel is None:
             return
-        msg = pb.SampledTokens(step_id=step_id, cache_epoch=epoch, sequence_ids=sequence_ids, token_ids=token_ids)
         with self._lock:
-            sock = self._inline if ready_at <= time.monotonic() else None
-            if sock is None:
-                if self._queue is None:
-                    self._queue = self._open()
-                self._queue.put((msg, ready_at))
-                self._inline = None       # until the thread has sent this one: order is kept
-                return
-        data = msg.SerializeToString()
-        try:
-            with self._send_lock:
-                sock.sendall(REPLY.pack(len(data)) + data)
-        except OSError as e:          # as on the sender thread: this message is lost, a new line opens
-            log.warning("sampled tokens to stage 0 on the data link: %s", e)
-            with self._lock:
-                if self._inline is sock:
-                    self._inline = None
-                    if self._queue is not None:
-                        self._queue.put(_END)     # its thread closes the socket
-                        self._queue = None
+            if self._line is None:
+                self._line = self._open()
+            line = self._line
+        line.put((pb.SampledTokens(step_id=step_id, cache_epoch=epoch, sequence_ids=sequence_ids,
+                                   token_ids=token_ids), ready_at))
 
-    def _open(self) -> queue.SimpleQueue:
-        q: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._run, args=(q,), name="tokens-to-first", daemon=True).start()
-        return q
+    def _open(self) -> FrameLine:
+        line = FrameLine("sampled tokens to stage 0")
+        threading.Thread(target=self._run, args=(line,), name="tokens-to-first", daemon=True).start()
+        return line
 
-    def _run(self, q: queue.SimpleQueue) -> None:
+    def _run(self, line: FrameLine) -> None:
         sock = None
         if self.data_address:
             try:
@@ -91,54 +70,38 @@ class FirstStageLink:
             except (OSError, ConnectionError) as e:
                 log.info("sampled tokens to stage 0: data link %s: %s; on gRPC", self.data_address, e)
         try:
-            self._frames(sock, q) if sock is not None else self._stream(q)
+            if sock is None:
+                self._stream(line)
+            else:
+                try:
+                    line.write(sock)
+                finally:
+                    sock.close()
         finally:
             with self._lock:
-                if self._queue is q:
-                    self._queue = None    # the next send opens a new line
+                if self._line is line:
+                    self._line = None    # the next send opens a new line
 
     @staticmethod
-    def _messages(q: queue.SimpleQueue):
+    def _messages(line: FrameLine):
         """The queued messages, each once its tokens exist (an asynchronous device: at ready_at)."""
-        while (item := q.get()) is not _END:
+        while (item := line.get()) is not None:
             msg, ready_at = item
             wait_until(ready_at)
             yield msg
 
-    def _frames(self, sock, q: queue.SimpleQueue) -> None:
-        self._drained(sock, q)
+    def _stream(self, line: FrameLine) -> None:
         try:
-            for msg in self._messages(q):
-                data = msg.SerializeToString()
-                sock.sendall(REPLY.pack(len(data)) + data)
-                self._drained(sock, q)
-        except OSError as e:
-            log.warning("sampled tokens to stage 0 on the data link: %s", e)
-        finally:
-            with self._lock:
-                if self._inline is sock:
-                    self._inline = None
-            sock.close()
-
-    def _drained(self, sock, q: queue.SimpleQueue) -> None:
-        """Nothing queued is still unsent: later sends may go on the socket themselves, in order."""
-        with self._lock:
-            if self._queue is q and q.empty():
-                self._inline = sock
-
-    def _stream(self, q: queue.SimpleQueue) -> None:
-        try:
-            pb_grpc.WorkerServiceStub(self._channel).SampledTokenStream(self._messages(q),
+            pb_grpc.WorkerServiceStub(self._channel).SampledTokenStream(self._messages(line),
                                                                         metadata=self.meta or None)
         except grpc.RpcError as e:
             log.warning("sampled tokens to stage 0 (%s): %s %s", self.address, e.code().name, e.details())
 
     def close(self) -> None:
         with self._lock:
-            self._inline = None
-            if self._queue is not None:
-                self._queue.put(_END)
-                self._queue = None
+            if self._line is not None:
+                self._line.put(None)
+                self._line = None
         if self._channel is not None:
             self._channel.close()
             self._channel = None

@@ -71,7 +71,7 @@ class StepRpcs:
 
     def subscribe_results(self, q=None):
         """The queue the last stage's replies go to from now on (StepResults, on gRPC or on the
-        data link, whose ResultsLine stands for it): one subscriber per epoch, the newest wins."""
+        data link, whose FrameLine stands for it): one subscriber per epoch, the newest wins."""
         q = q if q is not None else queue.SimpleQueue()
         old, self.results = self.results, q
         if old is not None:

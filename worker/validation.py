@@ -73,7 +73,7 @@ def _validate(req, lim: StepLimits, store, placeholder_timeout_s, hidden_bytes=N
     qsl, qlen, positions = _batch_shape(req)
     B, T = qsl.size - 1, positions.size
     seq_ids = _sequence_ids(req, B, store)
-    input_ids, hidden, placeholders = _token_inputs(req, lim, qsl, T, seq_ids, store, hidden_bytes)
+    input_ids, hidden, pending = _token_inputs(req, lim, qsl, T, seq_ids, store, hidden_bytes)
     seq_lens, seq_of_token = _context(req, lim, qsl, qlen, positions)
     tables, table_delta = block_tables(req, lim, B, seq_ids, seq_lens, store)
     slots = slot_mapping(req, lim, T, positions, tables, seq_of_token)
@@ -87,10 +87,11 @@ def _validate(req, lim: StepLimits, store, placeholder_timeout_s, hidden_bytes=N
         fail(str(e))
     extras = sampling_extras(req, B, lim.vocab_size, do_sample)
     if lim.is_first:   # last: stage 0 may wait here for the last stage's tokens, every other check done
-        input_ids = _resolved_inputs(input_ids, placeholders, qsl, seq_ids, store, placeholder_timeout_s, lim)
+        input_ids = _resolved_inputs(input_ids, pending, store, placeholder_timeout_s, lim)
     return StepArrays(B, T, input_ids, hidden, req.hidden_dtype, positions, slots, qsl, seq_lens,
                       tables, do_sample.astype(bool), temperature, top_p, top_k, seeds, offsets,
-                      seq_ids=seq_ids, table_delta=table_delta, placeholders=placeholders,
+                      seq_ids=seq_ids, table_delta=table_delta,
+                      placeholders=pending[0] if pending is not None else None,
                       release_ids=release, copy_src=copy_src, copy_dst=copy_dst, tier=tier,
                       extras=extras, prompt_rows=prompt_rows)
 
@@ -125,14 +126,14 @@ def _sequence_ids(req, B: int, store) -> np.ndarray:
 
 
 def _token_inputs(req, lim: StepLimits, qsl, T: int, seq_ids, store, hidden_bytes):
-    """Token inputs: ids on stage 0 with the positions of their -1 placeholders (resolved last, by
-    _resolved_inputs), the previous stage's hidden states after."""
-    input_ids = hidden = placeholders = None
+    """Token inputs: ids on stage 0 with their -1 inputs still pending ((token indexes, sequence
+    ids) or None; resolved last, by _resolved_inputs), the previous stage's hidden states after."""
+    input_ids = hidden = pending = None
     if lim.is_first:
         input_ids = wire.unpack(req.input_ids, wire.INT32, name="input_ids", count=T)
         if (input_ids == -1).any():
-            placeholders = _placeholder_rows(input_ids, qsl, seq_ids, store)
-        return input_ids, hidden, placeholders
+            pending = _pending_inputs(input_ids, qsl, seq_ids, store)
+        return input_ids, hidden, pending
     itemsize = DTYPE_BYTES.get(req.hidden_dtype)
     if itemsize is None:
         fail(f"hidden_dtype {req.hidden_dtype!r} is not one of {sorted(DTYPE_BYTES)}")
@@ -142,7 +143,7 @@ def _token_inputs(req, lim: StepLimits, qsl, T: int, seq_ids, store, hidden_byte
     if len(hidden) != want:
         fail(f"hidden_states: expected T*hidden = {T}*{lim.hidden_size} {req.hidden_dtype} values "
              f"({want} bytes), got {len(hidden)} bytes")
-    return input_ids, hidden, placeholders
+    return input_ids, hidden, pending
 
 
 def _context(req, lim: StepLimits, qsl, qlen, positions):
@@ -163,8 +164,9 @@ def _context(req, lim: StepLimits, qsl, qlen, positions):
     return seq_lens, seq_of_token
 
 
-def _placeholder_rows(input_ids, qsl, seq_ids, store):
-    """The -1 inputs (async scheduling): each must be its sequence's last query token."""
+def _pending_inputs(input_ids, qsl, seq_ids, store):
+    """The -1 inputs (async scheduling), each its sequence's last query token: (token indexes,
+    their sequence ids)."""
     holes = np.flatnonzero(input_ids == -1)
     if store is None or not seq_ids.size:
         fail("input_ids: -1 (the previously sampled token) needs sequence_ids and a stage that keeps them")
@@ -173,16 +175,16 @@ def _placeholder_rows(input_ids, qsl, seq_ids, store):
     if (last[b] != holes).any():
         t = int(holes[np.argmax(last[b] != holes)])
         fail(f"input_ids[{t}] = -1 is not the last query token of its sequence (only that one may be pending)")
-    return holes
+    return holes, seq_ids[b]
 
 
-def _resolved_inputs(input_ids, holes, qsl, seq_ids, store, timeout_s, lim: StepLimits):
+def _resolved_inputs(input_ids, pending, store, timeout_s, lim: StepLimits):
     """-1 inputs -> the token this stage saw sampled for that sequence last (waiting, bounded, for
     a step still downstream); then every id in the vocabulary."""
-    if holes is not None:
-        b = np.searchsorted(qsl, holes, side="right") - 1
+    if pending is not None:
+        holes, hole_seqs = pending
         input_ids = input_ids.copy()
-        input_ids[holes] = store.resolve_placeholders(seq_ids[b], timeout_s)
+        input_ids[holes] = store.resolve_placeholders(hole_seqs, timeout_s)
     check_range("input_ids", input_ids, 0, lim.vocab_size)
     return input_ids
 

@@ -91,7 +91,7 @@ def replay_setup(args, prompts):
     cfg = runner.config
     num_blocks = pool_blocks(runner, prompts, args)
     runner.init_cache(num_blocks, args.block_size)
-    limits = StepLimits(cfg.vocab_size, cfg.hidden_size, cfg.max_position_embeddings, num_blocks,
+    limits = StepLimits(cfg.vocab_size, cfg.hidden_size, cfg.max_context, num_blocks,
                         args.block_size, True)
     return runner, limits, service_shell(num_blocks, args.block_size)
 

@@ -63,7 +63,7 @@ class Gateway:
         self.token_text = functools.lru_cache(maxsize=65536)(self._token_text)
         self.ttft_sum, self.ttft_count = 0.0, 0  # for the dashboard's TTFT plot
         self.local_config = self._local_config(config.model)
-        self.max_model_len = self.local_config.max_position_embeddings if self.local_config else None
+        self.max_model_len = self.local_config.max_context if self.local_config else None
         self.mismatch: str | None = None      # why --model is not the served model (requests get 503)
         self._adopted = ""                    # without --model: the served model taken from the service
         self._warned: set[str] = set()

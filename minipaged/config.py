@@ -46,6 +46,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool = False
     eos_token_ids: list[int] = field(default_factory=list)
+    rope: dict = field(default_factory=dict)   # RoPE scaling ({}: none; see rope_scaling below)
     name: str = "tiny"
     raw: dict = field(default_factory=dict, repr=False)
 
@@ -56,9 +57,8 @@ class ModelConfig:
         if cfg.get("model_type", "qwen3") != "qwen3":
             raise ValueError(f"{name}: model_type {cfg.get('model_type')!r} is not qwen3")
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ValueError(f"{name}: rope type {rope_type!r} is not supported (only default RoPE)")
+        if not isinstance(rope, dict):
+            raise ValueError(f"{source or name}: field 'rope_scaling' must be a JSON object, got {rope!r}")
         theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
@@ -77,9 +77,61 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),
             eos_token_ids=eos_ids,
+            rope=rope_scaling(rope, cfg.get("max_position_embeddings", 32768), source or name),
             name=name,
             raw=cfg,
         )
+
+    @property
+    def max_context(self) -> int:
+        """The longest context served (positions 0 .. max_context - 1): max_position_embeddings, or
+        what a RoPE scaling extends it to, as vLLM derives it (YaRN: original_max_position_embeddings
+        x factor, Qwen3's 32,768 x 4; linear: max_position_embeddings x factor)."""
+        kind = self.rope.get("rope_type", "default")
+        if kind == "yarn":
+            return int(self.rope["original_max_position_embeddings"] * self.rope["factor"])
+        if kind == "linear":
+            return int(self.max_position_embeddings * self.rope["factor"])
+        return self.max_position_embeddings
+
+
+ROPE_TYPES = ("default", "linear", "yarn")
+_ROPE_FLOATS = ("factor", "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+
+
+def rope_scaling(rope: dict, max_positions: int, source: str) -> dict:
+    """config.json's `rope_scaling` / `rope_parameters`, checked and put in one form: {} for plain
+    RoPE, else `rope_type` and its numbers (worker/rope.py computes with them). Dynamic NTK is
+    refused: transformers recomputes it from each forward's longest sequence, which a server that
+    batches many sequences cannot reproduce per request."""
+    kind = rope.get("rope_type", rope.get("type")) or "default"
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"{source}: rope type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"{source}: partial_rotary_factor {rope['partial_rotary_factor']!r} is not supported "
+                         f"(Qwen3 rotates every dimension)")
+    if kind == "default":
+        return {}
+    out = {"rope_type": kind}
+    for key in _ROPE_FLOATS:
+        v = rope.get(key)
+        if v is not None:
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0):
+                raise ValueError(f"{source}: rope_scaling field {key!r} must be a positive number, got {v!r}")
+            out[key] = float(v)
+    original = rope.get("original_max_position_embeddings", max_positions)
+    if not (_is_int(original) and original > 0):
+        raise ValueError(f"{source}: rope_scaling field 'original_max_position_embeddings' must be a positive "
+                         f"integer, got {original!r}")
+    if "factor" not in out:
+        if kind == "linear":
+            raise ValueError(f"{source}: rope type 'linear' needs rope_scaling field 'factor'")
+        out["factor"] = max_positions / original          # transformers' YaRN default
+    if kind == "yarn":
+        out["original_max_position_embeddings"] = original
+        if "truncate" in rope:
+            out["truncate"] = bool(rope["truncate"])
+    return out
 
 
 REQUIRED_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")

@@ -24,6 +24,7 @@ from torch import nn
 from minipaged.config import ModelConfig
 from worker import cpu_gemm, cpu_kernels
 from worker.attention import AttentionBackend
+from worker.rope import inv_freq_and_scale
 
 
 @dataclass
@@ -163,15 +164,17 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, theta: float):
+    def __init__(self, head_dim: int, theta: float, rope: dict | None = None):
         super().__init__()
-        # float32, the HF way (its default-RoPE init): bit-equal inv_freq is what float64 parity needs.
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        # float32, the HF way (worker/rope.py): bit-equal inv_freq is what float64 parity needs.
+        inv_freq, self.scale = inv_freq_and_scale(head_dim, theta, rope or {})
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[:, None].float() * self.inv_freq.float()[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)                          # [T, D]
+        if self.scale != 1.0:             # YaRN's attention factor, in float32 as HF applies it
+            return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 

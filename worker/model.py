@@ -78,7 +78,7 @@ class Qwen3Stage(nn.Module):
                     m.to(matrix_dtype)
         self.to_empty(device=self.device)
         self.requires_grad_(False)       # inference only: lets inference-mode tensors mix freely
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta).to(self.device)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope).to(self.device)
         if self.is_first and self.is_last and config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 

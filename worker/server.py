@@ -98,7 +98,7 @@ class WorkerServicer(StepExecution, StepRpcs, pb_grpc.WorkerServiceServicer):
             num_layers=c.num_hidden_layers, layer_start=self.runner.layer_start, layer_end=self.runner.layer_end,
             hidden_size=c.hidden_size, vocab_size=c.vocab_size, num_attention_heads=c.num_attention_heads,
             num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=self.dtype, device=self.device,
-            max_position_embeddings=c.max_position_embeddings, eos_token_ids=wire.pack(c.eos_token_ids),
+            max_position_embeddings=c.max_context, eos_token_ids=wire.pack(c.eos_token_ids),
             kv_cache_bytes=0 if self.fixed_num_blocks else self.kv_cache_bytes,
             fixed_num_blocks=self.fixed_num_blocks, cache_epoch=self.epoch, num_blocks=self.num_blocks,
             block_size=self.block_size, backend=self.backend, dtype_bytes=self.dtype_bytes,
@@ -156,7 +156,7 @@ class WorkerServicer(StepExecution, StepRpcs, pb_grpc.WorkerServiceServicer):
             self.awaiting.clear()
             self.peer_token = request.next_stage_token
             self.num_blocks, self.block_size = nb, bs
-            self.limits = StepLimits(self.cfg.vocab_size, self.cfg.hidden_size, self.cfg.max_position_embeddings,
+            self.limits = StepLimits(self.cfg.vocab_size, self.cfg.hidden_size, self.cfg.max_context,
                                      nb, bs, self.runner.is_first, request.tier_blocks)
             self.epoch = request.cache_epoch or new_epoch()  # the chain's epoch when the caller picks one
         return pb.InitCacheReply(cache_epoch=self.epoch, num_blocks=nb, block_size=bs)

@@ -206,6 +206,8 @@ def fingerprint(config: ModelConfig, state_dict: dict[str, torch.Tensor] | None 
         "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
         "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "tie_word_embeddings",
         "attention_bias")}
+    if config.rope:                       # only when set: plain-RoPE fingerprints stay as they were
+        shape_fields["rope"] = config.rope
     names = set(_probe_names(config))
     sums = {k: v for k, v in (known or {}).items() if k in names}
     want = lambda n: n in names and n not in sums  # noqa: E731

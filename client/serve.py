@@ -41,7 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="clients must send 'Authorization: Bearer KEY' (env MINIPAGED_API_KEY); the "
                         "service and gateway share it")
     p.add_argument("--dtype", default=None, choices=list(DTYPE_BYTES),
-                   help="weights and K/V (default: float32 on cpu, bfloat16 on cuda)")
+                   help="compute dtype (default: the worker's auto, the checkpoint's dtype where the device "
+                        "computes it well: bfloat16 on cuda and on a CPU with AVX512_BF16/AMX for a "
+                        "bfloat16 checkpoint, else float32)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="prompt + output tokens per sequence (default: the model's context)")

@@ -48,15 +48,14 @@ def test_dtype_auto_picks_what_the_readme_says(bf16_sharded, tmp_path):
     no_bf16, bf16 = fake_cpuinfo(tmp_path, "avx512f avx512bw"), fake_cpuinfo(tmp_path / "..", "avx512_bf16")
     assert not cpu_has_bf16(no_bf16) and cpu_has_bf16(bf16)
     assert resolve_dtype("auto", cfg, "cpu", no_bf16) == "float32"      # AVX-512 alone: float32
-    assert resolve_dtype("auto", cfg, "cpu", bf16, bf16_weight_kernels=True) == "float32"   # faster there too
-    assert resolve_dtype("auto", cfg, "cpu", bf16, bf16_weight_kernels=False) == "bfloat16"
+    assert resolve_dtype("auto", cfg, "cpu", bf16) == "bfloat16"         # the checkpoint's, as vLLM and HF
     assert resolve_dtype("auto", cfg, "cuda") == "bfloat16"
     assert resolve_dtype("float64", cfg, "cpu", bf16) == "float64"       # explicit wins
     tiny = load_model_config("tiny")                                     # no dtype in its config
     assert resolve_dtype("auto", tiny, "cpu", bf16) == "float32" and resolve_dtype(None, tiny, "cuda") == "bfloat16"
     from worker.__main__ import resolve_args
     a = resolve_args(["--model", bf16_sharded])                          # the default is auto
-    assert a.dtype == ("bfloat16" if cpu_has_bf16() and not cpu_gemm.available() else "float32")
+    assert a.dtype == ("bfloat16" if cpu_has_bf16() else "float32")
 
 
 def greedy_ours(runner, prompt, n):
@@ -77,9 +76,8 @@ def test_sharded_bf16_checkpoint_matches_transformers_in_float32(bf16_sharded, c
     from transformers import Qwen3ForCausalLM
     hf = Qwen3ForCausalLM.from_pretrained(bf16_sharded, dtype=torch.float32).eval()
     with caplog.at_level(logging.INFO):
-        runner = ModelRunner(bf16_sharded, 0, None, "auto", "cpu")
-    if not cpu_has_bf16() or cpu_gemm.available():
-        assert runner.dtype == torch.float32
+        runner = ModelRunner(bf16_sharded, 0, None, "float32", "cpu")
+    assert runner.dtype == torch.float32
     assert any("weights loaded" in r.getMessage() for r in caplog.records)   # load time logged
     assert any("ready" in r.getMessage() and "weights in" in r.getMessage() for r in caplog.records)
     # the values are the checkpoint's bfloat16 ones, exactly (bfloat16 -> float32 is exact)

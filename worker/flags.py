@@ -35,8 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=["auto", *DTYPE_BYTES], default="auto",
                    help="auto: the checkpoint's dtype where the device computes it well, else float32 "
-                        "(worker/dtype_choice.py: bfloat16 on cuda; float32 on a CPU without "
-                        "AVX512_BF16/AMX; tiny: float32 on cpu, bfloat16 on cuda)")
+                        "(worker/dtype_choice.py: bfloat16 on cuda, and on a CPU with AVX512_BF16/AMX "
+                        "for a bfloat16 checkpoint; tiny: float32 on cpu, bfloat16 on cuda); float32 "
+                        "and float64 give transformers' tokens exactly")
     cap = p.add_mutually_exclusive_group()
     cap.add_argument("--num-blocks", type=int, default=0, help="fixed K/V capacity in blocks")
     cap.add_argument("--kv-memory-fraction", type=float, default=None,

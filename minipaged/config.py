@@ -165,9 +165,26 @@ def check_fields(cfg, source: str) -> None:
     if not cfg.get("head_dim") and cfg["hidden_size"] % heads:
         raise ValueError(f"{source}: hidden_size ({cfg['hidden_size']}) is not a multiple of num_attention_heads "
                          f"({heads}), and no head_dim is given")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"{source}: hidden_act {act!r} is not supported (Qwen3's MLP is SwiGLU: 'silu')")
+    if sliding := _sliding_layers(cfg):
+        raise ValueError(f"{source}: sliding-window attention ({sliding} layers of {cfg['num_hidden_layers']}: "
+                         f"use_sliding_window, sliding_window {cfg.get('sliding_window')}) is not supported; "
+                         f"every layer attends to the whole context (Qwen3's releases ship it off)")
     eos = cfg.get("eos_token_id")
     if eos is not None and not (_is_int(eos) or (isinstance(eos, list) and all(_is_int(e) for e in eos))):
         raise ValueError(f"{source}: field 'eos_token_id' must be an int or a list of ints, got {eos!r}")
+
+
+def _sliding_layers(cfg: dict) -> int:
+    """How many layers transformers' Qwen3 would run with a sliding window (0 for every release)."""
+    if not (cfg.get("use_sliding_window") and cfg.get("sliding_window")):
+        return 0
+    types = cfg.get("layer_types")
+    if isinstance(types, list):
+        return sum(t == "sliding_attention" for t in types)
+    return max(0, cfg["num_hidden_layers"] - (cfg.get("max_window_layers") or 28))   # transformers' default 28
 
 
 def _read_json(path: str):

@@ -47,6 +47,12 @@ def _ckpt(tmp_path, cfg) -> str:
     (dict(GOOD, num_attention_heads=3, num_key_value_heads=2), r"num_attention_heads \(3\) must be a multiple of num_key_value_heads"),
     (dict(GOOD, rope_theta="x"), "field 'rope_theta' must be a positive number"),
     ("[1, 2]", "expected a JSON object, got list"),
+    (dict(GOOD, hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
+    (dict(GOOD, use_sliding_window=True, sliding_window=64, max_window_layers=1),
+     r"sliding-window attention \(1 layers of 2: use_sliding_window, sliding_window 64\) is not supported"),
+    (dict(GOOD, use_sliding_window=True, sliding_window=64, layer_types=["full_attention", "sliding_attention"]),
+     "sliding-window attention"),
+    (dict(GOOD, rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "rope type 'dynamic' is not supported"),
 ])
 def test_bad_config_names_the_file_and_field(tmp_path, cfg, match):
     d = _ckpt(tmp_path, cfg)

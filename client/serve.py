@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 
+from minipaged.config import parse_rope_scaling
 from minipaged.constants import DTYPE_BYTES
 
 from . import cluster as cl
@@ -45,6 +46,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "computes it well: bfloat16 on cuda and on a CPU with AVX512_BF16/AMX for a "
                         "bfloat16 checkpoint, else float32)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--rope-scaling", default=None, metavar="JSON",
+                   help="RoPE scaling instead of config.json's (every worker gets it), e.g. Qwen3's 131k "
+                        "context: '{\"rope_type\":\"yarn\",\"factor\":4.0,"
+                        "\"original_max_position_embeddings\":32768}'; the context limit follows it")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="prompt + output tokens per sequence (default: the model's context)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -152,6 +157,7 @@ def _cluster_kwargs(a) -> dict:
     service += ["--max-num-seqs", a.max_num_seqs] if a.max_num_seqs else []
     service += ["--shards", a.shards] if a.shards > 1 else []
     worker = ["--kv-memory-fraction", a.kv_memory_fraction] if a.kv_memory_fraction is not None else []
+    worker += ["--rope-scaling", a.rope_scaling] if a.rope_scaling else []
     gateway = ["--reasoning-parser", a.reasoning_parser]
     gateway += ["--served-model-name", a.served_model_name] if a.served_model_name else []
     return dict(model=a.model, workers=a.stages, replicas=a.replicas, dtype=a.dtype, device=a.device,
@@ -199,6 +205,12 @@ def _run_until_stopped(c: _ServeCluster) -> int:
 def serve(a) -> int:
     if a.api_key is None:
         a.api_key = os.environ.get("MINIPAGED_API_KEY")
+    if a.rope_scaling:
+        try:                  # before any process starts: the workers would each refuse it
+            parse_rope_scaling(a.rope_scaling)
+        except ValueError as e:
+            say(f"error: {e}")
+            return 1
     signals = _Signals()
     c = None
     t0 = time.monotonic()

@@ -96,6 +96,19 @@ class ModelConfig:
 
 
 ROPE_TYPES = ("default", "linear", "yarn")
+
+
+def parse_rope_scaling(text: str) -> dict:
+    """--rope-scaling's JSON (as vLLM's flag and Qwen3's model card write it), checked as config.json's
+    would be: ValueError with the reason."""
+    try:
+        rope = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--rope-scaling: not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(rope, dict):
+        raise ValueError(f"--rope-scaling: expected a JSON object, got {rope!r}")
+    rope_scaling(rope, 1, "--rope-scaling")
+    return rope
 _ROPE_FLOATS = ("factor", "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
 
@@ -210,15 +223,23 @@ def check_weights_present(model: str) -> None:
         raise FileNotFoundError(f"{model}: no weights (expected one of {', '.join(WEIGHT_FILES)})")
 
 
-def load_model_config(model: str) -> ModelConfig:
-    """`tiny` or a local checkpoint directory holding config.json."""
+def load_model_config(model: str, rope_scaling: dict | None = None) -> ModelConfig:
+    """`tiny` or a local checkpoint directory holding config.json; `rope_scaling` (the workers'
+    --rope-scaling) replaces what config.json says about RoPE scaling, its rope_theta kept."""
     if model == "tiny":
-        return ModelConfig.from_dict(TINY_CONFIG, "tiny")
-    path = os.path.join(model, "config.json")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"--model {model!r}: no config.json there (expected 'tiny' or a local "
-                                f"Hugging Face Qwen3 checkpoint directory)")
-    cfg = _read_json(path)
+        cfg, path = TINY_CONFIG, "tiny"
+    else:
+        path = os.path.join(model, "config.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"--model {model!r}: no config.json there (expected 'tiny' or a local "
+                                    f"Hugging Face Qwen3 checkpoint directory)")
+        cfg = _read_json(path)
+    if rope_scaling is not None and isinstance(cfg, dict):
+        old = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        theta = cfg.get("rope_theta", old.get("rope_theta", 10000.0) if isinstance(old, dict) else 10000.0)
+        cfg = dict(cfg, rope_theta=theta, rope_parameters=None, rope_scaling=rope_scaling)
+    if model == "tiny":
+        return ModelConfig.from_dict(cfg, "tiny")
     first = ModelConfig.from_dict(cfg, model, source=path)
     # generation_config.json may name more EOS ids (Qwen3 chat models do).
     gen_path = os.path.join(model, "generation_config.json")

@@ -120,3 +120,43 @@ def test_yarn_greedy_tokens_past_max_positions_equal_transformers(yarn_checkpoin
         too_long = [5] * 250
         with pytest.raises(Exception, match="256"):             # the limit is the scaled context
             c.client.generate(prompt_token_ids=too_long, max_new_tokens=12)
+
+
+@pytest.mark.slow
+def test_rope_scaling_flag_gives_the_config_it_names(yarn_checkpoint, tmp_path):
+    """`--rope-scaling` on the workers (vLLM's flag, as Qwen3's card uses it) over a checkpoint whose
+    config.json has none: the tokens of the same weights with that scaling in config.json."""
+    import shutil
+    from client import LocalCluster
+    plain = str(tmp_path / "plain")
+    shutil.copytree(yarn_checkpoint, plain)
+    with open(os.path.join(plain, "config.json")) as f:
+        cfg = json.load(f)
+    cfg.pop("rope_scaling")
+    with open(os.path.join(plain, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    hf = load_oracle(yarn_checkpoint, torch.float64)
+    p = np.random.default_rng(8).integers(2, 96, 120).tolist()
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=10, min_new_tokens=10,
+                           pad_token_id=0)[0, len(p):].tolist()
+    with LocalCluster(model=plain, workers=2, dtype="float64",
+                      extra_worker_args=["--rope-scaling", json.dumps(YARN_QWEN)]) as c:
+        assert c.client.generate(prompt_token_ids=p, max_new_tokens=10, ignore_eos=True).token_ids == want
+        assert c.client.stats().max_model_len == 256
+
+
+@pytest.mark.parametrize("flag, message", [
+    ('{"rope_type": "dynamic", "factor": 2}', "--rope-scaling: rope type 'dynamic' is not supported"),
+    ("yarn", "--rope-scaling: not valid JSON"),
+])
+def test_a_bad_rope_scaling_flag_is_one_line(flag, message):
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "worker", "--model", "tiny", "--standalone", "--rope-scaling", flag],
+                       cwd=root, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, "-m", "client", "serve", "tiny", "--rope-scaling", flag],
+                       cwd=root, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and message in r.stdout + r.stderr, (r.stdout, r.stderr)

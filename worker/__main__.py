@@ -101,14 +101,16 @@ def build_runner(args):
     """The stage's runner and its K/V budget: (runner, budget bytes, device, backend)."""
     if args.simulate:  # the one substitution: a runner that sleeps instead of computing
         from worker.simulator import SimRunner
-        runner = SimRunner(args.model, args.layer_start, args.layer_end, args.dtype, args.profile)
+        runner = SimRunner(args.model, args.layer_start, args.layer_end, args.dtype, args.profile,
+                           rope_scaling=args.rope_scaling)
         budget = 0 if args.num_blocks else (args.kv_cache_bytes or runner.timing.kv_budget_bytes())
         return runner, budget, f"sim:{args.profile.name}", "simulated"
     from worker.model_runner import ModelRunner
     if args.device.startswith("cuda"):  # what this process grows outside torch counts as its own
         from worker import memory
         args.memory_baseline = memory.take_baseline(args.device)
-    runner = ModelRunner(args.model, args.layer_start, args.layer_end, args.dtype, args.device, args.backend)
+    runner = ModelRunner(args.model, args.layer_start, args.layer_end, args.dtype, args.device, args.backend,
+                         rope_scaling=args.rope_scaling)
     return runner, kv_budget_bytes(args), args.device, args.backend
 
 

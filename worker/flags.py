@@ -7,7 +7,7 @@ import os
 import sys
 
 from minipaged.cli import prog_name
-from minipaged.config import check_weights_present, load_model_config
+from minipaged.config import check_weights_present, load_model_config, parse_rope_scaling
 from minipaged.constants import DEFAULT_METADATA_ADDRESS, DTYPE_BYTES
 
 DEFAULT_CPU_KV_BYTES = 256 * 1024 * 1024
@@ -38,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(worker/dtype_choice.py: bfloat16 on cuda, and on a CPU with AVX512_BF16/AMX "
                         "for a bfloat16 checkpoint; tiny: float32 on cpu, bfloat16 on cuda); float32 "
                         "and float64 give transformers' tokens exactly")
+    p.add_argument("--rope-scaling", default=None, metavar="JSON",
+                   help="RoPE scaling instead of config.json's, e.g. Qwen3's 131k context: "
+                        "'{\"rope_type\":\"yarn\",\"factor\":4.0,\"original_max_position_embeddings\":32768}' "
+                        "(default, linear or yarn; every stage of a model must be given the same)")
     cap = p.add_mutually_exclusive_group()
     cap.add_argument("--num-blocks", type=int, default=0, help="fixed K/V capacity in blocks")
     cap.add_argument("--kv-memory-fraction", type=float, default=None,
@@ -106,7 +110,8 @@ def resolve_args(argv=None) -> argparse.Namespace:
     if args.standalone or not args.metadata:   # --metadata "" still means standalone, as it used to
         args.metadata = ""
     try:
-        args.config = load_model_config(args.model)
+        args.rope_scaling = parse_rope_scaling(args.rope_scaling) if args.rope_scaling else None
+        args.config = load_model_config(args.model, args.rope_scaling)
         if not args.simulate:  # a simulated worker has no weights to load
             check_weights_present(args.model)
     except (ValueError, OSError) as e:  # one line naming the file and field, no usage wall

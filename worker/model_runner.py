@@ -49,10 +49,11 @@ def cpu_compute_threads() -> int:
 
 class ModelRunner:
     def __init__(self, model: str, layer_start: int = 0, layer_end: int | None = None,
-                 dtype: str = "float32", device: str = "cpu", backend: str = "torch"):
+                 dtype: str = "float32", device: str = "cpu", backend: str = "torch",
+                 rope_scaling: dict | None = None):
         if torch.device(device).type == "cpu" and os.environ.get("MINIPAGED_CPU_THREADS", "").isdigit():
             torch.set_num_threads(int(os.environ["MINIPAGED_CPU_THREADS"]))  # else: as the process chose
-        self.config: ModelConfig = load_model_config(model)
+        self.config: ModelConfig = load_model_config(model, rope_scaling)   # --rope-scaling, if given
         layer_end = self.config.num_hidden_layers if layer_end is None else layer_end
         self.device = torch.device(device)
         self.dtype = as_dtype(resolve_dtype(dtype, self.config, self.device.type))

@@ -159,8 +159,9 @@ class SimHidden:
 class SimRunner:
     supports_extras = True  # penalties and the like only change which token: the hash ignores them
 
-    def __init__(self, model: str, layer_start: int, layer_end: int, dtype: str, profile: Profile):
-        self.config = load_model_config(model)
+    def __init__(self, model: str, layer_start: int, layer_end: int, dtype: str, profile: Profile,
+                 rope_scaling: dict | None = None):
+        self.config = load_model_config(model, rope_scaling)
         self.layer_start, self.layer_end = layer_start, layer_end
         self.is_first, self.is_last = layer_start == 0, layer_end == self.config.num_hidden_layers
         self.dtype_name, self.bytes = dtype, DTYPE_BYTES[dtype]

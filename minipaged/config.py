@@ -96,6 +96,7 @@ class ModelConfig:
 
 
 ROPE_TYPES = ("default", "linear", "yarn")
+_ROPE_FLOATS = ("factor", "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
 
 def parse_rope_scaling(text: str) -> dict:
@@ -109,7 +110,6 @@ def parse_rope_scaling(text: str) -> dict:
         raise ValueError(f"--rope-scaling: expected a JSON object, got {rope!r}")
     rope_scaling(rope, 1, "--rope-scaling")
     return rope
-_ROPE_FLOATS = ("factor", "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
 
 def rope_scaling(rope: dict, max_positions: int, source: str) -> dict:

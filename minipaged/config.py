@@ -56,10 +56,10 @@ class ModelConfig:
         check_fields(cfg, source or name)
         if cfg.get("model_type", "qwen3") != "qwen3":
             raise ValueError(f"{name}: model_type {cfg.get('model_type')!r} is not qwen3")
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        key, rope = rope_field(cfg)
         if not isinstance(rope, dict):
-            raise ValueError(f"{source or name}: field 'rope_scaling' must be a JSON object, got {rope!r}")
-        theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+            raise ValueError(f"{source or name}: field {key!r} must be a JSON object, got {rope!r}")
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))   # transformers' order
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
@@ -77,7 +77,7 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),
             eos_token_ids=eos_ids,
-            rope=rope_scaling(rope, cfg.get("max_position_embeddings", 32768), source or name),
+            rope=rope_scaling(rope, cfg.get("max_position_embeddings", 32768), f"{source or name}: {key}"),
             name=name,
             raw=cfg,
         )
@@ -96,7 +96,17 @@ class ModelConfig:
 
 
 ROPE_TYPES = ("default", "linear", "yarn")
-_ROPE_FLOATS = ("factor", "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+_ROPE_POSITIVE = ("factor", "attention_factor")
+_ROPE_OPTIONAL = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim")   # 0 or null: transformers' default
+
+
+def rope_field(cfg: dict) -> tuple[str, object]:
+    """Where config.json keeps its RoPE parameters: `rope_scaling` first, as transformers reads it
+    (a transformers-5 config also has `rope_parameters`, {"rope_type": "default", ...})."""
+    for key in ("rope_scaling", "rope_parameters"):
+        if cfg.get(key):
+            return key, cfg[key]
+    return "rope_scaling", {}
 
 
 def parse_rope_scaling(text: str) -> dict:
@@ -112,11 +122,15 @@ def parse_rope_scaling(text: str) -> dict:
     return rope
 
 
+def _number(v, positive: bool) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and (v > 0 if positive else v >= 0)
+
+
 def rope_scaling(rope: dict, max_positions: int, source: str) -> dict:
-    """config.json's `rope_scaling` / `rope_parameters`, checked and put in one form: {} for plain
-    RoPE, else `rope_type` and its numbers (worker/rope.py computes with them). Dynamic NTK is
-    refused: transformers recomputes it from each forward's longest sequence, which a server that
-    batches many sequences cannot reproduce per request."""
+    """config.json's RoPE parameters (`source` names where they were read), checked and put in one
+    form: {} for plain RoPE, else `rope_type` and its numbers (worker/rope.py computes with them).
+    Dynamic NTK is refused: transformers recomputes it from each forward's longest sequence, which a
+    server that batches many sequences cannot reproduce per request."""
     kind = rope.get("rope_type", rope.get("type")) or "default"
     if kind not in ROPE_TYPES:
         raise ValueError(f"{source}: rope type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
@@ -125,23 +139,26 @@ def rope_scaling(rope: dict, max_positions: int, source: str) -> dict:
                          f"(Qwen3 rotates every dimension)")
     if kind == "default":
         return {}
+    if "factor" not in rope:                     # transformers refuses it too (a required key)
+        raise ValueError(f"{source}: rope type {kind!r} needs the field 'factor'")
     out = {"rope_type": kind}
-    for key in _ROPE_FLOATS:
+    for key in _ROPE_POSITIVE + _ROPE_OPTIONAL:
         v = rope.get(key)
         if v is not None:
-            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0):
-                raise ValueError(f"{source}: rope_scaling field {key!r} must be a positive number, got {v!r}")
+            if not _number(v, key in _ROPE_POSITIVE):
+                raise ValueError(f"{source}: field {key!r} must be a {'positive' if key in _ROPE_POSITIVE else 'non-negative'} "
+                                 f"number, got {v!r}")
             out[key] = float(v)
-    original = rope.get("original_max_position_embeddings", max_positions)
-    if not (_is_int(original) and original > 0):
-        raise ValueError(f"{source}: rope_scaling field 'original_max_position_embeddings' must be a positive "
-                         f"integer, got {original!r}")
+    original = rope.get("original_max_position_embeddings") or max_positions
+    if not (_number(original, True) and float(original).is_integer()):
+        raise ValueError(f"{source}: field 'original_max_position_embeddings' must be a positive integer, "
+                         f"got {original!r}")
     if "factor" not in out:
         if kind == "linear":
-            raise ValueError(f"{source}: rope type 'linear' needs rope_scaling field 'factor'")
-        out["factor"] = max_positions / original          # transformers' YaRN default
+            raise ValueError(f"{source}: rope type 'linear' needs a number in the field 'factor', got null")
+        out["factor"] = max_positions / int(original)          # transformers' YaRN default for null
     if kind == "yarn":
-        out["original_max_position_embeddings"] = original
+        out["original_max_position_embeddings"] = int(original)
         if "truncate" in rope:
             out["truncate"] = bool(rope["truncate"])
     return out
@@ -179,7 +196,7 @@ def check_fields(cfg, source: str) -> None:
         raise ValueError(f"{source}: hidden_size ({cfg['hidden_size']}) is not a multiple of num_attention_heads "
                          f"({heads}), and no head_dim is given")
     act = cfg.get("hidden_act", "silu")
-    if act != "silu":
+    if act not in ("silu", "swish"):            # one function, two names (transformers' ACT2FN)
         raise ValueError(f"{source}: hidden_act {act!r} is not supported (Qwen3's MLP is SwiGLU: 'silu')")
     if sliding := _sliding_layers(cfg):
         raise ValueError(f"{source}: sliding-window attention ({sliding} layers of {cfg['num_hidden_layers']}: "
@@ -192,12 +209,13 @@ def check_fields(cfg, source: str) -> None:
 
 def _sliding_layers(cfg: dict) -> int:
     """How many layers transformers' Qwen3 would run with a sliding window (0 for every release)."""
-    if not (cfg.get("use_sliding_window") and cfg.get("sliding_window")):
+    if not (cfg.get("use_sliding_window") and cfg.get("sliding_window", 4096)):   # transformers' defaults
         return 0
     types = cfg.get("layer_types")
     if isinstance(types, list):
         return sum(t == "sliding_attention" for t in types)
-    return max(0, cfg["num_hidden_layers"] - (cfg.get("max_window_layers") or 28))   # transformers' default 28
+    first = cfg.get("max_window_layers")
+    return max(0, cfg["num_hidden_layers"] - (28 if first is None else first))
 
 
 def _read_json(path: str):
@@ -235,9 +253,9 @@ def load_model_config(model: str, rope_scaling: dict | None = None) -> ModelConf
                                     f"Hugging Face Qwen3 checkpoint directory)")
         cfg = _read_json(path)
     if rope_scaling is not None and isinstance(cfg, dict):
-        old = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        theta = cfg.get("rope_theta", old.get("rope_theta", 10000.0) if isinstance(old, dict) else 10000.0)
-        cfg = dict(cfg, rope_theta=theta, rope_parameters=None, rope_scaling=rope_scaling)
+        old = rope_field(cfg)[1]
+        theta = (old.get("rope_theta") if isinstance(old, dict) else None) or cfg.get("rope_theta", 10000.0)
+        cfg = dict(cfg, rope_scaling=dict({"rope_theta": theta}, **rope_scaling))   # its own theta wins
     if model == "tiny":
         return ModelConfig.from_dict(cfg, "tiny")
     first = ModelConfig.from_dict(cfg, model, source=path)

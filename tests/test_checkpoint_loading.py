@@ -48,14 +48,16 @@ def test_dtype_auto_picks_what_the_readme_says(bf16_sharded, tmp_path):
     no_bf16, bf16 = fake_cpuinfo(tmp_path, "avx512f avx512bw"), fake_cpuinfo(tmp_path / "..", "avx512_bf16")
     assert not cpu_has_bf16(no_bf16) and cpu_has_bf16(bf16)
     assert resolve_dtype("auto", cfg, "cpu", no_bf16) == "float32"      # AVX-512 alone: float32
-    assert resolve_dtype("auto", cfg, "cpu", bf16) == "bfloat16"         # the checkpoint's, as vLLM and HF
+    assert resolve_dtype("auto", cfg, "cpu", bf16, (True, True)) == "bfloat16"     # the checkpoint's, as vLLM, HF
+    assert resolve_dtype("auto", cfg, "cpu", bf16, (False, False)) == "bfloat16"   # torch's bfloat16
+    assert resolve_dtype("auto", cfg, "cpu", bf16, (False, True)) == "float32"     # packed weights: faster
     assert resolve_dtype("auto", cfg, "cuda") == "bfloat16"
     assert resolve_dtype("float64", cfg, "cpu", bf16) == "float64"       # explicit wins
     tiny = load_model_config("tiny")                                     # no dtype in its config
     assert resolve_dtype("auto", tiny, "cpu", bf16) == "float32" and resolve_dtype(None, tiny, "cuda") == "bfloat16"
     from worker.__main__ import resolve_args
     a = resolve_args(["--model", bf16_sharded])                          # the default is auto
-    assert a.dtype == ("bfloat16" if cpu_has_bf16() else "float32")
+    assert a.dtype == resolve_dtype("auto", cfg, "cpu")                  # this CPU's row of the table above
 
 
 def greedy_ours(runner, prompt, n):

@@ -12,7 +12,8 @@ import sys
 
 import pytest
 
-from worker.dtype_choice import cpu_has_bf16
+from minipaged.config import TINY_CONFIG, ModelConfig
+from worker.dtype_choice import resolve_dtype
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.sh")
@@ -44,9 +45,9 @@ def test_dry_run_executes_every_stage(tmp_path):
     assert "health absent" in table and "health ok" in table
     assert "16/16" not in table and "8/8 cases ok" in table      # the quick selfcheck, twice
     assert "tokens identical" in table and "invariants_ok True" in table
-    # the real-shape stage; `--dtype auto` on this CPU: bfloat16 where it has bfloat16 instructions
-    # (the checkpoint's dtype), else float32 (its bfloat16 weights kept packed)
-    auto = "bfloat16" if cpu_has_bf16() else "float32"
+    # the real-shape stage; `--dtype auto` on this CPU (worker/dtype_choice.py): bfloat16 where it has
+    # bfloat16 instructions (the checkpoint's dtype), else float32 (its bfloat16 weights kept packed)
+    auto = resolve_dtype("auto", ModelConfig.from_dict(dict(TINY_CONFIG, dtype="bfloat16"), "bf16"), "cpu")
     assert f"qwen3-0.6b shape, dtype auto = {auto}" in table
     for section in ("## decode attention", "## varlen paged prefill", "## cache write",
                     "## registers and spills"):

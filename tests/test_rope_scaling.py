@@ -54,6 +54,29 @@ def test_frequencies_and_cos_sin_equal_transformers(name, head_dim):
     assert torch.equal(cos, cos_hf[0]) and torch.equal(sin, sin_hf[0])
 
 
+def test_config_json_is_read_as_transformers_reads_it():
+    """rope_scaling before a transformers-5 config's rope_parameters, the theta inside the dict before
+    the top-level one, 0 or null for the optional YaRN numbers, an integral float length."""
+    v5 = hf_config({}, theta=1e6).to_dict()                      # rope_parameters: {"rope_type": "default", ...}
+    assert v5["rope_parameters"]["rope_type"] == "default"
+    for cfg in (dict(v5, rope_scaling=dict(YARN_QWEN)), dict(v5, rope_theta=10.0)):
+        hf = Qwen3Config.from_dict(json.loads(json.dumps(cfg))).rope_parameters
+        ours = ModelConfig.from_dict(cfg, "t")
+        assert (ours.rope.get("rope_type", "default"), ours.rope_theta) == (hf["rope_type"], hf["rope_theta"])
+    odd = {"rope_type": "yarn", "factor": 4, "original_max_position_embeddings": 64.0, "beta_slow": 0, "mscale": 0,
+           "rope_theta": 10000.0}
+    want = ROPE_INIT_FUNCTIONS["yarn"](hf_config(odd), None)
+    ours = ModelConfig.from_dict(hf_config(odd).to_dict(), "t")
+    got = inv_freq_and_scale(ours.head_dim, ours.rope_theta, ours.rope)
+    assert torch.equal(got[0], want[0]) and got[1] == want[1]
+    base = {"vocab_size": 8, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 4, "num_attention_heads": 1}
+    assert ModelConfig.from_dict(dict(base, hidden_act="swish"), "t")       # SiLU's other name
+    for sliding in (dict(use_sliding_window=True, sliding_window=16, max_window_layers=0),
+                    dict(use_sliding_window=True, max_window_layers=2)):   # transformers' window: 4096
+        with pytest.raises(ValueError, match="sliding-window attention"):
+            ModelConfig.from_dict(dict(base, **sliding), "t")
+
+
 def test_context_limit_follows_the_scaling():
     """As vLLM derives max_model_len: YaRN original x factor, linear max_position_embeddings x factor."""
     def ctx(rope):
@@ -71,10 +94,11 @@ def test_context_limit_follows_the_scaling():
 @pytest.mark.parametrize("rope, message", [
     ({"rope_type": "dynamic", "factor": 2.0}, "rope type 'dynamic' is not supported (supported: default, linear, yarn)"),
     ({"type": "longrope", "factor": 2.0}, "rope type 'longrope' is not supported"),
-    ({"rope_type": "yarn", "factor": -1}, "rope_scaling field 'factor' must be a positive number"),
+    ({"rope_type": "yarn", "factor": -1}, "rope_scaling: field 'factor' must be a positive number"),
+    ({"rope_type": "yarn"}, "rope_scaling: rope type 'yarn' needs the field 'factor'"),
     ({"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": "big"},
      "'original_max_position_embeddings' must be a positive integer"),
-    ({"rope_type": "linear"}, "rope type 'linear' needs rope_scaling field 'factor'"),
+    ({"rope_type": "linear", "factor": None}, "rope type 'linear' needs a number in the field 'factor'"),
     ({"rope_type": "default", "partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not supported"),
     ("yarn", "field 'rope_scaling' must be a JSON object"),
 ])

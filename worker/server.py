@@ -92,7 +92,7 @@ class WorkerServicer(StepExecution, StepRpcs, pb_grpc.WorkerServiceServicer):
         return self.kv_cache_bytes // self.runner.kv_bytes_per_block(block_size)
 
     def info(self) -> pb.WorkerInfo:
-        c = self.cfg
+        c = self.cfg   # max_position_embeddings below carries the served context (RoPE scaling included)
         return pb.WorkerInfo(
             address=self.address, model_name=self.model_name, model_fingerprint=self.runner.fingerprint,
             num_layers=c.num_hidden_layers, layer_start=self.runner.layer_start, layer_end=self.runner.layer_end,

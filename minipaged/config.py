@@ -59,7 +59,7 @@ class ModelConfig:
         key, rope = rope_field(cfg)
         if not isinstance(rope, dict):
             raise ValueError(f"{source or name}: field {key!r} must be a JSON object, got {rope!r}")
-        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))   # transformers' order
+        theta = rope_theta(cfg)
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
@@ -107,6 +107,12 @@ def rope_field(cfg: dict) -> tuple[str, object]:
         if cfg.get(key):
             return key, cfg[key]
     return "rope_scaling", {}
+
+
+def rope_theta(cfg: dict) -> float:
+    """RoPE's base, in transformers' order: the RoPE dict's, then config.json's top level, then 10000."""
+    rope = rope_field(cfg)[1]
+    return (rope.get("rope_theta") if isinstance(rope, dict) else None) or cfg.get("rope_theta", 10000.0)
 
 
 def parse_rope_scaling(text: str) -> dict:
@@ -253,9 +259,7 @@ def load_model_config(model: str, rope_scaling: dict | None = None) -> ModelConf
                                     f"Hugging Face Qwen3 checkpoint directory)")
         cfg = _read_json(path)
     if rope_scaling is not None and isinstance(cfg, dict):
-        old = rope_field(cfg)[1]
-        theta = (old.get("rope_theta") if isinstance(old, dict) else None) or cfg.get("rope_theta", 10000.0)
-        cfg = dict(cfg, rope_scaling=dict({"rope_theta": theta}, **rope_scaling))   # its own theta wins
+        cfg = dict(cfg, rope_scaling=dict({"rope_theta": rope_theta(cfg)}, **rope_scaling))   # its own theta wins
     if model == "tiny":
         return ModelConfig.from_dict(cfg, "tiny")
     first = ModelConfig.from_dict(cfg, model, source=path)

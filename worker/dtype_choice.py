@@ -57,9 +57,9 @@ def resolve_dtype(requested: str | None, config: ModelConfig, device: str,
         return ckpt if ckpt in ("bfloat16", "float16", "float32") else "bfloat16"
     if ckpt == "bfloat16" and cpu_has_bf16(cpuinfo):
         if bf16_modes is None:
-            from worker import cpu_gemm, cpu_kernels
-            from worker.layers import onednn_bf16_gemm
-            bf16_modes = (cpu_kernels.load_library() is not None and onednn_bf16_gemm(), cpu_gemm.available())
+            from worker import cpu_gemm
+            from worker.layers import cpu_bf16_mode
+            bf16_modes = (cpu_bf16_mode(), cpu_gemm.available())
         mixed, packed_f32 = bf16_modes
         # torch's plain bfloat16 is slower than float32 from packed bfloat16 weights (58 vs 90 tok/s
         # decode-heavy on the AMX Xeon): it is auto's choice only where neither of those runs

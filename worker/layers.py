@@ -82,6 +82,12 @@ def onednn_bf16_gemm() -> bool:
         return False
 
 
+def cpu_bf16_mode() -> bool:
+    """Does the CPU bfloat16 mode run here (worker/model_runner.py `mixed_bf16`): the compiled
+    kernels built and oneDNN's bfloat16 GEMMs native?"""
+    return cpu_kernels.load_library() is not None and onednn_bf16_gemm()
+
+
 class Linear(nn.Linear):
     """nn.Linear whose float32 CPU GEMM is oneDNN's when available (see _onednn_fp32_gemm);
     float64 (the parity mode) and other devices use F.linear. With `packed` (worker/cpu_gemm.py:

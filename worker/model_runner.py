@@ -11,8 +11,8 @@ import numpy as np
 import torch
 
 from minipaged.config import ModelConfig, load_model_config
-from worker import cpu_gemm, cpu_kernels, logits_processors, prompt_logprobs as plp, sampler
-from worker.layers import onednn_bf16_gemm
+from worker import cpu_gemm, logits_processors, prompt_logprobs as plp, sampler
+from worker.layers import cpu_bf16_mode
 from worker.model import Qwen3Stage, StepBatch
 from worker.paged_cache import PagedKVCache, as_dtype, bytes_per_block
 from worker.dtype_choice import checkpoint_dtype, resolve_dtype
@@ -65,7 +65,7 @@ class ModelRunner:
         # bfloat16 on a CPU with the compiled kernels: bfloat16 weights, GEMM inputs and K/V, the
         # activations between them in float32 (dtype_choice.py says why); the stage computes in float32
         self.mixed_bf16 = (self.device.type == "cpu" and self.dtype == torch.bfloat16 and backend == "torch"
-                           and cpu_kernels.load_library() is not None and onednn_bf16_gemm())
+                           and cpu_bf16_mode())
         compute = torch.float32 if self.mixed_bf16 else self.dtype
         self.stage = Qwen3Stage(self.config, layer_start, layer_end, compute, self.device, backend,
                                 matrix_dtype=torch.bfloat16 if self.mixed_bf16 else None)

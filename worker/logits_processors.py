@@ -45,36 +45,46 @@ def rows(x: SamplingExtras, mask: np.ndarray) -> SamplingExtras:
     return out
 
 
-def apply(logits: torch.Tensor, x: SamplingExtras) -> torch.Tensor:
-    """logits [S, V] (already narrowed to the sampled rows) -> a processed copy."""
+def apply(logits: torch.Tensor, x: SamplingExtras, in_place: bool = False) -> torch.Tensor:
+    """logits [S, V] (already narrowed to the sampled rows) -> the processed logits: a copy, or
+    `logits` itself changed when in_place (the caller needs no raw logit after this: copying
+    [64, 151,936] float32 costs ~10 ms on 2 cores, 8% of a Qwen3-0.6B decode step).
+
+    Every rule touches only the entries it names (the penalties the (row, token) pairs a row has
+    seen, once each), with the same float operations the dense form would run on them: an entry
+    none names keeps its value exactly, as `x - 0 * 0` would."""
     S, V = logits.shape
     dev = logits.device
-    out = logits.clone()
+    out = logits if in_place else logits.clone()
     if x.grammar_rows is not None:
         grammar_mask.apply(out, x.grammar_rows, x.grammar_bitmask)
     if x.repetition is not None and x.penalty_tokens.size:
-        row = torch.as_tensor(np.repeat(np.arange(S), x.penalty_counts), device=dev)
-        tok = torch.as_tensor(x.penalty_tokens.astype(np.int64), device=dev)
-        # position of each history token inside its row: the first prompt_len are the prompt's
-        first = np.repeat(np.cumsum(x.penalty_counts) - x.penalty_counts, x.penalty_counts)
-        is_output = torch.as_tensor((np.arange(x.penalty_tokens.size) - first)
-                                    >= np.repeat(x.penalty_prompt_lens, x.penalty_counts), device=dev)
-        seen = torch.zeros(S, V, dtype=torch.bool, device=dev)
-        seen[row, tok] = True
-        counts = torch.zeros(S, V, dtype=out.dtype, device=dev)
-        counts.index_put_((row[is_output], tok[is_output]), torch.ones(int(is_output.sum()), dtype=out.dtype,
-                                                                       device=dev), accumulate=True)
-        rep = torch.as_tensor(x.repetition, dtype=out.dtype, device=dev)[:, None]
-        out = torch.where(seen, torch.where(out < 0, out * rep, out / rep), out)
-        freq = torch.as_tensor(x.frequency, dtype=out.dtype, device=dev)[:, None]
-        pres = torch.as_tensor(x.presence, dtype=out.dtype, device=dev)[:, None]
-        out = out - freq * counts - pres * (counts > 0).to(out.dtype)
+        _penalize(out, x)
     if x.suppress is not None and x.suppress.any():
         keep = np.repeat(x.suppress, x.suppress_counts)
         row = np.repeat(np.arange(S), x.suppress_counts)[keep]
         out[torch.as_tensor(row, device=dev), torch.as_tensor(x.suppress_ids[keep].astype(np.int64), device=dev)] = \
             float("-inf")
     return out
+
+
+def _penalize(out: torch.Tensor, x: SamplingExtras) -> None:
+    """Repetition, presence and frequency penalties, in place, on each seen (row, token) once."""
+    S, V = out.shape
+    row = np.repeat(np.arange(S, dtype=np.int64), x.penalty_counts)
+    # position of each history token inside its row: the first prompt_len are the prompt's
+    first = np.repeat(np.cumsum(x.penalty_counts) - x.penalty_counts, x.penalty_counts)
+    is_output = (np.arange(x.penalty_tokens.size) - first) >= np.repeat(x.penalty_prompt_lens, x.penalty_counts)
+    seen, where = np.unique(row * V + x.penalty_tokens.astype(np.int64), return_inverse=True)
+    counts = np.bincount(where.reshape(-1), weights=is_output, minlength=seen.size)   # output occurrences
+    r, t = torch.as_tensor(seen // V, device=out.device), torch.as_tensor(seen % V, device=out.device)
+    v = out[r, t]
+    cnt = torch.as_tensor(counts, dtype=out.dtype, device=out.device)
+    rep = torch.as_tensor(x.repetition, dtype=out.dtype, device=out.device)[r]
+    v = torch.where(v < 0, v * rep, v / rep)
+    freq = torch.as_tensor(x.frequency, dtype=out.dtype, device=out.device)[r]
+    pres = torch.as_tensor(x.presence, dtype=out.dtype, device=out.device)[r]
+    out[r, t] = v - freq * cnt - pres * (cnt > 0).to(out.dtype)
 
 
 def top_logprobs(raw_logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -182,8 +182,10 @@ class ModelRunner:
                 top = None
             else:  # min tokens, penalties, alternatives: logprobs stay those of the raw distribution
                 x = logits_processors.rows(extras, mask)
-                ids, _ = sampler.sample(logits_processors.apply(logits, x), pick(temperature), pick(top_p),
-                                        pick(top_k), pick(seeds), pick(offsets), False)
+                raw_needed = return_logprobs or return_logits or x.top_logprobs > 0
+                ids, _ = sampler.sample(logits_processors.apply(logits, x, in_place=not raw_needed),
+                                        pick(temperature), pick(top_p), pick(top_k), pick(seeds), pick(offsets),
+                                        False)
                 logprobs = None
                 if return_logprobs:
                     lp = torch.log_softmax(logits, -1).gather(1, torch.as_tensor(ids, device=logits.device).long()[:, None])

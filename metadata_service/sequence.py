@@ -54,7 +54,10 @@ class SamplingParams:
     def __post_init__(self):
         self.penalized = (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                           or self.frequency_penalty != 0.0)
-        self.extras = self.penalized or self.min_new_tokens > 0 or self.top_logprobs > 0
+        # min_new_tokens masks EOS (unless ignored) and stop_token_ids; with neither it masks nothing
+        # (vLLM's rule too), and its sequences stay on the plain paths
+        masks = self.min_new_tokens > 0 and (bool(self.stop_token_ids) or not self.ignore_eos)
+        self.extras = self.penalized or masks or self.top_logprobs > 0
         self.waits_for_token = self.penalized or self.grammar is not None  # a bitmask needs the last token
 
 

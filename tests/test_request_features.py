@@ -61,6 +61,44 @@ def test_min_new_tokens_masks_like_transformers():
     assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], logits[1])
 
 
+def _dense_penalties(logits, x):
+    """The penalties over the whole [S, V] (the form lp.apply had before it touched only seen tokens)."""
+    S, V = logits.shape
+    row = torch.as_tensor(np.repeat(np.arange(S), x.penalty_counts))
+    tok = torch.as_tensor(x.penalty_tokens.astype(np.int64))
+    first = np.repeat(np.cumsum(x.penalty_counts) - x.penalty_counts, x.penalty_counts)
+    is_output = torch.as_tensor((np.arange(x.penalty_tokens.size) - first)
+                                >= np.repeat(x.penalty_prompt_lens, x.penalty_counts))
+    seen = torch.zeros(S, V, dtype=torch.bool)
+    seen[row, tok] = True
+    counts = torch.zeros(S, V, dtype=logits.dtype)
+    counts.index_put_((row[is_output], tok[is_output]), torch.ones(int(is_output.sum()), dtype=logits.dtype),
+                      accumulate=True)
+    rep = torch.as_tensor(x.repetition, dtype=logits.dtype)[:, None]
+    out = torch.where(seen, torch.where(logits < 0, logits * rep, logits / rep), logits)
+    freq = torch.as_tensor(x.frequency, dtype=logits.dtype)[:, None]
+    pres = torch.as_tensor(x.presence, dtype=logits.dtype)[:, None]
+    return out - freq * counts - pres * (counts > 0).to(logits.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_penalties_on_seen_tokens_only_equal_the_dense_form_bit_for_bit(dtype):
+    rng = np.random.default_rng(3)
+    S, V = 6, 97
+    hist = [rng.integers(0, V, rng.integers(0, 40)).tolist() for _ in range(S)]
+    x = extras_for(hist, [min(len(h), int(rng.integers(0, 10))) for h in hist],
+                   rep=rng.uniform(0.5, 2.0, S), pres=rng.uniform(-1, 1, S), freq=rng.uniform(-1, 1, S),
+                   suppress=[(1, 2), (), (5,), (), (), (96,)])
+    logits = torch.as_tensor(rng.normal(0, 4, (S, V))).to(dtype)
+    logits[0, 3] = float("-inf")
+    want = _dense_penalties(logits, x)
+    want[[0, 0, 2, 5], [1, 2, 5, 96]] = float("-inf")
+    copy = lp.apply(logits, x)
+    assert torch.equal(copy, want) and not torch.equal(copy, logits)
+    same = lp.apply(logits, x, in_place=True)   # the runner's form when no raw logit is needed after
+    assert same is logits and torch.equal(logits, want)
+
+
 def test_rows_narrows_csr_arrays_to_the_sampled_rows():
     x = extras_for([[1, 2], [3], [4, 5, 6]], [1, 0, 2], rep=[1.1, 1.2, 1.3], suppress=[(7,), (), (8, 9)])
     y = lp.rows(x, np.array([True, False, True]))
@@ -95,6 +133,18 @@ def test_features_end_to_end_against_transformers(ckpt):
                 ref(p, max_new_tokens=12, repetition_penalty=1.4)
             assert cl.generate(prompt_token_ids=p, max_new_tokens=12, min_new_tokens=10).token_ids == \
                 ref(p, max_new_tokens=12, min_new_tokens=10)
+
+        # min_new_tokens with ignore_eos and no stop ids masks nothing (vLLM's rule): an EOS sampled
+        # early stays, as with ignore_eos alone (transformers: no EOS id at all). Prompts 19 and 40 of
+        # this seed are two whose greedy output has EOS among its first 10 tokens.
+        for i in (19, 40):
+            p = prompts(64, 3, 30, seed=95)[i]
+            with torch.no_grad():
+                want = hf.generate(torch.tensor([p]), do_sample=False, eos_token_id=None, pad_token_id=0,
+                                   max_new_tokens=12)[0, len(p):].tolist()
+            assert EOS in want[:10]
+            assert cl.generate(prompt_token_ids=p, max_new_tokens=12, min_new_tokens=10,
+                               ignore_eos=True).token_ids == want
 
         # n choices fork one prefill: greedy choices are identical, seeded ones reproducible
         p = prompts(1, 21, 21, seed=92)[0]                      # 21 tokens: 5 full blocks shared + a copy

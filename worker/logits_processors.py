@@ -21,7 +21,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from worker import grammar_mask
+from worker import grammar_mask, sampler
 from worker.validate_sampling import SamplingExtras
 
 
@@ -87,8 +87,27 @@ def _penalize(out: torch.Tensor, x: SamplingExtras) -> None:
     out[r, t] = v - freq * cnt - pres * (cnt > 0).to(out.dtype)
 
 
-def top_logprobs(raw_logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """(ids int32 [S, k], logprobs float32 [S, k]), best first, from the raw distribution."""
-    lp = torch.log_softmax(raw_logits.to(torch.float64 if raw_logits.dtype == torch.float64 else torch.float32), -1)
+def sample_with_rules(logits: torch.Tensor, x: SamplingExtras, temperature, top_p, top_k, seeds, offsets,
+                      return_logprobs: bool, keep_raw: bool = False):
+    """The sampled rows' logits [S, V] with their rules -> (ids int32 [S], logprobs float32 [S] or
+    None, top alternatives or None). Logprobs and alternatives are those of the raw distribution:
+    one log_softmax before the rules serves both; then the rules run in place unless keep_raw."""
+    raw_lp = None
+    if return_logprobs or x.top_logprobs:
+        raw_lp = torch.log_softmax(logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32), -1)
+    ids, _ = sampler.sample(apply(logits, x, in_place=not keep_raw), temperature, top_p, top_k, seeds, offsets)
+    logprobs = None
+    if return_logprobs:
+        at = torch.as_tensor(ids, device=logits.device).long()[:, None]
+        logprobs = raw_lp.gather(1, at).squeeze(1).to(torch.float32).cpu().numpy()
+    top = top_logprobs(logits, x.top_logprobs, raw_lp) if x.top_logprobs else None
+    return ids, logprobs, top
+
+
+def top_logprobs(raw_logits: torch.Tensor, k: int, raw_lp: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(ids int32 [S, k], logprobs float32 [S, k]), best first, from the raw distribution (its
+    log_softmax given as raw_lp when the caller has it; then raw_logits is not read)."""
+    lp = raw_lp if raw_lp is not None else torch.log_softmax(
+        raw_logits.to(torch.float64 if raw_logits.dtype == torch.float64 else torch.float32), -1)
     vals, ids = torch.topk(lp, k, dim=-1)
     return ids.to(torch.int32).cpu().numpy(), vals.to(torch.float32).cpu().numpy()

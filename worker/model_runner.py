@@ -180,17 +180,10 @@ class ModelRunner:
                 ids, logprobs = sampler.sample(logits, pick(temperature), pick(top_p), pick(top_k),
                                                pick(seeds), pick(offsets), return_logprobs)
                 top = None
-            else:  # min tokens, penalties, alternatives: logprobs stay those of the raw distribution
-                x = logits_processors.rows(extras, mask)
-                raw_needed = return_logprobs or return_logits or x.top_logprobs > 0
-                ids, _ = sampler.sample(logits_processors.apply(logits, x, in_place=not raw_needed),
-                                        pick(temperature), pick(top_p), pick(top_k), pick(seeds), pick(offsets),
-                                        False)
-                logprobs = None
-                if return_logprobs:
-                    lp = torch.log_softmax(logits, -1).gather(1, torch.as_tensor(ids, device=logits.device).long()[:, None])
-                    logprobs = lp.squeeze(1).to(torch.float32).cpu().numpy()
-                top = logits_processors.top_logprobs(logits, x.top_logprobs) if x.top_logprobs else None
+            else:  # min tokens, penalties, alternatives (worker/logits_processors.py)
+                ids, logprobs, top = logits_processors.sample_with_rules(
+                    logits, logits_processors.rows(extras, mask), pick(temperature), pick(top_p), pick(top_k),
+                    pick(seeds), pick(offsets), return_logprobs, keep_raw=return_logits)
             out_logits = logits.to(torch.float64).cpu().numpy() if return_logits else None
         return ids, logprobs, out_logits, top
 

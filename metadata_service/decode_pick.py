@@ -1,6 +1,6 @@
 """Which running sequences of a micro-batch decode this step (`DecodePicking`, a Scheduler mixin).
 
-A micro-batch of plain sequences (no choices, beams, penalties or grammars) is classified by vector
+A micro-batch of plain sequences (no choices, beams or grammars) is classified by vector
 compares over its Progress rows (`_vector_decodes`, the steady state); any other one sequence by
 sequence (`_decodes`), which also preempts when the decodes' blocks run short."""
 from __future__ import annotations
@@ -73,7 +73,7 @@ class DecodePicking:
         return decodes, chunks, dec, slots
 
     def _decodes(self, slot: int, budget: int):
-        """The same for any micro-batch, one sequence at a time (choices, beams, penalties, grammars)."""
+        """The same for any micro-batch, one sequence at a time (choices, beams, grammars)."""
         decodes, chunks, toks = [], [], []   # toks: each decode's input id (-1: still being sampled)
         overlap = self.overlap
         for s in self.by_slot[slot]:
@@ -114,7 +114,7 @@ class DecodePicking:
         return decodes, chunks, None, []
 
     def _stagger(self, decodes: list[Sequence], slot: int) -> list[Sequence]:
-        """Async scheduling with sequences that wait for their sampled token (penalties, grammars):
+        """Async scheduling with sequences that wait for their sampled token (grammars):
         when none of this micro-batch's are in flight, half of them go now and half in the step sent
         right after, so from then on one half computes while the host applies and prepares the
         other. Without this they all wait for the same reply and the overlap is lost for good."""

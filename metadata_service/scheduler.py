@@ -11,8 +11,10 @@ Steps may be scheduled while earlier ones are in flight:
 - with `overlap` (async scheduling), a sequence whose sampled token is still in flight decodes
   anyway, with input id -1 ("the token you just sampled", filled in by stage 0). At most one such
   token per sequence; if it turns out to end the sequence, the extra token is computed and dropped.
-  Sequences whose next step needs that token on the host (penalties, grammar bitmasks) wait for it;
-  they are staggered over the two steps in flight so one half computes while the other is prepared.
+  Sequences whose next step needs that token on the host (grammar bitmasks) wait for it; they are
+  staggered over the two steps in flight so one half computes while the other is prepared.
+  Penalized ones do not: their history goes without it, and the last stage, which sampled it,
+  appends it (worker/validate_sampling.py).
 When a decode cannot get a block, the newest running sequence (of any slot) is preempted: its blocks
 are freed and it goes back to the front of the queue for recompute (`gen` goes up, so whatever of it
 is still in flight is ignored). Freeing blocks that an in-flight step still writes is safe because

@@ -58,7 +58,9 @@ class SamplingParams:
         # (vLLM's rule too), and its sequences stay on the plain paths
         masks = self.min_new_tokens > 0 and (bool(self.stop_token_ids) or not self.ignore_eos)
         self.extras = self.penalized or masks or self.top_logprobs > 0
-        self.waits_for_token = self.penalized or self.grammar is not None  # a bitmask needs the last token
+        # a grammar's bitmask needs the last token; a penalized row's history does not: the last
+        # stage appends the token it sampled itself (worker/validate_sampling.py complete_histories)
+        self.waits_for_token = self.grammar is not None
 
 
 @dataclass

@@ -71,7 +71,9 @@ def _add_grammar(req: worker_pb2.StepRequest, b: ScheduledBatch, vocab_size: int
 
 def _add_extras(req: worker_pb2.StepRequest, seqs: list[Sequence], offsets: np.ndarray) -> None:
     """The per-sequence sampling rules beyond temperature/top-p/top-k (worker/logits_processors.py).
-    Penalized sequences send their whole history: their cost grows with their length (only theirs)."""
+    Penalized sequences send their whole history: their cost grows with their length (only theirs).
+    A history is what this service knows: a token still being sampled (input -1) is left out, and
+    the last stage, which sampled it, appends it."""
     B = len(seqs)
     suppress = [bool(s.suppress_ids) and int(o) < s.params.min_new_tokens for s, o in zip(seqs, offsets)]
     if any(suppress):

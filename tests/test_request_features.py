@@ -99,6 +99,27 @@ def test_penalties_on_seen_tokens_only_equal_the_dense_form_bit_for_bit(dtype):
     assert same is logits and torch.equal(logits, want)
 
 
+def test_last_stage_completes_histories_left_without_their_last_token():
+    from worker.step_state import SequenceStore, StepPrecondition
+    from worker.validate_common import StepValidationError
+    from worker.validate_sampling import complete_histories
+    store = SequenceStore()
+    store.record_sampled([10, 11, 12], np.array([7, 8, 9]))
+    # rows: 10 penalized, 2 outputs known, samples offset 3 (one in flight); 11 not penalized;
+    # 12 penalized and complete; 13 penalized, sampling its first token (offset 0)
+    x = extras_for([[1, 2, 3, 4], [], [5, 6], [9]], [2, 0, 1, 1], rep=[1.2, 1.0, 1.1, 1.3])
+    offsets = np.array([3, 5, 1, 0], dtype=np.int32)
+    complete_histories(x, np.ones(4, bool), offsets, np.array([10, 11, 12, 13]), store)
+    assert x.penalty_counts.tolist() == [5, 0, 2, 1]
+    assert x.penalty_tokens.tolist() == [1, 2, 3, 4, 7, 5, 6, 9]
+    two_missing = extras_for([[1, 2]], [1], rep=[1.2])
+    with pytest.raises(StepValidationError, match="at most its last token"):
+        complete_histories(two_missing, np.ones(1, bool), np.array([3], np.int32), np.array([10]), store)
+    never_sampled = extras_for([[1, 2]], [1], rep=[1.2])
+    with pytest.raises(StepPrecondition, match="has not sampled"):
+        complete_histories(never_sampled, np.ones(1, bool), np.array([2], np.int32), np.array([99]), store)
+
+
 def test_rows_narrows_csr_arrays_to_the_sampled_rows():
     x = extras_for([[1, 2], [3], [4, 5, 6]], [1, 0, 2], rep=[1.1, 1.2, 1.3], suppress=[(7,), (), (8, 9)])
     y = lp.rows(x, np.array([True, False, True]))
@@ -183,4 +204,33 @@ def test_features_end_to_end_against_transformers(ckpt):
                 assert one.text == "".join(ch.text for ch in mine)
                 assert one.logprobs == ([x for ch in mine for x in ch.logprobs] if "logprobs" in kw else None)
                 assert one.decode_seconds > 0 or len(one.token_ids) == 1
+        settle(cl)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [1, 2])
+def test_penalized_batches_decode_ahead_and_equal_transformers(ckpt, workers):
+    """Penalized sequences are scheduled before their last token comes back (async scheduling);
+    the last stage completes their histories with the tokens it sampled. A batch of them, on 1 and
+    2 stages, gives transformers' float64 tokens; seeded choices with penalties are reproducible."""
+    hf = load_oracle(ckpt, torch.float64)
+
+    def ref(p, **kw):
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([p]), do_sample=False, eos_token_id=EOS, pad_token_id=EOS, **kw)
+        toks = out[0, len(p):].tolist()
+        return toks[:toks.index(EOS) + 1] if EOS in toks else toks
+
+    ps = prompts(6, 3, 30, seed=97)
+    kws = [dict(max_new_tokens=14, repetition_penalty=1.3), dict(max_new_tokens=14, repetition_penalty=0.7),
+           dict(max_new_tokens=14, repetition_penalty=1.5, min_new_tokens=12)] * 2
+    with LocalCluster(model=ckpt, workers=workers, dtype="float64", block_size=4) as c:
+        cl = c.client
+        got = cl.wait(cl.submit([dict(prompt_token_ids=p, **kw) for p, kw in zip(ps, kws)]))
+        for p, kw, r in zip(ps, kws, got):
+            assert r.token_ids == ref(p, **kw)
+        kw = dict(prompt_token_ids=ps[0], max_new_tokens=10, n=2, temperature=1.0, seed=3, ignore_eos=True,
+                  presence_penalty=0.8, frequency_penalty=0.4)
+        a, b = cl.generate(**kw), cl.generate(**kw)
+        assert [ch.token_ids for ch in a.choices] == [ch.token_ids for ch in b.choices]
         settle(cl)

@@ -220,28 +220,31 @@ def test_delta_tables_do_not_grow_with_context():
 
 
 def test_sequences_that_wait_for_their_token_are_staggered_over_the_two_steps_in_flight():
-    """Penalized (and grammar-constrained) sequences never decode on a placeholder; when they would
-    all wait for one reply, half go now and half in the step right after, so the overlap holds."""
+    """Grammar-constrained sequences never decode on a placeholder (their bitmask needs the token);
+    when they would all wait for one reply, half go now and half in the step right after, so the
+    overlap holds. Penalized ones run ahead like any other (the last stage completes their history)."""
     m, sch = make(budget=64, overlap=True)
     SCHEDULERS[id(m)] = sch
-    seqs = [Sequence(list(range(1 + 10 * i, 6 + 10 * i)), SamplingParams(max_new_tokens=6, repetition_penalty=1.3))
+    seqs = [Sequence(list(range(1 + 10 * i, 6 + 10 * i)), SamplingParams(max_new_tokens=6, grammar=object()))
             for i in range(4)]
     free = seq(4, max_new=6, start=60)
-    for s in seqs + [free]:
+    penalized = Sequence(list(range(70, 75)), SamplingParams(max_new_tokens=6, repetition_penalty=1.3))
+    for s in seqs + [free, penalized]:
         sch.add(s)
     k = sch.schedule()                            # every prefill, each samples
     check_batch(m, k)
     ahead = sch.schedule()
     check_batch(m, ahead)
-    assert ahead.seqs == [free]                   # only the unconstrained one runs ahead on -1
+    assert ahead.seqs == [free, penalized]        # only the unconstrained ones run ahead on -1
+    free = [free, penalized]
     apply(sch, k)
     a = sch.schedule()                            # none of theirs in flight: half of them go now
     check_batch(m, a)
-    assert [s for s in a.seqs if s is not free] == seqs[:2]
+    assert [s for s in a.seqs if s not in free] == seqs[:2]
     apply(sch, ahead)
     b = sch.schedule()                            # ... and the other half in the very next step
     check_batch(m, b)
-    assert [s for s in b.seqs if s is not free] == seqs[2:]
+    assert [s for s in b.seqs if s not in free] == seqs[2:]
     halves = [set(seqs[:2]), set(seqs[2:])]
     inflight = [a, b]
     while inflight:                               # from then on each half keeps to its own steps
@@ -249,7 +252,7 @@ def test_sequences_that_wait_for_their_token_are_staggered_over_the_two_steps_in
         nxt = sch.schedule()
         if nxt is not None:
             check_batch(m, nxt)
-            mine = set(nxt.seqs) - {free}
+            mine = set(nxt.seqs) - set(free)
             assert mine <= halves[0] or mine <= halves[1]
             inflight.append(nxt)
     assert all(len(s.output_token_ids) == 6 for s in seqs)

@@ -157,7 +157,8 @@ class WorkerServicer(StepExecution, StepRpcs, pb_grpc.WorkerServiceServicer):
             self.peer_token = request.next_stage_token
             self.num_blocks, self.block_size = nb, bs
             self.limits = StepLimits(self.cfg.vocab_size, self.cfg.hidden_size, self.cfg.max_context,
-                                     nb, bs, self.runner.is_first, request.tier_blocks)
+                                     nb, bs, self.runner.is_first, request.tier_blocks,
+                                     self.runner.is_last)
             self.epoch = request.cache_epoch or new_epoch()  # the chain's epoch when the caller picks one
         return pb.InitCacheReply(cache_epoch=self.epoch, num_blocks=nb, block_size=bs)
 

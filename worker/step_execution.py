@@ -183,7 +183,7 @@ class StepExecution:
             out.timings.extend(request.upstream_timings)   # the stages before this one
             out.timings.append(timing)
             out.cache_epoch = self.epoch
-            if self.runner.is_first and sampled.size and out.sampled_token_ids:
+            if self.store is not None and sampled.size and out.sampled_token_ids:
                 self.store.record_sampled(sampled, wire.unpack(out.sampled_token_ids))
             return StepOutcome(out, None, timing, sampled, ready_at)
         out.cache_epoch = self.next_stage.pin_epoch()

@@ -177,8 +177,20 @@ class SequenceStore:
             np.maximum(self.pending, 0, out=self.pending)
             self.cond.notify_all()
 
+    def sampled_tokens(self, seq_ids) -> np.ndarray:
+        """The last token this (last) stage sampled for each sequence, never waiting: its steps run
+        in order, so the step that sampled it has finished. StepPrecondition where there is none."""
+        rows = self.rows(seq_ids, create=False)
+        with self.cond:
+            toks = np.where(rows >= 0, self.last_token[np.maximum(rows, 0)], -1)
+        if (toks < 0).any():
+            b = int(np.argmax(toks < 0))
+            raise StepPrecondition(f"sequence {int(np.asarray(seq_ids)[b])}: its penalty history leaves out a "
+                                   f"token this stage has not sampled (new cache epoch or evicted): send it")
+        return toks
+
     def record_sampled(self, sampled_seq_ids, tokens: np.ndarray) -> None:
-        """Tokens this stage sampled itself (a one-stage chain: steps in order, nothing stale)."""
+        """Tokens this stage sampled itself (the last stage: its steps run in order, nothing stale)."""
         rows = self.rows(sampled_seq_ids, create=True)
         with self.cond:
             self.last_token[rows] = tokens

@@ -18,6 +18,7 @@ class StepLimits:
     block_size: int
     is_first: bool
     tier_blocks: int = 0      # slots of the second KV tier (0 = none)
+    is_last: bool = True      # samples: completes penalty histories from its own tokens
 
 
 class StepValidationError(ValueError):

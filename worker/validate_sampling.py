@@ -100,3 +100,27 @@ def _floats(data: bytes, B: int, name: str, default: float) -> np.ndarray:
     if not np.isfinite(arr).all():
         fail(f"{name}: every value must be finite")
     return arr
+
+
+def complete_histories(x: SamplingExtras, do_sample, offsets, seq_ids, store) -> None:
+    """A penalized sequence scheduled before its last token came back (async scheduling) sends its
+    history without that token: it has sample_offsets[b] - 1 outputs where the rule needs
+    sample_offsets[b]. The last stage sampled that token itself in the sequence's previous step
+    (SequenceStore.record_sampled) and appends it here; more than one missing is an error."""
+    penalized = (x.repetition != 1.0) | (x.presence != 0.0) | (x.frequency != 0.0)
+    outputs = x.penalty_counts.astype(np.int64) - x.penalty_prompt_lens
+    missing = np.where(penalized & np.asarray(do_sample, dtype=bool), offsets.astype(np.int64) - outputs, 0)
+    if ((missing != 0) & (missing != 1)).any():
+        b = int(np.argmax((missing != 0) & (missing != 1)))
+        fail(f"penalty_counts: sequence {b} sends {int(outputs[b])} output tokens for sample offset "
+             f"{int(offsets[b])} (at most its last token may be left out)")
+    late = np.flatnonzero(missing)
+    if not late.size:
+        return
+    if store is None or not np.asarray(seq_ids).size:
+        fail("penalty history without its last token needs sequence_ids and a stage that keeps them")
+    toks = store.sampled_tokens(np.asarray(seq_ids)[late])
+    ends = np.cumsum(x.penalty_counts.astype(np.int64))[late]   # each late row's segment ends there
+    x.penalty_tokens = np.insert(x.penalty_tokens, ends, toks.astype(x.penalty_tokens.dtype))
+    x.penalty_counts = x.penalty_counts + missing.astype(x.penalty_counts.dtype)
+

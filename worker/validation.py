@@ -25,7 +25,7 @@ from worker.prompt_logprobs import PromptRows, parse as parse_prompt_rows
 from worker.step_state import SequenceStore, StepPrecondition  # noqa: F401 (re-exported)
 from worker.validate_cache import block_tables, copies, slot_mapping, tier_moves
 from worker.validate_common import StepLimits, StepValidationError, check_range, fail
-from worker.validate_sampling import SamplingExtras, sampling_extras, sampling_params
+from worker.validate_sampling import SamplingExtras, complete_histories, sampling_extras, sampling_params
 
 
 @dataclass
@@ -86,6 +86,8 @@ def _validate(req, lim: StepLimits, store, placeholder_timeout_s, hidden_bytes=N
     except ValueError as e:
         fail(str(e))
     extras = sampling_extras(req, B, lim.vocab_size, do_sample)
+    if extras is not None and extras.repetition is not None and lim.is_last:
+        complete_histories(extras, do_sample, offsets, seq_ids, store)
     if lim.is_first:   # last: stage 0 may wait here for the last stage's tokens, every other check done
         input_ids = _resolved_inputs(input_ids, pending, store, placeholder_timeout_s, lim)
     return StepArrays(B, T, input_ids, hidden, req.hidden_dtype, positions, slots, qsl, seq_lens,

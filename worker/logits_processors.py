@@ -94,7 +94,7 @@ def sample_with_rules(logits: torch.Tensor, x: SamplingExtras, temperature, top_
     one log_softmax before the rules serves both; then the rules run in place unless keep_raw."""
     raw_lp = None
     if return_logprobs or x.top_logprobs:
-        raw_lp = torch.log_softmax(logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32), -1)
+        raw_lp = sampler.log_softmax_rows(logits)
     ids, _ = sampler.sample(apply(logits, x, in_place=not keep_raw), temperature, top_p, top_k, seeds, offsets)
     logprobs = None
     if return_logprobs:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from worker.sampler import sample, uniform_for
@@ -89,3 +90,68 @@ def test_uniform_is_in_unit_interval_and_pure():
     assert (u >= 0).all() and (u < 1).all()
     assert np.array_equal(u, uniform_for(np.arange(-500, 500), np.arange(1000) % 7))
     assert abs(u.mean() - 0.5) < 0.05
+
+
+def reference_draw(row: torch.Tensor, t: float, p: float, k: int, u: float) -> int:
+    """The sampler's definition, the slow way: a stable sort of the whole row, the kept set, then
+    the inverse CDF over the kept tokens in id order (float64)."""
+    V = row.numel()
+    vals, order = torch.sort(row.double(), descending=True, stable=True)
+    w = torch.exp((vals - vals[0]) / t)
+    if 0 < k < V:
+        w[k:] = 0
+    c = w.cumsum(0)
+    keep = (c - w) < p * c[-1]
+    keep[0] = True
+    kept = torch.zeros(V, dtype=torch.float64)
+    kept[order] = w * keep
+    cdf = kept.cumsum(0)
+    return int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64), right=True)[0])
+
+
+@pytest.mark.parametrize("head", [4096, 8])   # 8: most top-p rows prove nothing and sort their row
+def test_every_path_draws_what_the_definition_says(monkeypatch, head):
+    """Token for token against reference_draw over float64 rows of 3,000 ids: top-k (with ties at
+    its boundary: values rounded as bfloat16 logits are), top-p with and without top-k, every token
+    kept, -inf masked ids; rows of every kind in one batch, and with a small head (the full-sort
+    path) the same tokens."""
+    import worker.sampler as sampler_mod
+    monkeypatch.setattr(sampler_mod, "HEAD", head)
+    g = torch.Generator().manual_seed(5)
+    V, R = 3000, 12
+    logits = (torch.randn(R, V, generator=g, dtype=torch.float64) * 2).bfloat16().double()  # many ties
+    logits[1, ::3] = float("-inf")
+    logits[2, 5:] = float("-inf")                                     # 5 finite ids, top_k 20
+    t = np.array([0.7, 1.0, 0.9, 1.3, 0.5, 1.0, 0.8, 1.0, 2.0, 0.6, 1.0, 0.3], dtype=np.float32)
+    p = np.array([1.0, 0.9, 1.0, 0.95, 1.0, 0.5, 0.99, 1.0, 0.9, 0.95, 0.2, 1.0], dtype=np.float32)
+    k = np.array([20, 0, 20, 0, 1, 0, 40, 0, 0, 20, 7, 3], dtype=np.int32)
+    for offset in range(12):
+        seeds = np.arange(R, dtype=np.int64) * 7 + 1
+        offs = np.full(R, offset, dtype=np.int32)
+        ids, _ = sample(logits, t, p, k, seeds, offs)
+        u = uniform_for(seeds, offs)
+        want = [reference_draw(logits[r], float(t[r]), float(p[r]), int(k[r]), float(u[r])) for r in range(R)]
+        assert ids.tolist() == want
+        assert all(np.isfinite(logits[r, ids[r]].item()) for r in range(R))
+
+
+def test_top_k_ties_at_its_boundary_keep_the_lower_ids():
+    logits = torch.zeros(1, 10)
+    logits[0, [2, 5, 7, 9]] = 1.0                 # four tied best; top_k 2 keeps ids 2 and 5
+    n = 400
+    ids, _ = sample(logits.expand(n, -1), np.ones(n, np.float32), np.ones(n, np.float32),
+                    np.full(n, 2, np.int32), np.arange(n, dtype=np.int64), np.zeros(n, np.int32))
+    assert set(ids.tolist()) == {2, 5}
+
+
+def test_a_float32_row_keeping_every_token_follows_softmax():
+    """The whole-vocabulary path (chunk, then id; no sort) over a row longer than one chunk."""
+    g = torch.Generator().manual_seed(1)
+    row = torch.randn(1, 5000, generator=g) * 4
+    n = 20000
+    ids, _ = sample(row.expand(n, -1), np.full(n, 1.0, np.float32), np.ones(n, np.float32),
+                    np.zeros(n, np.int32), np.arange(n, dtype=np.int64), np.zeros(n, np.int32))
+    probs = torch.softmax(row[0].double(), -1).numpy()
+    top = np.argsort(-probs)[:5]
+    freq = np.bincount(ids, minlength=5000)
+    assert np.abs(freq[top] / n - probs[top]).max() < 0.01

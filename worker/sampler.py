@@ -3,7 +3,9 @@
 Randomness is counter-based: row r's uniform number is a hash (splitmix64) of its request's
 (seed, offset), where offset is the index of the token being sampled. So a request with a seed
 gets the same tokens whatever else is in the batch, wherever it sits, on any device, without a
-per-row generator loop. The uniform picks a token by inverse CDF over the filtered distribution.
+per-row generator loop. The uniform picks a token by inverse CDF over the kept tokens in id order.
+Nothing sorts the vocabulary unless a top-p nucleus is larger than the head of candidates that
+torch.topk finds (bench/sampling_rules.py: [64, 151,936] rows, ~360 ms for a sort, 6-35 ms here).
 """
 from __future__ import annotations
 
@@ -36,42 +38,56 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-_scratch = threading.local()   # each thread's last log_softmax buffer (CPU): see log_softmax_rows
+_scratch = threading.local()   # each thread's buffers of the last shapes: see scratch_like
+
+
+def scratch_like(x: torch.Tensor, name: str) -> torch.Tensor:
+    """A buffer of x's shape and dtype, kept per thread and name for the next step (CPU; on a GPU
+    a new tensor: its caching allocator already reuses). On the CPU a fresh [64, 151,936] float32
+    tensor is a new mapping whose first touch costs ~8 ms of page faults on 2 cores, more than a
+    log_softmax over it. Valid until this thread's next call with the same name."""
+    if x.device.type != "cpu":
+        return torch.empty_like(x)
+    bufs = getattr(_scratch, "bufs", None)
+    if bufs is None:
+        bufs = _scratch.bufs = {}
+    buf = bufs.get(name)
+    if buf is None or buf.shape != x.shape or buf.dtype != x.dtype:
+        buf = bufs[name] = torch.empty_like(x)
+    return buf
 
 
 def log_softmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """log_softmax over the vocabulary in float32 (float64 for float64 logits). On the CPU into a
-    buffer kept for the next step of the same shape: a fresh [64, 151,936] float32 tensor is a new
-    mapping whose first touch costs ~8 ms of page faults on 2 cores, the log_softmax itself ~2 ms.
-    The result is valid until this thread's next call (the worker's step thread reads it at once)."""
+    """log_softmax over the vocabulary in float32 (float64 for float64 logits), into a scratch
+    buffer (valid until this thread's next call)."""
     x = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
-    if x.device.type != "cpu":
-        return torch.log_softmax(x, -1)
-    buf = getattr(_scratch, "buf", None)
-    if buf is None or buf.shape != x.shape or buf.dtype != x.dtype:
-        buf = _scratch.buf = torch.empty_like(x)
-    return torch.log_softmax(x, -1, out=buf)
+    return torch.log_softmax(x, -1, out=scratch_like(x, "log_softmax"))
 
 
 def sample(logits: torch.Tensor, temperature, top_p, top_k, seeds, offsets,
            return_logprobs: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
     """logits [S, V] -> (token ids int32 [S], logprobs float32 [S] or None).
 
-    temperature <= 0: argmax (ties -> lowest id). Otherwise logits / temperature, keep the top_k
-    (0 = all), then the smallest prefix whose probability reaches top_p (at least one token), then
-    draw. The logprob is log_softmax of the raw (temperature 1, unfiltered) logits at the token."""
+    temperature <= 0: argmax (ties -> lowest id). Otherwise weights exp((logit - max) / T), keep the
+    top_k (0 = all) heaviest, then the smallest prefix of those whose mass reaches top_p (at least
+    one token), then draw (see _draw). The logprob is log_softmax of the raw (temperature 1,
+    unfiltered) logits at the token."""
     S, V = logits.shape
     dev = logits.device
     cdt = torch.float64 if logits.dtype == torch.float64 else torch.float32
     logits = logits.to(cdt)
     temp = _as(temperature, np.float64, dev)
-    ids = argmax_rows(logits)
     stochastic = temp > 0
-    if S and bool(stochastic.any()):
-        rows = stochastic.nonzero().squeeze(1)
-        ids[rows] = _draw(logits[rows], temp[rows], _as(top_p, np.float64, dev)[rows],
-                          _as(top_k, np.int64, dev)[rows],
-                          np.asarray(seeds)[rows.cpu().numpy()], np.asarray(offsets)[rows.cpu().numpy()])
+    if S and bool(stochastic.all()):   # (no copy of the rows: ~12 ms at [64, 151,936] float32)
+        ids = _draw(logits, temp, _as(top_p, np.float64, dev), _as(top_k, np.int64, dev),
+                    np.asarray(seeds), np.asarray(offsets))
+    else:
+        ids = argmax_rows(logits)
+        if S and bool(stochastic.any()):
+            rows = stochastic.nonzero().squeeze(1)
+            ids[rows] = _draw(logits[rows], temp[rows], _as(top_p, np.float64, dev)[rows],
+                              _as(top_k, np.int64, dev)[rows],
+                              np.asarray(seeds)[rows.cpu().numpy()], np.asarray(offsets)[rows.cpu().numpy()])
     logprobs = None
     if return_logprobs:
         lp = log_softmax_rows(logits).gather(1, ids[:, None]).squeeze(1)
@@ -79,20 +95,132 @@ def sample(logits: torch.Tensor, temperature, top_p, top_k, seeds, offsets,
     return ids.to(torch.int32).cpu().numpy(), logprobs
 
 
+# Candidates per row for top-p without top-k: a nucleus that fits in them is found without sorting
+# the vocabulary (a sort of [64, 151,936] takes ~360 ms on 2 cores, a topk of 1,024 ~15 ms).
+HEAD = 1024
+CHUNK = 1024      # a whole-vocabulary draw finds its chunk of ids first, then the id inside it
+
+
 def _draw(logits, temp, top_p, top_k, seeds, offsets) -> torch.Tensor:
+    """Stochastic rows -> token ids. A token's weight is exp((logit - max) / T); the kept set is
+    the top_k (0 = all) heaviest, ties to the lower id, then the smallest prefix of those whose
+    mass reaches top_p (at least one token); the uniform picks by inverse CDF over the kept
+    tokens in id order. Rows that keep every token draw over the vocabulary without a sort; the
+    others find their kept set in a head of candidates (torch.topk), and sort their whole row only
+    when the head cannot prove it holds that set. Which path a row takes depends on the row alone."""
     R, V = logits.shape
-    scaled = logits.to(torch.float64) / temp[:, None]
-    # Stable descending sort: equal logits keep id order, so top-k=1 / tiny top-p equal argmax.
-    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
-    rank = torch.arange(V, device=logits.device)[None, :]
-    k = torch.where(top_k > 0, top_k, V)
-    sorted_logits = sorted_logits.masked_fill(rank >= k[:, None], float("-inf"))
-    probs = torch.softmax(sorted_logits, dim=-1)
-    before = probs.cumsum(dim=-1) - probs                  # mass strictly above this token
-    keep = before < top_p.clamp(max=1.0)[:, None]
+    dev = logits.device
+    u = torch.as_tensor(uniform_for(seeds, offsets), device=dev)
+    k = torch.where((top_k > 0) & (top_k < V), top_k, 0)
+    p = top_p.clamp(max=1.0)
+    whole = (k == 0) & (p >= 1.0)
+    if bool(whole.all()):
+        return _pick_whole(_row_weights(logits, temp), u)
+    out = torch.empty(R, dtype=torch.int64, device=dev)
+    if bool(whole.any()):
+        rows = whole.nonzero().squeeze(1)
+        out[rows] = _pick_whole(_row_weights(logits[rows], temp[rows]), u[rows])
+        rest = (~whole).nonzero().squeeze(1)
+        out[rest] = _draw_filtered(logits[rest], temp[rest], p[rest], k[rest], u[rest])
+        return out
+    return _draw_filtered(logits, temp, p, k, u)
+
+
+def _row_weights(x, temp) -> torch.Tensor:
+    """exp((x - row max) / T) in x's dtype, in a scratch buffer (valid until the next call)."""
+    w = torch.sub(x, x.max(-1, keepdim=True).values, out=scratch_like(x, "weights"))
+    return w.div_(temp.to(w.dtype)[:, None]).exp_()
+
+
+def _row_totals(w) -> torch.Tensor:
+    """Each row's sum of weights in float64 (numpy's pairwise sum of each row on its own)."""
+    if w.device.type == "cpu":
+        return torch.from_numpy(np.sum(w.numpy(), axis=-1, dtype=np.float64))
+    return w.to(torch.float64).sum(-1)
+
+
+def _pick_whole(w, u) -> torch.Tensor:
+    """Inverse CDF over a whole row of weights w [R, V] in id order: the chunk of CHUNK ids, then
+    the id (float64 sums of the float weights). A token of weight 0 is never picked, even by u = 0."""
+    R, V = w.shape
+    if w.device.type != "cpu":
+        cdf = w.to(torch.float64).cumsum(-1)
+        pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=V - 1)
+        return pick.squeeze(1)
+    W, uu = w.numpy(), u.numpy()
+    starts = np.arange(0, V, CHUNK)
+    ccdf = np.cumsum(np.add.reduceat(W, starts, axis=1, dtype=np.float64), axis=1)
+    target = uu * ccdf[:, -1]
+    c = np.minimum((ccdf <= target[:, None]).sum(1), starts.size - 1)     # first chunk whose cdf > target
+    below = np.where(c > 0, ccdf[np.arange(R), np.maximum(c - 1, 0)], 0.0)
+    cols = np.minimum(starts[c][:, None] + np.arange(CHUNK)[None, :], V - 1)
+    seg = np.where(starts[c][:, None] + np.arange(CHUNK)[None, :] < V, W[np.arange(R)[:, None], cols], 0)
+    inner = np.cumsum(seg, axis=1, dtype=np.float64)
+    j = (inner <= (target - below)[:, None]).sum(1)
+    last = CHUNK - 1 - np.argmax(seg[:, ::-1] > 0, axis=1)                 # rounding never lands past it
+    return torch.from_numpy(starts[c] + np.minimum(j, last))
+
+
+def _draw_filtered(x, temp, p, k, u) -> torch.Tensor:
+    R, V = x.shape
+    dev = x.device
+    m = min(V - 1, int(k.max()) + 64 if bool((k > 0).all()) else max(HEAD, int(k.max()) + 64))
+    vals, ids = torch.topk(x, m + 1, dim=-1)
+    # The head's first m are those of a stable sort, up to ties at its last value (topk takes any
+    # of them): whole when the (m+1)-th is lower (or they are -inf, weightless), else exact only
+    # above that value.
+    exact = torch.full((R,), m, dtype=torch.int64, device=dev)
+    tied = (vals[:, m] == vals[:, m - 1]) & ~torch.isinf(vals[:, m - 1])
+    if bool(tied.any()):
+        rows = tied.nonzero().squeeze(1)
+        exact[rows] = (x[rows] > vals[rows, m - 1:m]).sum(-1)
+    vals, ids = vals[:, :m], ids[:, :m]
+    by_id = torch.argsort(ids, dim=-1)                  # ties in id order: by id, then a stable sort by value
+    vals, ids = vals.gather(1, by_id), ids.gather(1, by_id)
+    by_val = torch.sort(vals, dim=-1, descending=True, stable=True).indices
+    vals, ids = vals.gather(1, by_val), ids.gather(1, by_val)
+    z_all = torch.zeros(R, dtype=torch.float64, device=dev)   # top-p over the whole row: its total mass
+    if bool((k == 0).any()):
+        rows = (k == 0).nonzero().squeeze(1)
+        z_all[rows] = _row_totals(_row_weights(x if rows.numel() == R else x[rows], temp[rows]))
+    tok, fits = _finish(vals, ids, temp, p, k, u, z_all, exact, False)
+    if not bool(fits.all()):  # kept set beyond what the head proves: this row sorts its vocabulary
+        rows = (~fits).nonzero().squeeze(1)
+        svals, sids = torch.sort(x[rows], dim=-1, descending=True, stable=True)
+        tok[rows], _ = _finish(svals, sids, temp[rows], p[rows], k[rows], u[rows], z_all[rows],
+                               torch.full((rows.numel(),), V, device=dev), True)
+    return tok
+
+
+def _finish(vals, ids, temp, p, k, u, z_all, exact, whole_row: bool):
+    """Candidates [R, C] (value descending, ties by id; the first `exact` of each row are those of
+    a stable sort of the row) -> (tokens, whether each row's kept set lies within those, as it must
+    for its token to count). `whole_row`: the candidates are the whole sorted row."""
+    R, C = vals.shape
+    rank = torch.arange(C, device=vals.device)[None, :]
+    w = _weights(vals, vals[:, :1], temp)
+    w = w.masked_fill((k[:, None] > 0) & (rank >= k[:, None]), 0.0)
+    c = w.cumsum(-1)
+    z = torch.where(k > 0, c.gather(1, (torch.clamp(k, 1, C) - 1)[:, None]).squeeze(1), z_all)
+    keep = (c - w) < p[:, None] * z[:, None]             # mass strictly above it < top_p
     keep[:, 0] = True
-    probs = probs * keep
-    cdf = probs.cumsum(dim=-1)
-    u = torch.as_tensor(uniform_for(seeds, offsets), device=logits.device)
-    pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp(max=V - 1)
-    return order.gather(1, pick).squeeze(1)
+    reach = c.gather(1, (torch.clamp(exact, 1, C) - 1)[:, None]).squeeze(1)
+    fits = torch.where(k > 0, k <= exact, (reach >= p * z) | whole_row)
+    w = w * keep
+    if whole_row:   # back to id order by a scatter, not a second sort of the row
+        return _pick_whole(torch.zeros_like(w).scatter_(1, ids, w), u), fits
+    return _pick(w, ids, u), fits
+
+
+def _weights(vals, vmax, temp) -> torch.Tensor:
+    return torch.exp((vals.to(torch.float64) - vmax.to(torch.float64)) / temp[:, None])
+
+
+def _pick(w, ids, u) -> torch.Tensor:
+    """Inverse CDF over weights w [R, C] of candidate ids [R, C], in id order (right=True: a token
+    of weight 0, masked or not kept, is never picked, even by u = 0)."""
+    order = torch.argsort(ids, dim=-1)
+    w, ids = w.gather(1, order), ids.gather(1, order)
+    cdf = w.cumsum(-1)
+    pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=w.shape[1] - 1)
+    return ids.gather(1, pick).squeeze(1)

@@ -1,4 +1,5 @@
-"""What the per-request sampling rules cost: min_tokens, penalties, top logprobs, against none.
+"""What sampling and the per-request rules cost (temperature / top-p / top-k, min_tokens, penalties,
+top logprobs) against greedy decoding with none.
 
 Part 1, in process: the worker's sampling of one decode step (worker/model_runner.py's path for
 rules: worker/logits_processors.sample_with_rules; without: worker/sampler.sample) on [rows, vocab] float32 logits,
@@ -12,7 +13,9 @@ each round on new prompts (a repeated batch would hit the prefix cache and skip 
         [--prompts 64] [--new-tokens 64] [--repeat 2] [--skip-cluster]
 
 min_tokens rows do not ignore EOS, so EOS is masked on every step (min_tokens = new tokens: every
-request still generates exactly --new-tokens); the other rows ignore EOS.
+request still generates exactly --new-tokens); the other rows ignore EOS. Random weights give flat
+distributions: a top-p nucleus there holds most of the vocabulary (the sampler's slow case, a sort of
+each row); a trained model's is usually a few dozen tokens.
 """
 from __future__ import annotations
 
@@ -34,11 +37,19 @@ from shapes import resolve_model  # noqa: E402
 
 
 def rules(n: int) -> dict[str, dict]:
-    return {"none": dict(ignore_eos=True),
+    return {"none (greedy)": dict(ignore_eos=True),
+            "temperature 1.0 (every token kept)": dict(ignore_eos=True, temperature=1.0, seed=1),
+            "temperature 0.6, top_p 0.95, top_k 20 (Qwen3's card)": dict(ignore_eos=True, temperature=0.6,
+                                                                         top_p=0.95, top_k=20, seed=1),
+            "temperature 0.7, top_p 0.8": dict(ignore_eos=True, temperature=0.7, top_p=0.8, seed=1),
             "min_tokens (EOS masked)": dict(min_new_tokens=n),
             "repetition_penalty 1.1": dict(ignore_eos=True, repetition_penalty=1.1),
             "presence 0.5 + frequency 0.5": dict(ignore_eos=True, presence_penalty=0.5, frequency_penalty=0.5),
             "logprobs 5": dict(ignore_eos=True, logprobs=5)}
+
+
+def has_rules(rule: dict) -> bool:
+    return any(key in rule for key in ("min_new_tokens", "logprobs")) or any(key.endswith("penalty") for key in rule)
 
 
 def extras_for(rule: dict, rows: int, vocab: int, history: int, eos: int):
@@ -66,22 +77,24 @@ def in_process(args, vocab: int, eos: int) -> None:
     rows = args.prompts
     logits = torch.randn(rows, vocab)
     zeros = lambda dt: np.zeros(rows, dtype=dt)  # noqa: E731
-    greedy = (zeros(np.float32), np.ones(rows, np.float32), zeros(np.int32), zeros(np.int64), zeros(np.int32))
     print(f"## Part 1: one decode step's sampling, {rows} rows x {vocab} vocab, float32, "
           f"{torch.get_num_threads()} torch threads (histories of {2 * args.new_tokens} ids for penalties)\n")
     print("| rule | ms per step | vs none |")
     print("|---|---|---|")
     base = None
     for name, rule in rules(args.new_tokens).items():
-        x = extras_for(rule, rows, vocab, 2 * args.new_tokens, eos) if name != "none" else None
+        x = extras_for(rule, rows, vocab, 2 * args.new_tokens, eos) if has_rules(rule) else None
+        params = (np.full(rows, rule.get("temperature", 0.0), np.float32), np.full(rows, rule.get("top_p", 1.0),
+                  np.float32), np.full(rows, rule.get("top_k", 0), np.int32), np.arange(rows, dtype=np.int64),
+                  zeros(np.int32))
         times = []
         for i in range(23):
             work = logits.clone()    # the rules run in place: each step its own logits, copied untimed
             t0 = time.perf_counter()
             if x is None:
-                sampler.sample(work, *greedy)
+                sampler.sample(work, *params)
             else:   # the worker's path (worker/model_runner.py): logprobs=k asks for the token's own too
-                logits_processors.sample_with_rules(work, x, *greedy, return_logprobs=x.top_logprobs > 0)
+                logits_processors.sample_with_rules(work, x, *params, return_logprobs=x.top_logprobs > 0)
             if i >= 3:
                 times.append(time.perf_counter() - t0)
         ms = 1e3 * statistics.median(times)
@@ -113,7 +126,7 @@ def cluster(args) -> None:
           f"prompts of 16-64 ids, {args.new_tokens} new tokens each, greedy, {args.repeat} rounds\n")
     print("| rule on every request | tok/s (mean) | each round | vs none |")
     print("|---|---|---|---|")
-    base = statistics.mean(tps["none"])
+    base = statistics.mean(next(iter(tps.values())))
     for name, v in tps.items():
         m = statistics.mean(v)
         print(f"| {name} | {m:.0f} | {', '.join(f'{x:.0f}' for x in v)} | {m / base:.2f}x |")

@@ -155,3 +155,19 @@ def test_a_float32_row_keeping_every_token_follows_softmax():
     top = np.argsort(-probs)[:5]
     freq = np.bincount(ids, minlength=5000)
     assert np.abs(freq[top] / n - probs[top]).max() < 0.01
+
+
+def test_a_nucleus_past_the_head_is_found_by_bins_as_a_sort_finds_it():
+    """Flat rows (a random-weight model's) whose top-p nucleus holds most of 30,000 ids: the binned
+    search, several ids to a bin, draws the tokens of the full-sort definition."""
+    g = torch.Generator().manual_seed(9)
+    R, V = 4, 30000
+    logits = (torch.randn(R, V, generator=g, dtype=torch.float64) * 0.3).bfloat16().double()
+    t = np.array([0.7, 1.0, 1.5, 0.9], dtype=np.float32)
+    p = np.array([0.8, 0.95, 0.5, 0.99], dtype=np.float32)
+    for offset in range(6):
+        seeds, offs = np.arange(R, dtype=np.int64) + 100, np.full(R, offset, dtype=np.int32)
+        ids, _ = sample(logits, t, p, np.zeros(R, np.int32), seeds, offs)
+        u = uniform_for(seeds, offs)
+        assert ids.tolist() == [reference_draw(logits[r], float(t[r]), float(p[r]), 0, float(u[r]))
+                                for r in range(R)]

@@ -1,21 +1,21 @@
 """What sampling and the per-request rules cost (temperature / top-p / top-k, min_tokens, penalties,
 top logprobs) against greedy decoding with none.
 
-Part 1, in process: the worker's sampling of one decode step (worker/model_runner.py's path for
-rules: worker/logits_processors.sample_with_rules; without: worker/sampler.sample) on [rows, vocab] float32 logits,
-ms per step, with each rule on every row.
+Part 1, in process: one decode step's sampling as the worker runs it (worker/sampler.sample, or
+worker/logits_processors.sample_with_rules for rows with rules) on [rows, vocab] float32 logits,
+ms per step, each row's parameters on every row.
 Part 2, end to end: one SDK job of --prompts requests (prompts of 16-64 random ids, --new-tokens
-each, greedy) through LocalCluster (service + 1 worker), each row with one rule on every request;
-tok/s and the ratio to the row without rules, rows taking turns for --repeat rounds, each row of
-each round on new prompts (a repeated batch would hit the prefix cache and skip its prefill).
+each, greedy unless the row samples) through LocalCluster (service + 1 worker), each row's
+parameters on every request; tok/s and the ratio to the first row, rows taking turns for --repeat
+rounds, each row of each round on new prompts (a repeated batch would hit the prefix cache).
 
     .venv/bin/python bench/sampling_rules.py [--model qwen3-0.6b|tiny|PATH] [--dtype auto]
         [--prompts 64] [--new-tokens 64] [--repeat 2] [--skip-cluster]
 
 min_tokens rows do not ignore EOS, so EOS is masked on every step (min_tokens = new tokens: every
 request still generates exactly --new-tokens); the other rows ignore EOS. Random weights give flat
-distributions: a top-p nucleus there holds most of the vocabulary (the sampler's slow case, a sort of
-each row); a trained model's is usually a few dozen tokens.
+distributions: a top-p nucleus there holds most of the vocabulary (the sampler's slow case: its
+candidates cannot hold it, and it bins the row); a trained model's is usually a few dozen tokens.
 """
 from __future__ import annotations
 
@@ -123,7 +123,7 @@ def cluster(args) -> None:
                              for r in results)
                 tps.setdefault(name, []).append(tokens / wall)
     print(f"\n## Part 2: LocalCluster (service + 1 worker, {args.dtype}), one job of {args.prompts} requests, "
-          f"prompts of 16-64 ids, {args.new_tokens} new tokens each, greedy, {args.repeat} rounds\n")
+          f"prompts of 16-64 ids, {args.new_tokens} new tokens each, greedy unless the row samples, {args.repeat} rounds\n")
     print("| rule on every request | tok/s (mean) | each round | vs none |")
     print("|---|---|---|---|")
     base = statistics.mean(next(iter(tps.values())))

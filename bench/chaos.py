@@ -3,7 +3,8 @@ restarted on its job store, and requests are cancelled. At the end every finishe
 exact, no job lost or duplicated, every block free, every invariant true, and no process growing.
 
 Load (float64, the embedded tiny model): jobs of 8 requests every ~2 s and 4 concurrent streams;
-half greedy (checked token for token against transformers), half sampled with a seed (checked
+half greedy (a quarter of those with repetition_penalty 1.3; checked token for token against
+transformers), half sampled with a seed (checked
 against their own replay on the quiet cluster afterwards). Faults, one every 4-14 s at random:
 kill -9 of a worker (restarted 1-3 s later), SIGSTOP of a worker for 2-8 s (beyond the lease or not),
 a restart of the metadata service on its --db (kill -9 or SIGTERM), a cancelled job, a cancelled
@@ -51,13 +52,14 @@ class Oracle:
         self.model = self.model.double().eval()
         self.cache, self.lock = {}, threading.Lock()
 
-    def __call__(self, prompt, n):
-        key = (tuple(prompt), n)
+    def __call__(self, prompt, n, repetition_penalty: float = 1.0):
+        key = (tuple(prompt), n, repetition_penalty)
         with self.lock:
             if key not in self.cache:
                 with torch.no_grad():
                     out = self.model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                                              eos_token_id=256, pad_token_id=256)
+                                              eos_token_id=256, pad_token_id=256,
+                                              repetition_penalty=repetition_penalty)
                 toks = out[0, len(prompt):].tolist()
                 self.cache[key] = toks[:toks.index(256) + 1] if 256 in toks else toks
             return self.cache[key]
@@ -80,8 +82,11 @@ class Soak:
     def request(self, rng):
         p = rng.choice(PROMPTS)
         r = {"prompt_token_ids": p, "max_new_tokens": rng.choice([8, 16, 32])}
-        if rng.random() < 0.5:
+        x = rng.random()
+        if x < 0.5:
             r.update(temperature=0.9, top_p=0.95, seed=rng.randrange(1 << 30))
+        elif x < 0.625:   # penalized: decodes ahead, its last token appended by the last stage
+            r.update(repetition_penalty=1.3)
         return r
 
     # ------------------------------------------------------------------ load
@@ -255,7 +260,7 @@ def main() -> int:
             if "seed" in clean:
                 want = cl.generate(**clean).token_ids
             else:
-                want = oracle(clean["prompt_token_ids"], clean["max_new_tokens"])
+                want = oracle(clean["prompt_token_ids"], clean["max_new_tokens"], clean.get("repetition_penalty", 1.0))
             if (toks != want[:len(toks)]) if req.get("prefix") else (toks != want):
                 wrong.append((clean, toks, want))
         st = cl.stats()

@@ -106,8 +106,8 @@ def _draw(logits, temp, top_p, top_k, seeds, offsets) -> torch.Tensor:
     the top_k (0 = all) heaviest, ties to the lower id, then the smallest prefix of those whose
     mass reaches top_p (at least one token); the uniform picks by inverse CDF over the kept
     tokens in id order. Rows that keep every token draw over the vocabulary without a sort; the
-    others find their kept set in a head of candidates (torch.topk), and sort their whole row only
-    when the head cannot prove it holds that set. Which path a row takes depends on the row alone."""
+    others find their kept set in a head of candidates (torch.topk), or, past the head, by binning
+    the row (top-p) or sorting it. Every path keeps the same set and draws the same way."""
     R, V = logits.shape
     dev = logits.device
     u = torch.as_tensor(uniform_for(seeds, offsets), device=dev)
@@ -164,7 +164,14 @@ def _pick_whole(w, u) -> torch.Tensor:
 def _draw_filtered(x, temp, p, k, u) -> torch.Tensor:
     R, V = x.shape
     dev = x.device
-    m = min(V - 1, int(k.max()) + 64 if bool((k > 0).all()) else max(HEAD, int(k.max()) + 64))
+    z_all = torch.zeros(R, dtype=torch.float64, device=dev)   # top-p over the whole row: its total mass
+    if bool((k == 0).any()):
+        rows = (k == 0).nonzero().squeeze(1)
+        z_all[rows] = _row_totals(_row_weights(x if rows.numel() == R else x[rows], temp[rows]))
+    m = int(k.max()) + 64 if bool((k > 0).all()) else max(HEAD, int(k.max()) + 64)
+    if m >= V:   # a small vocabulary: the head would be the whole row, so sort the row
+        vals, ids = torch.sort(x, dim=-1, descending=True, stable=True)
+        return _finish(vals, ids, temp, p, k, u, z_all, torch.full((R,), V, device=dev), True)[0]
     vals, ids = torch.topk(x, m + 1, dim=-1)
     # The head's first m are those of a stable sort, up to ties at its last value (topk takes any
     # of them): whole when the (m+1)-th is lower (or they are -inf, weightless), else exact only
@@ -179,10 +186,6 @@ def _draw_filtered(x, temp, p, k, u) -> torch.Tensor:
     vals, ids = vals.gather(1, by_id), ids.gather(1, by_id)
     by_val = torch.sort(vals, dim=-1, descending=True, stable=True).indices
     vals, ids = vals.gather(1, by_val), ids.gather(1, by_val)
-    z_all = torch.zeros(R, dtype=torch.float64, device=dev)   # top-p over the whole row: its total mass
-    if bool((k == 0).any()):
-        rows = (k == 0).nonzero().squeeze(1)
-        z_all[rows] = _row_totals(_row_weights(x if rows.numel() == R else x[rows], temp[rows]))
     tok, fits = _finish(vals, ids, temp, p, k, u, z_all, exact, False)
     if bool(fits.all()):
         return tok

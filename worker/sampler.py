@@ -262,10 +262,8 @@ def _weights(vals, vmax, temp) -> torch.Tensor:
 
 
 def _pick(w, ids, u) -> torch.Tensor:
-    """Inverse CDF over weights w [R, C] of candidate ids [R, C], in id order (right=True: a token
-    of weight 0, masked or not kept, is never picked, even by u = 0)."""
+    """Inverse CDF over weights w [R, C] of candidate ids [R, C], in id order (_pick_whole over the
+    candidates put in id order)."""
     order = torch.argsort(ids, dim=-1)
     w, ids = w.gather(1, order), ids.gather(1, order)
-    cdf = w.cumsum(-1)
-    pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=w.shape[1] - 1)
-    return ids.gather(1, pick).squeeze(1)
+    return ids.gather(1, _pick_whole(w, u).to(ids.device)[:, None]).squeeze(1)

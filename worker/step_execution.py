@@ -183,7 +183,11 @@ class StepExecution:
             out.timings.extend(request.upstream_timings)   # the stages before this one
             out.timings.append(timing)
             out.cache_epoch = self.epoch
-            if self.store is not None and sampled.size and out.sampled_token_ids:
+            # stage 0 of a one-stage chain fills -1 inputs from these; any last stage the histories
+            # of penalized sequences (whose every sampling step carries the penalties)
+            penalized = a.extras is not None and a.extras.repetition is not None
+            if (self.store is not None and sampled.size and out.sampled_token_ids
+                    and (self.runner.is_first or penalized)):
                 self.store.record_sampled(sampled, wire.unpack(out.sampled_token_ids))
             return StepOutcome(out, None, timing, sampled, ready_at)
         out.cache_epoch = self.next_stage.pin_epoch()

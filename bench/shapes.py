@@ -13,6 +13,7 @@ same loading path as a downloaded Qwen3. Cache: $MINIPAGED_CACHE (default ~/.cac
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -24,6 +25,10 @@ SHAPES = {
     "qwen3-0.6b": dict(_COMMON, hidden_size=1024, intermediate_size=3072),
     "qwen3-1.7b": dict(_COMMON, hidden_size=2048, intermediate_size=6144),
 }
+# Both repositories' generation_config.json: the servers' sampling defaults (gateway/generation_defaults.py).
+GENERATION_CONFIG = {"bos_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643],
+                     "pad_token_id": 151643, "temperature": 0.6, "top_k": 20, "top_p": 0.95,
+                     "transformers_version": "4.51.0"}
 # What the real repositories ship: 0.6B in one file, 1.7B in two shards.
 _SHARD = {"qwen3-0.6b": "5GB", "qwen3-1.7b": "2GB"}
 
@@ -33,11 +38,13 @@ def cache_dir() -> str:
 
 
 def ensure_checkpoint(shape: str, directory: str | None = None, seed: int = 0) -> str:
-    """The checkpoint directory of `shape`, written (random weights, bfloat16) if not there yet."""
+    """The checkpoint directory of `shape`, written (random weights, bfloat16) if not there yet, with
+    the real repository's generation_config.json (also into a directory cached before it had one)."""
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
     directory = directory or os.path.join(cache_dir(), f"{shape}-random-bf16-seed{seed}")
     if os.path.isfile(os.path.join(directory, "config.json")):
+        _write_generation_config(directory)
         return directory
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -47,8 +54,22 @@ def ensure_checkpoint(shape: str, directory: str | None = None, seed: int = 0) -
     model = Qwen3ForCausalLM._from_config(config, torch_dtype=torch.bfloat16)  # HF's own random init
     tmp = directory + ".partial"
     model.save_pretrained(tmp, max_shard_size=_SHARD[shape])
+    _write_generation_config(tmp)
     os.replace(tmp, directory)  # complete or absent: an interrupted write is never taken as cached
     return directory
+
+
+def _write_generation_config(directory: str) -> None:
+    path = os.path.join(directory, "generation_config.json")
+    try:
+        with open(path) as f:
+            if json.load(f) == GENERATION_CONFIG:
+                return
+    except (OSError, ValueError):
+        pass
+    with open(path + ".tmp", "w") as f:
+        json.dump(GENERATION_CONFIG, f, indent=2)
+    os.replace(path + ".tmp", path)
 
 
 def resolve_model(name: str) -> str:

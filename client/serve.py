@@ -58,6 +58,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     kv.add_argument("--kv-memory-fraction", type=float, default=None,
                     help="fraction of device memory a worker may use (weights + K/V)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="running sequences per micro-batch")
+    p.add_argument("--generation-config", default="auto",
+                   help="what a request's unset sampling fields take: auto (the checkpoint's generation_config.json, "
+                        "as vLLM), vllm (OpenAI's defaults) or a directory holding generation_config.json")
+    p.add_argument("--override-generation-config", default=None, metavar="JSON",
+                   help="sampling defaults merged over --generation-config's, e.g. '{\"temperature\": 0.7}'")
     p.add_argument("--reasoning-parser", default="qwen3", choices=["qwen3", "none"],
                    help="qwen3: <think>...</think> of a Qwen3 template goes to message.reasoning; none: off")
     p.add_argument("--threads", type=int, default=None, help="torch threads per CPU worker")
@@ -158,7 +163,8 @@ def _cluster_kwargs(a) -> dict:
     service += ["--shards", a.shards] if a.shards > 1 else []
     worker = ["--kv-memory-fraction", a.kv_memory_fraction] if a.kv_memory_fraction is not None else []
     worker += ["--rope-scaling", a.rope_scaling] if a.rope_scaling else []
-    gateway = ["--reasoning-parser", a.reasoning_parser]
+    gateway = ["--reasoning-parser", a.reasoning_parser, "--generation-config", a.generation_config]
+    gateway += ["--override-generation-config", a.override_generation_config] if a.override_generation_config else []
     gateway += ["--served-model-name", a.served_model_name] if a.served_model_name else []
     return dict(model=a.model, workers=a.stages, replicas=a.replicas, dtype=a.dtype, device=a.device,
                 num_blocks=a.num_blocks, block_size=a.block_size, threads=a.threads, db=a.db,

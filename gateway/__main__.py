@@ -34,6 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="the name in /v1/models instead of --model")
     p.add_argument("--default-max-tokens", type=int, default=256,
                    help="max_tokens of chat requests that give none (capped by the model's context)")
+    p.add_argument("--generation-config", default="auto",
+                   help="what unset sampling fields of a request take: auto (the --model checkpoint's "
+                        "generation_config.json, as vLLM: Qwen3's temperature 0.6, top_p 0.95, top_k 20), vllm "
+                        "(OpenAI's: temperature 1, nothing filtered) or a directory holding generation_config.json")
+    p.add_argument("--override-generation-config", default=None, metavar="JSON",
+                   help="sampling defaults merged over --generation-config's, e.g. '{\"temperature\": 0.7}'")
     p.add_argument("--reasoning-parser", default=DEFAULT_PARSER, choices=PARSERS,
                    help="qwen3: a Qwen3 template's <think>...</think> goes to message.reasoning (and "
                         "reasoning_content), the rest to content; none: all text in content")
@@ -58,10 +64,13 @@ def main(argv=None) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from client.messages import normalize_address
 
+    from . import generation_defaults as gd
     from .app import GatewayConfig, create_app
     from .model_identity import check_model_arg
     try:  # a wrong path or a broken config.json is a start error, not a silently wrong /v1/models
         check_model_arg(args.model)
+        override = gd.parse_override(args.override_generation_config)
+        gd.load(args.generation_config, args.model, override)   # a bad file or value: one line, exit 2
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
@@ -70,7 +79,8 @@ def main(argv=None) -> int:
                            served_model_name=args.served_model_name, tls_ca=args.tls_ca or None,
                            tls_cert=args.tls_cert or None, tls_key=args.tls_key or None,
                            default_max_tokens=args.default_max_tokens,
-                           reasoning_parser=args.reasoning_parser)
+                           reasoning_parser=args.reasoning_parser, generation_config=args.generation_config,
+                           override_generation_config=override)
     app = create_app(config)
     # uvicorn handles SIGTERM/SIGINT: it stops accepting and finishes in-flight requests
     server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -11,7 +11,6 @@ gateway/state.py (Gateway), the streamed responses in gateway/sse.py."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -163,7 +162,7 @@ async def _accept(gw: Gateway, request: Request, model):
 
 async def _completions(gw: Gateway, request: Request):
     t0, req = await _accept(gw, request, oa.CompletionRequest)
-    kw = oa.completion_kwargs(req)
+    kw = oa.completion_kwargs(req, gw.sampling_defaults)
     prompts = oa.completion_prompts(req)
     echo = prompt_ids = None
     if req.echo:
@@ -194,7 +193,7 @@ async def _chat_completions(gw: Gateway, request: Request):
         prompt = gw.template.render(messages, req.add_generation_prompt, **template_kwargs)
     except ValueError as e:
         raise bad_request(str(e), "messages") from None
-    kw = oa.chat_kwargs(req, _default_max_tokens(gw, prompt))
+    kw = oa.chat_kwargs(req, _default_max_tokens(gw, prompt), gw.sampling_defaults)
     kw.update(_forced_tool_kwargs(tools, kw))
     output = OutputOptions(reasoning=gw.config.reasoning_parser == "qwen3" and gw.template.thinks,
                            reasoning_open=rs.prompt_opens_reasoning(prompt), tools=tools)
@@ -264,9 +263,10 @@ def _encode_or_fail(gw: Gateway, text: str) -> list[int]:
 
 
 def _default_max_tokens(gw: Gateway, prompt: str) -> int:
-    """Chat requests without max_tokens: --default-max-tokens, within the model's context when the
-    gateway can read the model (it then knows the prompt's length too)."""
-    limit = gw.config.default_max_tokens
+    """Chat requests without max_tokens: generation_config.json's max_new_tokens where the server's
+    defaults have it, else --default-max-tokens; within the model's context when the gateway can read
+    the model (it then knows the prompt's length too)."""
+    limit = gw.sampling_defaults.get("max_tokens", gw.config.default_max_tokens)
     if gw.max_model_len and gw.tokenizer is not None:
         limit = min(limit, max(1, gw.max_model_len - len(gw.tokenizer.encode(prompt))))
     return limit

@@ -38,9 +38,10 @@ class _Sampling(BaseModel):
     stop_token_ids: list[int] | None = None
     n: int = 1
     best_of: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = None       # unset: the server's default (gateway/generation_defaults.py), else 0
+    frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    min_p: float | None = None                  # vLLM extension we have no sampler for: > 0 is a 400
     min_tokens: int = 0
     ignore_eos: bool = False
     stream: bool = False
@@ -91,25 +92,37 @@ def _check_common(req: _Sampling) -> None:
         raise bad_request("logit_bias is not supported", "logit_bias")
     if req.n < 1:
         raise bad_request(f"n must be >= 1, got {req.n}", "n")
+    if req.min_p:
+        raise bad_request(f"min_p is not supported by this server, got {req.min_p} (0 or unset only)", "min_p")
     if req.best_of is not None and req.best_of < req.n:
         raise bad_request(f"best_of must be >= n, got best_of={req.best_of} n={req.n}", "best_of")
     if req.stream and req.best_of is not None and req.best_of > req.n:
         raise bad_request("best_of > n cannot stream (the best choices are known only at the end)", "best_of")
 
 
-def sampling_kwargs(req: _Sampling, max_tokens: int | None, default_max_tokens: int) -> dict:
-    """OpenAI sampling fields -> SDK keyword arguments (build_generate_request's names)."""
+def sampling_kwargs(req: _Sampling, max_tokens: int | None, default_max_tokens: int,
+                    defaults: dict | None = None) -> dict:
+    """OpenAI sampling fields -> SDK keyword arguments (build_generate_request's names). A field the
+    request leaves unset takes `defaults` (the server's: gateway/generation_defaults.py), else
+    OpenAI's; beam search takes none of them (its unset temperature is 0)."""
     _check_common(req)
+    d = {} if req.use_beam_search else (defaults or {})
+
+    def pick(name: str, neutral):
+        value = getattr(req, name)
+        return value if value is not None else d.get(name, neutral)
+
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    top_k = pick("top_k", 0)
     kw = dict(max_new_tokens=default_max_tokens if max_tokens is None else max_tokens,
-              temperature=1.0 if req.temperature is None else req.temperature,
-              top_k=0 if req.top_k is None or req.top_k < 0 else req.top_k,
+              temperature=pick("temperature", 1.0), top_k=0 if top_k < 0 else top_k,
               seed=req.seed, stop=stop or None, ignore_eos=req.ignore_eos, n=req.n, best_of=req.best_of,
-              min_new_tokens=req.min_tokens, presence_penalty=req.presence_penalty,
-              frequency_penalty=req.frequency_penalty,
-              repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty)
-    if req.top_p is not None:
-        kw["top_p"] = req.top_p  # the SDK refuses 0 (400) as the server does
+              min_new_tokens=req.min_tokens, presence_penalty=pick("presence_penalty", 0.0),
+              frequency_penalty=pick("frequency_penalty", 0.0),
+              repetition_penalty=pick("repetition_penalty", 1.0))
+    top_p = pick("top_p", None)
+    if top_p is not None:
+        kw["top_p"] = top_p  # the SDK refuses 0 (400) as the server does
     if req.stop_token_ids:
         kw["stop_token_ids"] = req.stop_token_ids
     kw.update(structured_kwargs(req))
@@ -148,12 +161,12 @@ def completion_prompts(req: CompletionRequest) -> list[dict]:
                       "token-id lists", "prompt")
 
 
-def completion_kwargs(req: CompletionRequest) -> dict:
+def completion_kwargs(req: CompletionRequest, defaults: dict | None = None) -> dict:
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix")
     if req.logprobs is not None and not 0 <= req.logprobs <= OPENAI_MAX_TOP_LOGPROBS:
         raise bad_request(f"logprobs must be in [0, {OPENAI_MAX_TOP_LOGPROBS}], got {req.logprobs}", "logprobs")
-    kw = sampling_kwargs(req, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
+    kw = sampling_kwargs(req, req.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS, defaults)
     if req.logprobs is not None:
         kw["logprobs"] = req.logprobs
     if req.echo and (req.logprobs is not None or kw["max_new_tokens"] == 0):
@@ -184,7 +197,7 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
     return out
 
 
-def chat_kwargs(req: ChatCompletionRequest, default_max_tokens: int) -> dict:
+def chat_kwargs(req: ChatCompletionRequest, default_max_tokens: int, defaults: dict | None = None) -> dict:
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
@@ -192,7 +205,7 @@ def chat_kwargs(req: ChatCompletionRequest, default_max_tokens: int) -> dict:
             raise bad_request(f"top_logprobs must be in [0, {OPENAI_MAX_TOP_LOGPROBS}], got {req.top_logprobs}",
                               "top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    kw = sampling_kwargs(req, max_tokens, default_max_tokens)
+    kw = sampling_kwargs(req, max_tokens, default_max_tokens, defaults)
     if req.logprobs:
         kw["logprobs"] = req.top_logprobs or 0
     return kw

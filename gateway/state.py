@@ -15,6 +15,7 @@ from client.aio import AsyncClient
 from client.errors import MiniPagedError
 from client.messages import Stats, StreamChunk
 
+from . import generation_defaults as gd
 from . import model_identity as identity
 from . import reasoning as rs
 from .chat_template import ChatTemplate
@@ -39,6 +40,8 @@ class GatewayConfig:
     tls_key: str | None = None
     default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS  # chat requests without max_tokens
     reasoning_parser: str = rs.DEFAULT_PARSER  # "qwen3": <think> split out where the template thinks
+    generation_config: str = "auto"       # unset sampling fields: auto | vllm | DIR (gateway/generation_defaults.py)
+    override_generation_config: dict | None = None
     snapshot_max_blocks: int = 4096       # dashboard: blocks per chain before sampling with a stride
     rpc_timeout: float = 5.0              # Stats / PoolSnapshot calls
 
@@ -67,6 +70,8 @@ class Gateway:
         self.mismatch: str | None = None      # why --model is not the served model (requests get 503)
         self._adopted = ""                    # without --model: the served model taken from the service
         self._warned: set[str] = set()
+        self.sampling_defaults = gd.load(config.generation_config, config.model, config.override_generation_config)
+        log.info("%s", gd.describe(self.sampling_defaults, config.generation_config))
 
     # ------------------------------------------------------------ model identity
 
@@ -149,8 +154,21 @@ class Gateway:
             loaded = await asyncio.to_thread(lambda: (ChatTemplate(st.model), self._load_tokenizer(st.model)))
             self.template, self.tokenizer = loaded
             self.token_text.cache_clear()
+            self._adopt_sampling_defaults(st.model)
             log.info("model taken from the service: %s (max_model_len %d, chat template: %s)", st.model,
                      st.max_model_len, self.template.source)
+
+    def _adopt_sampling_defaults(self, model: str) -> None:
+        """Without --model, `--generation-config auto` reads the served model's file once it is known."""
+        c = self.config
+        if c.generation_config != "auto":
+            return
+        try:
+            self.sampling_defaults = gd.load("auto", model, c.override_generation_config)
+        except ValueError as e:   # the workers serve it anyway: requests keep the defaults they had
+            log.error("%s: keeping %s", e, gd.describe(self.sampling_defaults, "auto"))
+            return
+        log.info("%s", gd.describe(self.sampling_defaults, "auto"))
 
     async def require_model(self) -> None:
         """Before a generation request: refuse one for a model the workers do not serve."""

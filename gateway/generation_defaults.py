@@ -1,0 +1,113 @@
+"""The server's sampling defaults: what a request's unset sampling fields take.
+
+vLLM's OpenAI server (`--generation-config auto`, its default) takes them from the checkpoint's
+generation_config.json, so a Qwen3 checkpoint served with no sampling fields in the request samples
+with temperature 0.6, top_p 0.95, top_k 20, as its model card recommends. We do the same, with
+vLLM's flags and rules:
+  - `--generation-config auto`: the `--model` directory's generation_config.json (or, without
+    `--model`, the served model's, when its path is readable here); `vllm`: none (OpenAI's neutral
+    defaults: temperature 1, no top-p / top-k / penalties); a directory: its generation_config.json;
+  - `--override-generation-config JSON`: merged over that (`vllm` included);
+  - the fields: temperature, top_p, top_k, repetition_penalty, presence_penalty, frequency_penalty,
+    min_p, and max_new_tokens (the default max_tokens of a chat request, within the context; a
+    completion's default stays 16, as in vLLM). Every one the file sets (not null) counts, whatever
+    its value, and do_sample is not read (vLLM's rule too: transformers 5 has no defaults to diff
+    against);
+  - a field the request sets wins; beam search requests keep their own rule (an unset temperature
+    is 0: beam search is greedy here).
+min_p has no sampler here: a min_p > 0 default is refused at start (one line), so the two servers
+never sample the same checkpoint differently without saying so.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+FIELDS = {"temperature": float, "top_p": float, "top_k": int, "repetition_penalty": float,
+          "presence_penalty": float, "frequency_penalty": float, "min_p": float, "max_new_tokens": int}
+SOURCES = ("auto", "vllm")   # or a directory holding generation_config.json
+
+
+def _read(directory: str) -> dict:
+    path = os.path.join(directory, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        try:
+            raw = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return raw
+
+
+def _checked(raw: dict, where: str) -> dict:
+    """The sampling fields of `raw`, typed; a wrong type or value is a ValueError naming it."""
+    out = {}
+    for name, kind in FIELDS.items():
+        value = raw.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+            raise ValueError(f"{where}: {name} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+        value = kind(value)
+        if not math.isfinite(value):
+            raise ValueError(f"{where}: {name} must be finite, got {value!r}")
+        out[name] = value
+    if out.get("min_p", 0.0) > 0.0:
+        raise ValueError(f"{where}: min_p {out['min_p']} is not supported by this server (no min-p sampler); "
+                         f"override it with --override-generation-config '{{\"min_p\": 0}}' or use "
+                         f"--generation-config vllm")
+    out.pop("min_p", None)
+    if "max_new_tokens" in out:
+        out["max_tokens"] = out.pop("max_new_tokens")
+    return out
+
+
+def parse_override(text: str | None) -> dict:
+    """--override-generation-config: a JSON object (empty or None: no override)."""
+    if not text:
+        return {}
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--override-generation-config: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError("--override-generation-config: expected a JSON object, e.g. '{\"temperature\": 0.7}'")
+    unknown = sorted(set(raw) - set(FIELDS))
+    if unknown:
+        raise ValueError(f"--override-generation-config: unknown field(s) {', '.join(unknown)} "
+                         f"(known: {', '.join(FIELDS)})")
+    return raw
+
+
+def load(source: str, model: str | None, override: dict | None = None) -> dict:
+    """The defaults for requests (request-field names: max_tokens, not max_new_tokens). `model`:
+    the checkpoint directory the workers load (None or 'tiny': no file). Raises ValueError with one
+    line for a bad file, source or override."""
+    if source == "vllm":
+        raw = {}
+        where = "--override-generation-config"
+    elif source == "auto":
+        readable = model and model != "tiny" and os.path.isdir(model)
+        raw = _read(model) if readable else {}
+        where = os.path.join(model, "generation_config.json") if readable else "--override-generation-config"
+    elif os.path.isdir(source):
+        raw, where = _read(source), os.path.join(source, "generation_config.json")
+    else:
+        raise ValueError(f"--generation-config {source!r}: expected auto, vllm or a directory holding "
+                         f"generation_config.json")
+    raw = {**raw, **(override or {})}
+    return _checked(raw, where)
+
+
+def describe(defaults: dict, source: str) -> str:
+    """One log line: what unset request fields take."""
+    if not defaults:
+        return "sampling defaults: OpenAI's (temperature 1, no top-p / top-k / penalties)"
+    what = ", ".join(f"{k} {v}" for k, v in defaults.items())
+    origin = "generation_config.json" if source == "auto" else source
+    return (f"sampling defaults for unset request fields: {what} (from {origin}; "
+            f"--generation-config vllm for OpenAI's)")

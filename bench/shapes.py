@@ -25,7 +25,7 @@ SHAPES = {
     "qwen3-0.6b": dict(_COMMON, hidden_size=1024, intermediate_size=3072),
     "qwen3-1.7b": dict(_COMMON, hidden_size=2048, intermediate_size=6144),
 }
-# Both repositories' generation_config.json: the servers' sampling defaults (gateway/generation_defaults.py).
+# Both repositories' generation_config.json: the servers' sampling defaults (minipaged/generation_defaults.py).
 GENERATION_CONFIG = {"bos_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643],
                      "pad_token_id": 151643, "temperature": 0.6, "top_k": 20, "top_p": 0.95,
                      "transformers_version": "4.51.0"}

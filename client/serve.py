@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 
+from minipaged import generation_defaults as gd
 from minipaged.config import parse_rope_scaling
 from minipaged.constants import DTYPE_BYTES
 
@@ -211,12 +212,13 @@ def _run_until_stopped(c: _ServeCluster) -> int:
 def serve(a) -> int:
     if a.api_key is None:
         a.api_key = os.environ.get("MINIPAGED_API_KEY")
-    if a.rope_scaling:
-        try:                  # before any process starts: the workers would each refuse it
+    try:                      # before any process starts: the workers / the gateway would refuse these
+        if a.rope_scaling:
             parse_rope_scaling(a.rope_scaling)
-        except ValueError as e:
-            say(f"error: {e}")
-            return 1
+        gd.load(a.generation_config, a.model, gd.parse_override(a.override_generation_config))
+    except (ValueError, OSError) as e:
+        say(f"error: {e}")
+        return 1
     signals = _Signals()
     c = None
     t0 = time.monotonic()

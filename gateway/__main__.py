@@ -64,7 +64,7 @@ def main(argv=None) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from client.messages import normalize_address
 
-    from . import generation_defaults as gd
+    from minipaged import generation_defaults as gd
     from .app import GatewayConfig, create_app
     from .model_identity import check_model_arg
     try:  # a wrong path or a broken config.json is a start error, not a silently wrong /v1/models

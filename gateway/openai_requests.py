@@ -38,7 +38,7 @@ class _Sampling(BaseModel):
     stop_token_ids: list[int] | None = None
     n: int = 1
     best_of: int | None = None
-    presence_penalty: float | None = None       # unset: the server's default (gateway/generation_defaults.py), else 0
+    presence_penalty: float | None = None       # unset: the server's default (minipaged/generation_defaults.py), else 0
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     min_p: float | None = None                  # vLLM extension we have no sampler for: > 0 is a 400
@@ -103,7 +103,7 @@ def _check_common(req: _Sampling) -> None:
 def sampling_kwargs(req: _Sampling, max_tokens: int | None, default_max_tokens: int,
                     defaults: dict | None = None) -> dict:
     """OpenAI sampling fields -> SDK keyword arguments (build_generate_request's names). A field the
-    request leaves unset takes `defaults` (the server's: gateway/generation_defaults.py), else
+    request leaves unset takes `defaults` (the server's: minipaged/generation_defaults.py), else
     OpenAI's; beam search takes none of them (its unset temperature is 0)."""
     _check_common(req)
     d = {} if req.use_beam_search else (defaults or {})

@@ -15,7 +15,7 @@ from client.aio import AsyncClient
 from client.errors import MiniPagedError
 from client.messages import Stats, StreamChunk
 
-from . import generation_defaults as gd
+from minipaged import generation_defaults as gd
 from . import model_identity as identity
 from . import reasoning as rs
 from .chat_template import ChatTemplate
@@ -40,7 +40,7 @@ class GatewayConfig:
     tls_key: str | None = None
     default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS  # chat requests without max_tokens
     reasoning_parser: str = rs.DEFAULT_PARSER  # "qwen3": <think> split out where the template thinks
-    generation_config: str = "auto"       # unset sampling fields: auto | vllm | DIR (gateway/generation_defaults.py)
+    generation_config: str = "auto"       # unset sampling fields: auto | vllm | DIR (minipaged/generation_defaults.py)
     override_generation_config: dict | None = None
     snapshot_max_blocks: int = 4096       # dashboard: blocks per chain before sampling with a stride
     rpc_timeout: float = 5.0              # Stats / PoolSnapshot calls

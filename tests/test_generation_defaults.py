@@ -1,4 +1,4 @@
-"""The server's sampling defaults (gateway/generation_defaults.py): a request's unset sampling
+"""The server's sampling defaults (minipaged/generation_defaults.py): a request's unset sampling
 fields take the checkpoint's generation_config.json, as vLLM's `--generation-config auto` does;
 `vllm` gives OpenAI's; `--override-generation-config` merges over either. Checked token for token
 against the SDK with the same values sent explicitly (seeded), and against transformers' greedy
@@ -18,7 +18,7 @@ import torch
 
 from client import LocalCluster
 from client.cluster import free_port
-from gateway import generation_defaults as gd
+from minipaged import generation_defaults as gd
 from gateway import openai_requests as oa
 from gateway.errors import GatewayError
 from tests.checkpoints import load_oracle, make_checkpoint

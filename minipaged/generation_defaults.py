@@ -1,4 +1,5 @@
-"""The server's sampling defaults: what a request's unset sampling fields take.
+"""The server's sampling defaults: what a request's unset sampling fields take (the gateway applies
+them, gateway/openai_requests.py; `minipaged serve` checks its flags here before starting anything).
 
 vLLM's OpenAI server (`--generation-config auto`, its default) takes them from the checkpoint's
 generation_config.json, so a Qwen3 checkpoint served with no sampling fields in the request samples

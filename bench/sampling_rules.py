@@ -42,6 +42,7 @@ def rules(n: int) -> dict[str, dict]:
             "temperature 0.6, top_p 0.95, top_k 20 (Qwen3's card)": dict(ignore_eos=True, temperature=0.6,
                                                                          top_p=0.95, top_k=20, seed=1),
             "temperature 0.7, top_p 0.8": dict(ignore_eos=True, temperature=0.7, top_p=0.8, seed=1),
+            "temperature 1.0, min_p 0.05": dict(ignore_eos=True, temperature=1.0, min_p=0.05, seed=1),
             "min_tokens (EOS masked)": dict(min_new_tokens=n),
             "repetition_penalty 1.1": dict(ignore_eos=True, repetition_penalty=1.1),
             "presence 0.5 + frequency 0.5": dict(ignore_eos=True, presence_penalty=0.5, frequency_penalty=0.5),
@@ -49,7 +50,7 @@ def rules(n: int) -> dict[str, dict]:
 
 
 def has_rules(rule: dict) -> bool:
-    return any(key in rule for key in ("min_new_tokens", "logprobs")) or any(key.endswith("penalty") for key in rule)
+    return any(key in rule for key in ("min_new_tokens", "logprobs", "min_p")) or any(key.endswith("penalty") for key in rule)
 
 
 def extras_for(rule: dict, rows: int, vocab: int, history: int, eos: int):
@@ -58,6 +59,8 @@ def extras_for(rule: dict, rows: int, vocab: int, history: int, eos: int):
     rng = np.random.default_rng(0)
     x = SamplingExtras()
     x.top_logprobs = rule.get("logprobs", 0)
+    if "min_p" in rule:
+        x.min_p = np.full(rows, rule["min_p"], dtype=np.float32)
     if "min_new_tokens" in rule:
         x.suppress = np.ones(rows, dtype=bool)
         x.suppress_counts = np.ones(rows, dtype=np.int32)

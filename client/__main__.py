@@ -22,7 +22,7 @@ def _generate_kwargs(a) -> dict:
               seed=a.seed, stop=a.stop, stop_token_ids=a.stop_token_ids, ignore_eos=a.ignore_eos,
               logprobs=a.logprobs, n=a.n, best_of=a.best_of, min_new_tokens=a.min_new_tokens,
               repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
-              frequency_penalty=a.frequency_penalty)
+              frequency_penalty=a.frequency_penalty, min_p=a.min_p)
     if a.beam_width:
         kw.update(beam_width=a.beam_width, n=None if a.n == 1 else a.n, length_penalty=a.length_penalty,
                   early_stopping={"false": False, "true": True}.get(a.early_stopping, a.early_stopping))

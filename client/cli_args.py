@@ -94,6 +94,8 @@ def _add_generate(g: argparse.ArgumentParser) -> None:
     g.add_argument("--repetition-penalty", type=float, default=1.0, help="transformers' definition; 1 = off")
     g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's definition; 0 = off")
     g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's definition; 0 = off")
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="keep tokens with probability >= this x the most likely one's (vLLM's min_p); 0 = off")
     g.add_argument("--beam-width", type=int, default=0, help="beam search with K beams (K choices, best first)")
     g.add_argument("--length-penalty", type=float, default=None, help="beam search: score = logprob / len ** this")
     g.add_argument("--early-stopping", choices=("false", "true", "never"), default="false", help="beam search")

@@ -17,7 +17,7 @@ from .errors import InvalidArgument
 # Keys a generate() call / a submit() item may carry (timeout is per call, not per request).
 REQUEST_KEYS = ("prompt", "prompt_token_ids", "max_new_tokens", "temperature", "top_p", "top_k",
                 "seed", "stop", "stop_token_ids", "ignore_eos", "return_logprobs", "logprobs", "n", "best_of",
-                "min_new_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                "min_new_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_p",
                 "json_schema", "regex", "choice", "json_object", "beam_width", "length_penalty", "early_stopping",
                 "prompt_logprobs")
 
@@ -61,7 +61,7 @@ def build_generate_request(prompt: str | None = None, prompt_token_ids: Sequence
                            return_logprobs: bool = False, logprobs: bool | int | None = None,
                            n: int | None = None, best_of: int | None = None, min_new_tokens: int = 0,
                            repetition_penalty: float = 1.0, presence_penalty: float = 0.0,
-                           frequency_penalty: float = 0.0, json_schema: dict | str | None = None,
+                           frequency_penalty: float = 0.0, min_p: float = 0.0, json_schema: dict | str | None = None,
                            regex: str | None = None, choice: Sequence[str] | None = None,
                            json_object: bool = False, beam_width: int = 0,
                            length_penalty: float | None = None,
@@ -79,6 +79,8 @@ def build_generate_request(prompt: str | None = None, prompt_token_ids: Sequence
         ("best_of", best_of), ("min_new_tokens", min_new_tokens), ("beam_width", beam_width)))
     if top_p is not None and not 0 < float(top_p) <= 1:  # also catches NaN
         raise InvalidArgument(f"top_p must be in (0, 1], got {top_p}")
+    if not 0 <= float(min_p) <= 1:
+        raise InvalidArgument(f"min_p must be in [0, 1] (0 = off), got {min_p}")
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if not all(isinstance(s, str) for s in stops):
         raise TypeError(f"stop must be a str or a list of str, got {stop!r}")
@@ -93,7 +95,8 @@ def build_generate_request(prompt: str | None = None, prompt_token_ids: Sequence
                                  min_new_tokens=int(min_new_tokens),
                                  repetition_penalty=float(repetition_penalty),
                                  presence_penalty=float(presence_penalty),
-                                 frequency_penalty=float(frequency_penalty), beam_width=int(beam_width or 0),
+                                 frequency_penalty=float(frequency_penalty), min_p=float(min_p),
+                                 beam_width=int(beam_width or 0),
                                  early_stopping=str(early_stopping).lower() if beam_width else "")
         _optional_fields(req, length_penalty, top_p, prompt_token_ids, stop_token_ids, seed)
         _structured(req, json_schema, regex, choice, json_object)

@@ -97,7 +97,7 @@ class Client:
         `params`: prompt_token_ids, max_new_tokens, temperature, top_p, top_k, seed, stop,
         stop_token_ids, ignore_eos, logprobs (True or k alternatives; return_logprobs is an alias
         of logprobs=True), n, best_of, min_new_tokens, repetition_penalty, presence_penalty,
-        frequency_penalty, structured outputs json_schema (dict or JSON text), regex, choice (list of
+        frequency_penalty, min_p, structured outputs json_schema (dict or JSON text), regex, choice (list of
         str), json_object, beam_width, length_penalty, early_stopping (beam search sends its K choices
         at the end, best first), prompt_logprobs (k >= 0: every prompt token's logprob, and its k best
         alternatives, on the first chunk; max_new_tokens may then be 0) (see build_generate_request).

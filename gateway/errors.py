@@ -57,7 +57,7 @@ def bad_request(message: str, param: str | None = None) -> GatewayError:
 # The service and SDK name fields as our GenerateRequest does; a gateway user sent OpenAI's names.
 OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 # Request fields an error message can be about, most specific first: the first one named is `param`.
-PARAMS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "best_of", "n", "seed", "stop_token_ids",
+PARAMS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "best_of", "n", "seed", "stop_token_ids",
           "stop", "repetition_penalty", "presence_penalty", "frequency_penalty", "top_logprobs", "logprobs",
           "prompt", "messages")
 _PARAM_RE = re.compile(r"\b(" + "|".join(PARAMS) + r")\b")

@@ -41,7 +41,7 @@ class _Sampling(BaseModel):
     presence_penalty: float | None = None       # unset: the server's default (minipaged/generation_defaults.py), else 0
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    min_p: float | None = None                  # vLLM extension we have no sampler for: > 0 is a 400
+    min_p: float | None = None                  # vLLM extension: keep p >= min_p x max p (0 = off)
     min_tokens: int = 0
     ignore_eos: bool = False
     stream: bool = False
@@ -92,8 +92,6 @@ def _check_common(req: _Sampling) -> None:
         raise bad_request("logit_bias is not supported", "logit_bias")
     if req.n < 1:
         raise bad_request(f"n must be >= 1, got {req.n}", "n")
-    if req.min_p:
-        raise bad_request(f"min_p is not supported by this server, got {req.min_p} (0 or unset only)", "min_p")
     if req.best_of is not None and req.best_of < req.n:
         raise bad_request(f"best_of must be >= n, got best_of={req.best_of} n={req.n}", "best_of")
     if req.stream and req.best_of is not None and req.best_of > req.n:
@@ -119,7 +117,7 @@ def sampling_kwargs(req: _Sampling, max_tokens: int | None, default_max_tokens: 
               seed=req.seed, stop=stop or None, ignore_eos=req.ignore_eos, n=req.n, best_of=req.best_of,
               min_new_tokens=req.min_tokens, presence_penalty=pick("presence_penalty", 0.0),
               frequency_penalty=pick("frequency_penalty", 0.0),
-              repetition_penalty=pick("repetition_penalty", 1.0))
+              repetition_penalty=pick("repetition_penalty", 1.0), min_p=pick("min_p", 0.0))
     top_p = pick("top_p", None)
     if top_p is not None:
         kw["top_p"] = top_p  # the SDK refuses 0 (400) as the server does

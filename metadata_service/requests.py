@@ -97,6 +97,8 @@ def _check_sampling(req: metadata_pb2.GenerateRequest) -> None:
         raise RequestError(bad, f"top_p must be in (0, 1] (leave it unset for no nucleus filtering), got {req.top_p}")
     if req.top_k < 0:
         raise RequestError(bad, f"top_k must be >= 0, got {req.top_k}")
+    if not math.isfinite(req.min_p) or not 0 <= req.min_p <= 1:
+        raise RequestError(bad, f"min_p must be in [0, 1] (0 = off), got {req.min_p}")
     n, best_of = max(1, req.n), req.best_of or max(1, req.n)
     if not 1 <= n <= MAX_CHOICES or req.n < 0:
         raise RequestError(bad, f"n must be in [1, {MAX_CHOICES}], got {req.n}")
@@ -151,9 +153,10 @@ def _check_beams(req: metadata_pb2.GenerateRequest, engine) -> None:
                                 f"({K}), got {req.n}")
     if req.best_of:
         raise RequestError(bad, "best_of does not combine with beam search (the beams are the candidates)")
-    if req.temperature > 0 or (req.HasField("top_p") and req.top_p < 1) or req.top_k > 0:
-        raise RequestError(bad, f"beam search is deterministic: temperature must be 0 and top_p / top_k unset "
-                                f"(got temperature {req.temperature}, top_p {req.top_p}, top_k {req.top_k})")
+    if req.temperature > 0 or (req.HasField("top_p") and req.top_p < 1) or req.top_k > 0 or req.min_p > 0:
+        raise RequestError(bad, f"beam search is deterministic: temperature must be 0 and top_p / top_k / min_p "
+                                f"unset (got temperature {req.temperature}, top_p {req.top_p}, top_k {req.top_k}, "
+                                f"min_p {req.min_p})")
     others = [name for name, on in (("stop strings", bool(req.stop)), ("min_new_tokens", req.min_new_tokens > 0),
                                     ("repetition_penalty", req.repetition_penalty not in (0, 1)),
                                     ("presence_penalty", req.presence_penalty != 0),
@@ -185,7 +188,7 @@ def to_sequence(req: metadata_pb2.GenerateRequest, engine, sink=None, tag=None) 
         ignore_eos=req.ignore_eos, return_logprobs=req.return_logprobs or req.top_logprobs > 0,
         n=n, best_of=req.best_of or n, min_new_tokens=req.min_new_tokens,
         repetition_penalty=req.repetition_penalty or 1.0, presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty, top_logprobs=req.top_logprobs,
+        frequency_penalty=req.frequency_penalty, top_logprobs=req.top_logprobs, min_p=req.min_p,
         show_logprobs=req.return_logprobs or req.top_logprobs > 0, grammar=compile_grammar(req, engine),
         prompt_logprobs=req.prompt_logprobs if req.HasField("prompt_logprobs") else -1,
         per_token_events=not req.final_only)

@@ -39,6 +39,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     top_logprobs: int = 0
+    min_p: float = 0.0                       # keep tokens with p >= min_p x max p (worker/logits_processors.py)
     show_logprobs: bool = False              # the caller asked for them (best_of computes them anyway)
     grammar: object = None                   # xgrammar CompiledGrammar (structured outputs; grammar.py)
     beam_width: int = 0                      # beam search (metadata_service/beam.py): K beams, 0 = off
@@ -57,7 +58,7 @@ class SamplingParams:
         # min_new_tokens masks EOS (unless ignored) and stop_token_ids; with neither it masks nothing
         # (vLLM's rule too), and its sequences stay on the plain paths
         masks = self.min_new_tokens > 0 and (bool(self.stop_token_ids) or not self.ignore_eos)
-        self.extras = self.penalized or masks or self.top_logprobs > 0
+        self.extras = self.penalized or masks or self.top_logprobs > 0 or (self.min_p > 0 and self.temperature > 0)
         # a grammar's bitmask needs the last token; a penalized row's history does not: the last
         # stage appends the token it sampled itself (worker/validate_sampling.py complete_histories)
         self.waits_for_token = self.grammar is not None

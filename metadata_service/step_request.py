@@ -90,3 +90,5 @@ def _add_extras(req: worker_pb2.StepRequest, seqs: list[Sequence], offsets: np.n
         req.penalty_prompt_lens = pack([s.num_prompt_tokens if s.params.penalized else 0 for s in seqs])
         req.penalty_tokens = pack([t for h in hist for t in h])
     req.top_logprobs = max(s.params.top_logprobs for s in seqs)
+    if any(s.params.min_p > 0 for s in seqs):
+        req.min_p = np.asarray([s.params.min_p for s in seqs], dtype=np.float32).tobytes()

@@ -9,15 +9,16 @@ vLLM's flags and rules:
     `--model`, the served model's, when its path is readable here); `vllm`: none (OpenAI's neutral
     defaults: temperature 1, no top-p / top-k / penalties); a directory: its generation_config.json;
   - `--override-generation-config JSON`: merged over that (`vllm` included);
-  - the fields: temperature, top_p, top_k, repetition_penalty, presence_penalty, frequency_penalty,
-    min_p, and max_new_tokens (the default max_tokens of a chat request, within the context; a
+  - the fields: temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty,
+    frequency_penalty, and max_new_tokens (the default max_tokens of a chat request, within the context; a
     completion's default stays 16, as in vLLM). Every one the file sets (not null) counts, whatever
     its value, and do_sample is not read (vLLM's rule too: transformers 5 has no defaults to diff
     against);
   - a field the request sets wins; beam search requests keep their own rule (an unset temperature
     is 0: beam search is greedy here).
-min_p has no sampler here: a min_p > 0 default is refused at start (one line), so the two servers
-never sample the same checkpoint differently without saying so.
+A value out of its range (the service's: temperature >= 0, top_p in (0, 1], top_k >= -1, min_p in
+[0, 1], repetition_penalty > 0, presence / frequency penalties in [-2, 2], max_new_tokens >= 1) is
+refused at start with one line, rather than every request it would reach answering 400.
 """
 from __future__ import annotations
 
@@ -27,6 +28,13 @@ import os
 
 FIELDS = {"temperature": float, "top_p": float, "top_k": int, "repetition_penalty": float,
           "presence_penalty": float, "frequency_penalty": float, "min_p": float, "max_new_tokens": int}
+RANGES = {"temperature": lambda v: v >= 0, "top_p": lambda v: 0 < v <= 1, "top_k": lambda v: v >= -1,
+          "repetition_penalty": lambda v: v > 0, "presence_penalty": lambda v: -2 <= v <= 2,
+          "frequency_penalty": lambda v: -2 <= v <= 2, "min_p": lambda v: 0 <= v <= 1,
+          "max_new_tokens": lambda v: v >= 1}
+RANGE_TEXT = {"temperature": ">= 0", "top_p": "in (0, 1]", "top_k": ">= -1, -1 or 0 = off",
+              "repetition_penalty": "> 0", "presence_penalty": "in [-2, 2]", "frequency_penalty": "in [-2, 2]",
+              "min_p": "in [0, 1]", "max_new_tokens": ">= 1"}
 SOURCES = ("auto", "vllm")   # or a directory holding generation_config.json
 
 
@@ -57,11 +65,8 @@ def _checked(raw: dict, where: str) -> dict:
         if not math.isfinite(value):
             raise ValueError(f"{where}: {name} must be finite, got {value!r}")
         out[name] = value
-    if out.get("min_p", 0.0) > 0.0:
-        raise ValueError(f"{where}: min_p {out['min_p']} is not supported by this server (no min-p sampler); "
-                         f"override it with --override-generation-config '{{\"min_p\": 0}}' or use "
-                         f"--generation-config vllm")
-    out.pop("min_p", None)
+        if not RANGES[name](value):
+            raise ValueError(f"{where}: {name} {value} is out of range ({RANGE_TEXT[name]})")
     if "max_new_tokens" in out:
         out["max_tokens"] = out.pop("max_new_tokens")
     return out

@@ -149,6 +149,7 @@ def test_bad_beam_requests_are_rejected_and_change_nothing_and_http_beams(ckpt):
         p = [5, 6, 7, 8]
         bad = [(dict(temperature=0.7), "temperature must be 0"),
                (dict(top_k=5), "temperature must be 0"),
+               (dict(min_p=0.1), "top_p / top_k / min_p unset"),
                (dict(beam_width=17), "beam_width must be in [1, 16]"),
                (dict(n=2), "n must be unset or equal beam_width"),
                (dict(best_of=4), "best_of does not combine"),

@@ -427,6 +427,9 @@ def test_generate_request_new_fields():
     assert build_generate_request(prompt="x", return_logprobs=True).return_logprobs  # the older name
     with pytest.raises(client.InvalidArgument, match=r"top_p must be in \(0, 1\]"):
         build_generate_request(prompt="x", top_p=0)
+    assert build_generate_request(prompt="x", min_p=0.25).min_p == 0.25
+    with pytest.raises(client.InvalidArgument, match=r"min_p must be in \[0, 1\]"):
+        build_generate_request(prompt="x", min_p=1.5)
     with pytest.raises(client.InvalidArgument, match="give prompt or prompt_token_ids, not both"):
         build_generate_request(prompt="hi", prompt_token_ids=[1, 2])
     with pytest.raises(client.InvalidArgument, match="logprobs"):

@@ -160,10 +160,11 @@ VALID_GEN = dict(
     top_p=st.sampled_from([1.0, 0.9, 0.0, 1e-45]), top_k=st.sampled_from([0, 1, 50, 512, I32_MAX]),
     seed=st.one_of(st.none(), INT64), stop=st.lists(TEXT, max_size=3),
     stop_token_ids=st.one_of(st.just(b""), st.lists(st.integers(0, 511), max_size=3).map(packed)),
-    ignore_eos=st.booleans(), return_logprobs=st.booleans())
+    ignore_eos=st.booleans(), return_logprobs=st.booleans(), min_p=st.sampled_from([0.0, 0.05, 1.0]))
 HOSTILE_GEN = dict(
     prompt=PROMPT, prompt_token_ids=IDS_BYTES, max_new_tokens=INT32, temperature=F32, top_p=F32, top_k=INT32,
-    seed=INT64, stop=STOP, stop_token_ids=IDS_BYTES, ignore_eos=st.booleans(), return_logprobs=st.booleans())
+    seed=INT64, stop=STOP, stop_token_ids=IDS_BYTES, ignore_eos=st.booleans(), return_logprobs=st.booleans(),
+    min_p=F32)
 
 
 @st.composite

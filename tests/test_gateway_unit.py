@@ -52,7 +52,7 @@ def test_completion_mapping():
     kw = oa.completion_kwargs(req)
     assert kw == dict(max_new_tokens=4, temperature=0, top_k=0, seed=3, stop=["x"], ignore_eos=False, n=2,
                       best_of=3, min_new_tokens=1, presence_penalty=0.5, frequency_penalty=0.25,
-                      repetition_penalty=1.2, top_p=0.9, stop_token_ids=[9], logprobs=2)
+                      repetition_penalty=1.2, min_p=0.0, top_p=0.9, stop_token_ids=[9], logprobs=2)
     assert oa.completion_prompts(req) == [{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [3]}]
     assert oa.completion_prompts(oa.CompletionRequest(prompt=[5, 6])) == [{"prompt_token_ids": [5, 6]}]
     assert oa.completion_prompts(oa.CompletionRequest(prompt=["a", "b"])) == [{"prompt": "a"}, {"prompt": "b"}]

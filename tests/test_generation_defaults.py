@@ -20,7 +20,6 @@ from client import LocalCluster
 from client.cluster import free_port
 from minipaged import generation_defaults as gd
 from gateway import openai_requests as oa
-from gateway.errors import GatewayError
 from tests.checkpoints import load_oracle, make_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -49,14 +48,16 @@ def test_load_takes_the_sampling_fields_the_file_sets(tmp_path):
     assert gd.load(other, d) == {"temperature": 0.3}          # a directory of its own
     assert gd.load("auto", None) == {} and gd.load("auto", "tiny") == {}
     assert gd.load("auto", str(tmp_path / "none-here")) == {}  # no file: no defaults
-    assert gd.load("auto", _write(tmp_path / "z", {"min_p": 0.0})) == {}   # min_p 0 is no filter
+    assert gd.load("auto", _write(tmp_path / "z", {"min_p": 0.05})) == {"min_p": 0.05}
 
 
 @pytest.mark.parametrize("cfg, words", [
     ({"temperature": "hot"}, "temperature must be a number"),
     ({"top_k": 2.5}, "top_k must be an integer"),
     ({"top_p": True}, "top_p must be a number"),
-    ({"min_p": 0.05}, "min_p 0.05 is not supported"),
+    ({"min_p": 1.5}, "min_p 1.5 is out of range"),
+    ({"top_p": 0}, "top_p 0.0 is out of range"),
+    ({"max_new_tokens": 0}, "max_new_tokens 0 is out of range"),
 ])
 def test_load_refuses_what_it_cannot_apply(tmp_path, cfg, words):
     d = _write(tmp_path / "m", cfg)
@@ -91,10 +92,9 @@ def test_unset_fields_take_the_defaults_set_ones_win():
     # beam search keeps its own rule: an unset temperature is 0 and nothing else is filled in
     kw = oa.completion_kwargs(oa.CompletionRequest(prompt="hi", n=2, use_beam_search=True), defaults)
     assert kw["temperature"] == 0.0 and "top_p" not in kw and kw["top_k"] == 0 and kw["repetition_penalty"] == 1.0
-    with pytest.raises(GatewayError) as info:
-        oa.completion_kwargs(oa.CompletionRequest(prompt="hi", min_p=0.1), defaults)
-    assert info.value.status == 400 and "min_p" in info.value.body()["error"]["message"]
-    oa.completion_kwargs(oa.CompletionRequest(prompt="hi", min_p=0), defaults)
+    assert oa.completion_kwargs(oa.CompletionRequest(prompt="hi", min_p=0.1), defaults)["min_p"] == 0.1
+    assert oa.completion_kwargs(oa.CompletionRequest(prompt="hi"), {**defaults, "min_p": 0.2})["min_p"] == 0.2
+    assert oa.completion_kwargs(oa.CompletionRequest(prompt="hi"), defaults)["min_p"] == 0.0
 
 
 @pytest.mark.parametrize("args, words", [

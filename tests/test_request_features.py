@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from transformers.generation.logits_process import (MinNewTokensLengthLogitsProcessor,
-                                                     RepetitionPenaltyLogitsProcessor)
+from transformers.generation.logits_process import (MinNewTokensLengthLogitsProcessor, MinPLogitsWarper,
+                                                     RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper)
 
 from client import LocalCluster
 from worker import logits_processors as lp
@@ -147,6 +147,26 @@ def greedy_reference(hf):
     return ref
 
 
+def test_min_p_keeps_what_transformers_min_p_warper_keeps():
+    """min_p after temperature, as transformers' MinPLogitsWarper (and vLLM) apply it: the kept set
+    is the same; greedy rows and min_p 0 rows are not touched."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 200, generator=g, dtype=torch.float64) * 2
+    min_p = np.asarray([0.1, 0.5, 0.0, 0.3, 1.0], dtype=np.float32)
+    temperature = np.asarray([0.7, 1.3, 1.0, 0.0, 1.0], dtype=np.float32)
+    out = logits.clone()
+    lp.apply_min_p(out, min_p, temperature)
+    for i in range(5):
+        if min_p[i] == 0 or temperature[i] == 0:
+            assert torch.equal(out[i], logits[i])
+            continue
+        warped = TemperatureLogitsWarper(float(temperature[i]))(None, logits[i:i + 1].clone())
+        ref = MinPLogitsWarper(float(min_p[i]), min_tokens_to_keep=1)(None, warped)[0]
+        assert torch.equal(torch.isinf(out[i]), torch.isinf(ref))
+        assert torch.equal(out[i][~torch.isinf(out[i])], logits[i][~torch.isinf(out[i])])   # the rest unchanged
+    assert int((~torch.isinf(out[4])).sum()) == 1            # min_p 1: only the most likely token
+
+
 @pytest.mark.slow
 def test_features_end_to_end_against_transformers(ckpt):
     hf = load_oracle(ckpt, torch.float64)
@@ -159,6 +179,13 @@ def test_features_end_to_end_against_transformers(ckpt):
                 ref(p, max_new_tokens=12, repetition_penalty=1.4)
             assert cl.generate(prompt_token_ids=p, max_new_tokens=12, min_new_tokens=10).token_ids == \
                 ref(p, max_new_tokens=12, min_new_tokens=10)
+
+        # min_p 1 keeps only the most likely token: sampling at any temperature is greedy
+        p = prompts(1, 5, 20, seed=93)[0]
+        assert cl.generate(prompt_token_ids=p, max_new_tokens=10, temperature=1.3, seed=4,
+                           min_p=1.0).token_ids == ref(p, max_new_tokens=10)
+        kw = dict(prompt_token_ids=p, max_new_tokens=10, temperature=1.0, seed=4, ignore_eos=True)
+        assert cl.generate(**kw, min_p=0.0).token_ids == cl.generate(**kw).token_ids   # 0 = off
 
         # min_new_tokens with ignore_eos and no stop ids masks nothing (vLLM's rule): an EOS sampled
         # early stays, as with ignore_eos alone (transformers: no EOS id at all). Prompts 19 and 40 of

@@ -212,6 +212,9 @@ def _mutations():
         "grammar_bitmask_short": raw(grammar_rows=wire.pack([0]), grammar_bitmask=b"\0" * 8),
         "grammar_rows_out_of_range": raw(grammar_rows=wire.pack([3]), grammar_bitmask=b"\xff" * 64),
         "grammar_row_twice": raw(grammar_rows=wire.pack([1, 1]), grammar_bitmask=b"\xff" * 128),
+        "min_p_above_1": raw(min_p=np.asarray([0.0, 1.5, 0.1], dtype=np.float32).tobytes()),
+        "min_p_nan": raw(min_p=np.asarray([0.0, np.nan, 0.1], dtype=np.float32).tobytes()),
+        "min_p_wrong_length": raw(min_p=np.zeros(2, dtype=np.float32).tobytes()),
     }
 
 

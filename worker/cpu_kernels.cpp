@@ -692,6 +692,77 @@ void add_rmsnorm(float* h, const Y* y, int T, int n, const float* w, float eps, 
   }
 }
 
+// Sampling weights, one row per sampled sequence (worker/sampler.py _row_weights): out = exp((x -
+// max x) / T), float32, 0 where the argument is below -87.3 (masked -inf logits, and tokens below
+// 1.2e-38 of the row's heaviest). One read for the max, one fused pass: torch's exp takes a slow
+// path for arguments past float32's normal range (5x for -inf, 30x where results are subnormal).
+void row_weights(const float* x, int R, int V, const float* temp, float* out, int num_threads) {
+#pragma omp parallel for num_threads(std::max(1, num_threads)) schedule(static)
+  for (int r = 0; r < R; ++r) {
+    const float* xr = x + int64_t(r) * V;
+    float* o = out + int64_t(r) * V;
+    const float m = row_max(xr, V);
+    const float t = temp[r];
+#pragma omp simd
+    for (int i = 0; i < V; ++i) {
+      const float z = (xr[i] - m) / t;
+      o[i] = exp_nonpositive(z > -88.f ? z : -88.f);   // (-inf and below: 0, without an int overflow)
+    }
+  }
+}
+
+// The draw over a whole row (worker/sampler.py _pick_whole): the inverse CDF of weights w [R, V]
+// in id order at u [R] in [0, 1): the chunk of `chunk` ids whose float64 running sum first exceeds
+// u x total, then the id inside it; a weight of 0 is never picked (the pick stops at the chunk's
+// last positive weight). One read of the row plus one chunk, where numpy took ~12 ms for 64 rows
+// of 151,936 ids (float64 copies of every chunk).
+void pick_whole(const float* w, int R, int V, const double* u, int chunk, int64_t* out, int num_threads) {
+  const int nchunks = (V + chunk - 1) / chunk;
+#pragma omp parallel for num_threads(std::max(1, num_threads)) schedule(static)
+  for (int r = 0; r < R; ++r) {
+    const float* wr = w + int64_t(r) * V;
+    std::vector<double> cdf(nchunks);
+    double run = 0.0;
+    for (int c = 0; c < nchunks; ++c) {
+      const int a = c * chunk, b = std::min(V, a + chunk);
+      double s = 0.0;
+#pragma omp simd reduction(+ : s)
+      for (int i = a; i < b; ++i) s += double(wr[i]);
+      run += s;
+      cdf[c] = run;
+    }
+    const double target = u[r] * run;
+    int c = 0;
+    while (c < nchunks - 1 && cdf[c] <= target) ++c;            // the first chunk whose cdf > target
+    while (c > 0 && cdf[c] == (c ? cdf[c - 1] : 0.0)) --c;      // (rounding past the mass: back to a heavy chunk)
+    double left = target - (c > 0 ? cdf[c - 1] : 0.0);
+    const int a = c * chunk, b = std::min(V, a + chunk);
+    int pick = a, last = a;
+    double inner = 0.0;
+    bool found = false;
+    for (int i = a; i < b; ++i) {
+      if (wr[i] > 0.f) last = i;
+      inner += double(wr[i]);
+      if (!found && inner > left) { pick = i; found = true; }
+    }
+    out[r] = found ? std::min(pick, last) : last;
+  }
+}
+
+// min_p in place (worker/logits_processors.py apply_min_p): row r of x [R, V] keeps the logits >=
+// its max + drop[r] (drop = temperature x ln(min_p), <= 0), -inf elsewhere. One read for the max
+// and one pass, where torch's amax, compare and masked_fill took three.
+void min_p_mask(float* x, int R, int V, const float* drop, int num_threads) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+#pragma omp parallel for num_threads(std::max(1, num_threads)) schedule(static)
+  for (int r = 0; r < R; ++r) {
+    float* xr = x + int64_t(r) * V;
+    const float cut = row_max(xr, V) + drop[r];
+#pragma omp simd
+    for (int i = 0; i < V; ++i) xr[i] = xr[i] < cut ? ninf : xr[i];
+  }
+}
+
 namespace minipaged_amx {  // worker/cpu_attn_amx.cpp
 int paged_prefill_bf16(const float* query, const uint16_t* key_cache, const uint16_t* value_cache,
                        const int32_t* block_tables, int max_blocks, const int32_t* seq_lens, const int32_t* q_starts,
@@ -853,6 +924,19 @@ void minipaged_silu_mul_bf16(const uint16_t* gate_up, int row_stride, int T, int
 void minipaged_add_rmsnorm_bf16(float* h, const uint16_t* y, int T, int n, const float* w, float eps,
                                 uint16_t* out, int num_threads) {
   add_rmsnorm(h, y, T, n, w, eps, out, num_threads);
+}
+
+void minipaged_pick_whole_f32(const float* w, int R, int V, const double* u, int chunk, int64_t* out,
+                              int num_threads) {
+  pick_whole(w, R, V, u, chunk, out, num_threads);
+}
+
+void minipaged_min_p_f32(float* x, int R, int V, const float* drop, int num_threads) {
+  min_p_mask(x, R, V, drop, num_threads);
+}
+
+void minipaged_row_weights_f32(const float* x, int R, int V, const float* temp, float* out, int num_threads) {
+  row_weights(x, R, V, temp, out, num_threads);
 }
 
 // float32 in and out (the float32 layers; DecoderLayer.forward).

@@ -106,11 +106,15 @@ def load_library() -> ctypes.CDLL | None:
             fn.argtypes = [P, I, I, I, P, I]
         for fn in (lib.minipaged_add_rmsnorm_bf16, lib.minipaged_add_rmsnorm_f32):
             fn.argtypes = [P, P, I, I, P, ctypes.c_float, P, I]
+        lib.minipaged_row_weights_f32.argtypes = [P, I, I, P, P, I]
+        lib.minipaged_pick_whole_f32.argtypes = [P, I, I, P, I, P, I]
+        lib.minipaged_min_p_f32.argtypes = [P, I, I, P, I]
         for fn in (lib.minipaged_linear_bf16w_f32, lib.minipaged_linear_amx_f32):
             fn.argtypes = [P, ctypes.c_int64, I, I, P, I, P, P, ctypes.c_int64, I]
         for fn in (lib.minipaged_qk_norm_rope_f32, lib.minipaged_qk_norm_rope_bf16, lib.minipaged_silu_mul_f32,
                    lib.minipaged_silu_mul_bf16, lib.minipaged_add_rmsnorm_bf16, lib.minipaged_add_rmsnorm_f32,
-                   lib.minipaged_linear_bf16w_f32):
+                   lib.minipaged_linear_bf16w_f32, lib.minipaged_row_weights_f32, lib.minipaged_pick_whole_f32,
+                   lib.minipaged_min_p_f32):
             fn.restype = None
         for fn in (lib.minipaged_bf16w_available, lib.minipaged_bf16w_all_batches, lib.minipaged_amx_available,
                    lib.minipaged_linear_amx_f32,
@@ -157,6 +161,34 @@ def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
     lib = load_library()
     fn = lib.minipaged_silu_mul_bf16 if gate_up.dtype == torch.bfloat16 else lib.minipaged_silu_mul_f32
     fn(gate_up.data_ptr(), gate_up.stride(0), T, inter, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def row_weights(x: torch.Tensor, temp: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Sampling weights exp((x - row max) / T) of float32 rows x [R, V] (contiguous, on the CPU)
+    into `out` (same shape), 0 below exp(-87.3); temp [R] (any float dtype, used as float32)."""
+    R, V = x.shape
+    t = temp.to(torch.float32).contiguous()
+    load_library().minipaged_row_weights_f32(x.data_ptr(), R, V, t.data_ptr(), out.data_ptr(),
+                                             torch.get_num_threads())
+    return out
+
+
+def min_p_mask(x: torch.Tensor, drop: torch.Tensor) -> None:
+    """In place on float32 rows x [R, V] (contiguous, CPU): -inf below each row's max + drop[r]."""
+    R, V = x.shape
+    d = drop.to(torch.float32).contiguous()
+    load_library().minipaged_min_p_f32(x.data_ptr(), R, V, d.data_ptr(), torch.get_num_threads())
+
+
+def pick_whole(w: torch.Tensor, u: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Inverse CDF over float32 weight rows w [R, V] (contiguous, CPU) in id order at u [R]
+    (float64): int64 [R] (worker/sampler.py _pick_whole)."""
+    R, V = w.shape
+    uu = u.to(torch.float64).contiguous()
+    out = torch.empty(R, dtype=torch.int64)
+    load_library().minipaged_pick_whole_f32(w.data_ptr(), R, V, uu.data_ptr(), chunk, out.data_ptr(),
+                                            torch.get_num_threads())
     return out
 
 

@@ -9,6 +9,9 @@ before the sampler draws (vectorized over the batch: one scatter per rule, no pe
   logit -= frequency * count + presence * (count > 0).
 - structured outputs: a constrained row keeps only the tokens its grammar bitmask allows (-inf
   elsewhere; worker/grammar_mask.py), before the rules above.
+- min_p (vLLM's, after the rules above and before top-k / top-p): a row keeps the tokens whose
+  probability at its temperature is at least min_p times its most likely token's, i.e. whose logit
+  is >= max + temperature * ln(min_p) (in the logits' dtype); the rest get -inf. Greedy rows ignore it.
 - top-k alternative logprobs: log_softmax of the raw logits (temperature 1, before these rules), as
   the sampled token's own logprob is.
 
@@ -21,7 +24,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from worker import grammar_mask, sampler
+from worker import cpu_kernels, grammar_mask, sampler
 from worker.validate_sampling import SamplingExtras
 
 
@@ -38,6 +41,8 @@ def rows(x: SamplingExtras, mask: np.ndarray) -> SamplingExtras:
     if x.suppress is not None:
         out.suppress = x.suppress[mask]
         out.suppress_counts, out.suppress_ids = _csr_rows(x.suppress_counts, x.suppress_ids, mask)
+    if x.min_p is not None:
+        out.min_p = x.min_p[mask]
     if x.repetition is not None:
         out.repetition, out.presence, out.frequency = x.repetition[mask], x.presence[mask], x.frequency[mask]
         out.penalty_prompt_lens = x.penalty_prompt_lens[mask]
@@ -87,6 +92,25 @@ def _penalize(out: torch.Tensor, x: SamplingExtras) -> None:
     out[r, t] = v - freq * cnt - pres * (cnt > 0).to(out.dtype)
 
 
+def apply_min_p(out: torch.Tensor, min_p: np.ndarray, temperature) -> None:
+    """In place: each row with min_p > 0 and temperature > 0 keeps the logits >= its max +
+    temperature * ln(min_p) (the tokens with probability >= min_p x the most likely's), -inf elsewhere."""
+    temperature = np.asarray(temperature, dtype=np.float64)
+    rows = np.flatnonzero((min_p > 0) & (temperature > 0))
+    if not rows.size:
+        return
+    whole = rows.size == out.shape[0]
+    sub = out if whole else out[torch.as_tensor(rows, device=out.device)]
+    drop = torch.as_tensor(temperature[rows] * np.log(min_p[rows].astype(np.float64)), dtype=out.dtype,
+                           device=out.device)
+    if cpu_kernels.fused_ok(sub) and sub.is_contiguous():   # float32 on the CPU: one compiled pass
+        cpu_kernels.min_p_mask(sub, drop)
+    else:
+        sub.masked_fill_(sub < sub.amax(dim=1, keepdim=True) + drop[:, None], float("-inf"))
+    if not whole:
+        out[torch.as_tensor(rows, device=out.device)] = sub
+
+
 def sample_with_rules(logits: torch.Tensor, x: SamplingExtras, temperature, top_p, top_k, seeds, offsets,
                       return_logprobs: bool, keep_raw: bool = False):
     """The sampled rows' logits [S, V] with their rules -> (ids int32 [S], logprobs float32 [S] or
@@ -95,7 +119,10 @@ def sample_with_rules(logits: torch.Tensor, x: SamplingExtras, temperature, top_
     raw_lp = None
     if return_logprobs or x.top_logprobs:
         raw_lp = sampler.log_softmax_rows(logits)
-    ids, _ = sampler.sample(apply(logits, x, in_place=not keep_raw), temperature, top_p, top_k, seeds, offsets)
+    ruled = apply(logits, x, in_place=not keep_raw)
+    if x.min_p is not None:
+        apply_min_p(ruled, x.min_p, temperature)
+    ids, _ = sampler.sample(ruled, temperature, top_p, top_k, seeds, offsets)
     logprobs = None
     if return_logprobs:
         at = torch.as_tensor(ids, device=logits.device).long()[:, None]

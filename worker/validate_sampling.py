@@ -27,6 +27,7 @@ class SamplingExtras:
     top_logprobs: int = 0
     grammar_rows: np.ndarray | None = None      # int32 [G] constrained rows (structured outputs)
     grammar_bitmask: np.ndarray | None = None   # int32 [G, ceil(vocab / 32)] (worker/grammar_mask.py)
+    min_p: np.ndarray | None = None             # float32 [B], 0 = off
 
 
 def sampling_params(req, B: int):
@@ -53,7 +54,7 @@ def sampling_params(req, B: int):
 def sampling_extras(req, B: int, vocab: int, do_sample=None) -> SamplingExtras | None:
     """The optional per-sequence sampling rules; None when the batch uses none of them."""
     if not (req.min_tokens_suppress or req.repetition_penalty or req.presence_penalty
-            or req.frequency_penalty or req.top_logprobs or req.grammar_rows):
+            or req.frequency_penalty or req.top_logprobs or req.grammar_rows or req.min_p):
         return None
     x = SamplingExtras()
     if req.grammar_rows:
@@ -67,6 +68,10 @@ def sampling_extras(req, B: int, vocab: int, do_sample=None) -> SamplingExtras |
     if not 0 <= req.top_logprobs <= STEP_MAX_TOP_LOGPROBS:
         fail(f"top_logprobs = {req.top_logprobs} must be in [0, {STEP_MAX_TOP_LOGPROBS}]")
     x.top_logprobs = min(req.top_logprobs, vocab)
+    if req.min_p:
+        x.min_p = wire.unpack(req.min_p, wire.FLOAT32, name="min_p", count=B)
+        if not ((x.min_p >= 0) & (x.min_p <= 1)).all():  # NaN fails both comparisons
+            fail("min_p: every value must be in [0, 1] (0 = off)")
     if req.min_tokens_suppress:
         x.suppress = wire.unpack(req.min_tokens_suppress, wire.UINT8, name="min_tokens_suppress", count=B) > 0
         x.suppress_counts = wire.unpack(req.suppress_counts, wire.INT32, name="suppress_counts", count=B)

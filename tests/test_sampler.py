@@ -171,3 +171,49 @@ def test_a_nucleus_past_the_head_is_found_by_bins_as_a_sort_finds_it():
         u = uniform_for(seeds, offs)
         assert ids.tolist() == [reference_draw(logits[r], float(t[r]), float(p[r]), 0, float(u[r]))
                                 for r in range(R)]
+
+
+def test_compiled_whole_row_draw_is_the_torch_paths_and_the_definitions(monkeypatch):
+    """float32 rows that keep every token draw through worker/cpu_kernels.cpp (row_weights, then
+    pick_whole): the same tokens as the torch / numpy path and as reference_draw, including rows
+    with -inf masked ids and low temperatures over a wide spread (arguments of exp far below its
+    normal range, which count as weight 0)."""
+    from worker import cpu_kernels
+    import worker.sampler as sampler_mod
+    if not cpu_kernels.fused_ok(torch.zeros(1)):
+        pytest.skip("the CPU kernels are not built here")
+    g = torch.Generator().manual_seed(11)
+    R, V = 16, 5000
+    scale = torch.tensor([1.0, 4.0, 12.0, 30.0] * 4)[:, None]
+    logits = torch.randn(R, V, generator=g) * scale
+    logits[3, ::2] = float("-inf")
+    logits[7, 10:] = float("-inf")
+    t = np.array([1.0, 0.6, 0.3, 0.1] * 4, dtype=np.float32)
+    ones, zeros = np.ones(R, np.float32), np.zeros(R, np.int32)
+    for offset in range(8):
+        seeds, offs = np.arange(R, dtype=np.int64) * 3 + 2, np.full(R, offset, dtype=np.int32)
+        compiled, _ = sample(logits, t, ones, zeros, seeds, offs)
+        with monkeypatch.context() as m:
+            m.setattr(sampler_mod.cpu_kernels, "fused_ok", lambda x: False)
+            plain, _ = sample(logits, t, ones, zeros, seeds, offs)
+        u = uniform_for(seeds, offs)
+        want = [reference_draw(logits[r], float(t[r]), 1.0, 0, float(u[r])) for r in range(R)]
+        assert compiled.tolist() == plain.tolist() == want
+        assert all(np.isfinite(logits[r, compiled[r]].item()) for r in range(R))
+
+
+def test_compiled_min_p_masks_what_the_torch_form_masks(monkeypatch):
+    from worker import cpu_kernels, logits_processors
+    if not cpu_kernels.fused_ok(torch.zeros(1)):
+        pytest.skip("the CPU kernels are not built here")
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(6, 3000, generator=g) * 3
+    min_p = np.array([0.05, 0.0, 0.5, 1.0, 0.2, 0.01], dtype=np.float32)
+    t = np.array([1.0, 1.0, 0.7, 1.0, 0.0, 2.0], dtype=np.float32)
+    a, b = logits.clone(), logits.clone()
+    logits_processors.apply_min_p(a, min_p, t)
+    with monkeypatch.context() as m:
+        m.setattr(logits_processors.cpu_kernels, "fused_ok", lambda x: False)
+        logits_processors.apply_min_p(b, min_p, t)
+    assert torch.equal(a, b)
+    assert torch.equal(a[1], logits[1]) and torch.equal(a[4], logits[4])   # min_p 0, greedy: untouched

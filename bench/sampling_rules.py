@@ -10,7 +10,7 @@ parameters on every request; tok/s and the ratio to the first row, rows taking t
 rounds, each row of each round on new prompts (a repeated batch would hit the prefix cache).
 
     .venv/bin/python bench/sampling_rules.py [--model qwen3-0.6b|tiny|PATH] [--dtype auto]
-        [--prompts 64] [--new-tokens 64] [--repeat 2] [--skip-cluster]
+        [--prompts 64] [--new-tokens 64] [--repeat 2] [--skip-cluster] [--bf16-logits]
 
 min_tokens rows do not ignore EOS, so EOS is masked on every step (min_tokens = new tokens: every
 request still generates exactly --new-tokens); the other rows ignore EOS. Random weights give flat
@@ -78,7 +78,9 @@ def extras_for(rule: dict, rows: int, vocab: int, history: int, eos: int):
 def in_process(args, vocab: int, eos: int) -> None:
     from worker import logits_processors, sampler
     rows = args.prompts
-    logits = torch.randn(rows, vocab)
+    # rounded to bfloat16, as the CPU bfloat16 mode's lm_head writes them (auto on a bfloat16 CPU):
+    # values tie far more often than float32 ones, which the top-k head must handle
+    logits = torch.randn(rows, vocab).bfloat16().float() if args.bf16_logits else torch.randn(rows, vocab)
     zeros = lambda dt: np.zeros(rows, dtype=dt)  # noqa: E731
     print(f"## Part 1: one decode step's sampling, {rows} rows x {vocab} vocab, float32, "
           f"{torch.get_num_threads()} torch threads (histories of {2 * args.new_tokens} ids for penalties)\n")
@@ -143,6 +145,8 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--skip-cluster", action="store_true")
+    ap.add_argument("--bf16-logits", action="store_true",
+                    help="Part 1's logits rounded to bfloat16 (the CPU bfloat16 mode's lm_head output)")
     args = ap.parse_args()
     args.model = resolve_model(args.model)
     from minipaged.config import load_model_config

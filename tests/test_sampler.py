@@ -217,3 +217,34 @@ def test_compiled_min_p_masks_what_the_torch_form_masks(monkeypatch):
         logits_processors.apply_min_p(b, min_p, t)
     assert torch.equal(a, b)
     assert torch.equal(a[1], logits[1]) and torch.equal(a[4], logits[4])   # min_p 0, greedy: untouched
+
+
+def test_compiled_head_is_the_stable_sorts_first_m_and_draws_the_same_tokens(monkeypatch):
+    """worker/cpu_kernels.cpp head_stable: the first m of a stable descending sort (ties to the
+    lower id) of bfloat16-rounded float32 rows (many ties) with -inf ids; the sampler's top-k /
+    top-p draws through it equal the torch path's (topk, then re-sorted by id and value)."""
+    from worker import cpu_kernels
+    import worker.sampler as sampler_mod
+    if not cpu_kernels.fused_ok(torch.zeros(1)):
+        pytest.skip("the CPU kernels are not built here")
+    g = torch.Generator().manual_seed(21)
+    R, V = 10, 6000
+    logits = (torch.randn(R, V, generator=g) * 2).bfloat16().float()
+    logits[2, ::2] = float("-inf")
+    logits[5, 30:] = float("-inf")                                 # fewer finite ids than the head
+    for m in (1, 20, 84, 300):
+        vals, ids = cpu_kernels.head_stable(logits, m)
+        svals, sids = torch.sort(logits, dim=-1, descending=True, stable=True)
+        assert torch.equal(ids, sids[:, :m]) and torch.equal(vals, svals[:, :m])
+    t = np.array([0.6, 1.0, 0.8, 1.2, 0.7, 1.0, 0.5, 0.9, 1.0, 0.6], dtype=np.float32)
+    p = np.array([0.95, 1.0, 0.9, 0.8, 1.0, 0.95, 0.5, 1.0, 0.9, 0.99], dtype=np.float32)
+    k = np.array([20, 40, 0, 0, 5, 20, 0, 1, 50, 20], dtype=np.int32)
+    for offset in range(6):
+        seeds, offs = np.arange(R, dtype=np.int64) * 5 + 3, np.full(R, offset, dtype=np.int32)
+        compiled, _ = sample(logits, t, p, k, seeds, offs)
+        with monkeypatch.context() as mp:
+            mp.setattr(sampler_mod.cpu_kernels, "fused_ok", lambda x: False)
+            plain, _ = sample(logits, t, p, k, seeds, offs)
+        u = uniform_for(seeds, offs)
+        want = [reference_draw(logits[r], float(t[r]), float(p[r]), int(k[r]), float(u[r])) for r in range(R)]
+        assert compiled.tolist() == plain.tolist() == want

@@ -763,6 +763,54 @@ void min_p_mask(float* x, int R, int V, const float* drop, int num_threads) {
   }
 }
 
+// The first m of each row's stable descending order (value descending, ties to the lower id): the
+// sampler's head of candidates for top-k / top-p (worker/sampler.py _draw_filtered), exact at its
+// edge, where torch.topk takes any of the tied values (bfloat16 logits tie often) and the head then
+// had to be re-sorted by id and value. One scan of the row against the worst kept value (16 at a
+// time with AVX-512), a heap of m; the heap changes ~m ln(V / m) times on a row in random order.
+void head_stable(const float* x, int R, int V, int m, float* vals, int64_t* ids, int num_threads) {
+  using Entry = std::pair<float, int>;
+  // a before b in the stable descending order; the heap's top is then the worst kept entry
+  auto better = [](const Entry& a, const Entry& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  };
+#pragma omp parallel for num_threads(std::max(1, num_threads)) schedule(static)
+  for (int r = 0; r < R; ++r) {
+    const float* xr = x + int64_t(r) * V;
+    std::vector<Entry> heap;
+    heap.reserve(m);
+    int i = 0;
+    for (; i < V && int(heap.size()) < m; ++i) {
+      heap.emplace_back(xr[i], i);
+      std::push_heap(heap.begin(), heap.end(), better);
+    }
+    float tau = heap.front().first;   // a later id enters only with a value above the worst kept
+    auto offer = [&](int j) {
+      if (xr[j] > tau) {
+        std::pop_heap(heap.begin(), heap.end(), better);
+        heap.back() = Entry(xr[j], j);
+        std::push_heap(heap.begin(), heap.end(), better);
+        tau = heap.front().first;
+      }
+    };
+#if defined(__AVX512F__)
+    for (; i + 16 <= V; i += 16) {
+      __mmask16 mk = _mm512_cmp_ps_mask(_mm512_loadu_ps(xr + i), _mm512_set1_ps(tau), _CMP_GT_OQ);
+      while (mk) {                     // in id order: ties keep the lower id
+        offer(i + __builtin_ctz(mk));
+        mk &= mk - 1;
+      }
+    }
+#endif
+    for (; i < V; ++i) offer(i);
+    std::sort(heap.begin(), heap.end(), better);
+    for (int j = 0; j < m; ++j) {
+      vals[int64_t(r) * m + j] = heap[j].first;
+      ids[int64_t(r) * m + j] = heap[j].second;
+    }
+  }
+}
+
 namespace minipaged_amx {  // worker/cpu_attn_amx.cpp
 int paged_prefill_bf16(const float* query, const uint16_t* key_cache, const uint16_t* value_cache,
                        const int32_t* block_tables, int max_blocks, const int32_t* seq_lens, const int32_t* q_starts,
@@ -929,6 +977,10 @@ void minipaged_add_rmsnorm_bf16(float* h, const uint16_t* y, int T, int n, const
 void minipaged_pick_whole_f32(const float* w, int R, int V, const double* u, int chunk, int64_t* out,
                               int num_threads) {
   pick_whole(w, R, V, u, chunk, out, num_threads);
+}
+
+void minipaged_head_stable_f32(const float* x, int R, int V, int m, float* vals, int64_t* ids, int num_threads) {
+  head_stable(x, R, V, m, vals, ids, num_threads);
 }
 
 void minipaged_min_p_f32(float* x, int R, int V, const float* drop, int num_threads) {

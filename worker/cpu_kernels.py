@@ -109,12 +109,13 @@ def load_library() -> ctypes.CDLL | None:
         lib.minipaged_row_weights_f32.argtypes = [P, I, I, P, P, I]
         lib.minipaged_pick_whole_f32.argtypes = [P, I, I, P, I, P, I]
         lib.minipaged_min_p_f32.argtypes = [P, I, I, P, I]
+        lib.minipaged_head_stable_f32.argtypes = [P, I, I, I, P, P, I]
         for fn in (lib.minipaged_linear_bf16w_f32, lib.minipaged_linear_amx_f32):
             fn.argtypes = [P, ctypes.c_int64, I, I, P, I, P, P, ctypes.c_int64, I]
         for fn in (lib.minipaged_qk_norm_rope_f32, lib.minipaged_qk_norm_rope_bf16, lib.minipaged_silu_mul_f32,
                    lib.minipaged_silu_mul_bf16, lib.minipaged_add_rmsnorm_bf16, lib.minipaged_add_rmsnorm_f32,
                    lib.minipaged_linear_bf16w_f32, lib.minipaged_row_weights_f32, lib.minipaged_pick_whole_f32,
-                   lib.minipaged_min_p_f32):
+                   lib.minipaged_min_p_f32, lib.minipaged_head_stable_f32):
             fn.restype = None
         for fn in (lib.minipaged_bf16w_available, lib.minipaged_bf16w_all_batches, lib.minipaged_amx_available,
                    lib.minipaged_linear_amx_f32,
@@ -172,6 +173,16 @@ def row_weights(x: torch.Tensor, temp: torch.Tensor, out: torch.Tensor) -> torch
     load_library().minipaged_row_weights_f32(x.data_ptr(), R, V, t.data_ptr(), out.data_ptr(),
                                              torch.get_num_threads())
     return out
+
+
+def head_stable(x: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first m (<= V) of each float32 row's stable descending order (value descending, ties to
+    the lower id) of x [R, V] (contiguous, CPU): (values float32 [R, m], ids int64 [R, m])."""
+    R, V = x.shape
+    vals, ids = torch.empty(R, m, dtype=torch.float32), torch.empty(R, m, dtype=torch.int64)
+    load_library().minipaged_head_stable_f32(x.data_ptr(), R, V, m, vals.data_ptr(), ids.data_ptr(),
+                                             torch.get_num_threads())
+    return vals, ids
 
 
 def min_p_mask(x: torch.Tensor, drop: torch.Tensor) -> None:

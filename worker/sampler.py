@@ -192,20 +192,7 @@ def _draw_filtered(x, temp, p, k, u) -> torch.Tensor:
     if m >= V:   # a small vocabulary: the head would be the whole row, so sort the row
         vals, ids = torch.sort(x, dim=-1, descending=True, stable=True)
         return _finish(vals, ids, temp, p, k, u, z_all, torch.full((R,), V, device=dev), True)[0]
-    vals, ids = torch.topk(x, m + 1, dim=-1)
-    # The head's first m are those of a stable sort, up to ties at its last value (topk takes any
-    # of them): whole when the (m+1)-th is lower (or they are -inf, weightless), else exact only
-    # above that value.
-    exact = torch.full((R,), m, dtype=torch.int64, device=dev)
-    tied = (vals[:, m] == vals[:, m - 1]) & ~torch.isinf(vals[:, m - 1])
-    if bool(tied.any()):    # every value above the tie is in the head: count there, not over the row
-        rows = tied.nonzero().squeeze(1)  # (bfloat16 logits tie often: a row pass here cost ~8% of a step)
-        exact[rows] = (vals[rows, :m] > vals[rows, m - 1:m]).sum(-1)
-    vals, ids = vals[:, :m], ids[:, :m]
-    by_id = torch.argsort(ids, dim=-1)                  # ties in id order: by id, then a stable sort by value
-    vals, ids = vals.gather(1, by_id), ids.gather(1, by_id)
-    by_val = torch.sort(vals, dim=-1, descending=True, stable=True).indices
-    vals, ids = vals.gather(1, by_val), ids.gather(1, by_val)
+    vals, ids, exact = _head(x, m)
     tok, fits = _finish(vals, ids, temp, p, k, u, z_all, exact, False)
     if bool(fits.all()):
         return tok
@@ -223,6 +210,30 @@ def _draw_filtered(x, temp, p, k, u) -> torch.Tensor:
         tok[rows], _ = _finish(svals, sids, temp[rows], p[rows], k[rows], u[rows], z_all[rows],
                                torch.full((rows.numel(),), V, device=dev), True)
     return tok
+
+
+def _head(x, m: int):
+    """(values, ids, exact): each row's m best candidates in stable descending order (value
+    descending, ties to the lower id), the first `exact` of them certainly those of a stable sort
+    of the row. float32 rows on the CPU: one compiled scan, exact everywhere."""
+    R = x.shape[0]
+    if cpu_kernels.fused_ok(x) and x.is_contiguous():
+        vals, ids = cpu_kernels.head_stable(x, m)
+        return vals, ids, torch.full((R,), m, dtype=torch.int64)
+    vals, ids = torch.topk(x, m + 1, dim=-1)
+    # The head's first m are those of a stable sort, up to ties at its last value (topk takes any
+    # of them): whole when the (m+1)-th is lower (or they are -inf, weightless), else exact only
+    # above that value.
+    exact = torch.full((R,), m, dtype=torch.int64, device=x.device)
+    tied = (vals[:, m] == vals[:, m - 1]) & ~torch.isinf(vals[:, m - 1])
+    if bool(tied.any()):    # every value above the tie is in the head: count there, not over the row
+        rows = tied.nonzero().squeeze(1)  # (bfloat16 logits tie often: a row pass here cost ~8% of a step)
+        exact[rows] = (vals[rows, :m] > vals[rows, m - 1:m]).sum(-1)
+    vals, ids = vals[:, :m], ids[:, :m]
+    by_id = torch.argsort(ids, dim=-1)                  # ties in id order: by id, then a stable sort by value
+    vals, ids = vals.gather(1, by_id), ids.gather(1, by_id)
+    by_val = torch.sort(vals, dim=-1, descending=True, stable=True).indices
+    return vals.gather(1, by_val), ids.gather(1, by_val), exact
 
 
 NUCLEUS_BINS = 4096

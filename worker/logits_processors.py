@@ -136,5 +136,8 @@ def top_logprobs(raw_logits: torch.Tensor, k: int, raw_lp: torch.Tensor | None =
     log_softmax given as raw_lp when the caller has it; then raw_logits is not read)."""
     lp = raw_lp if raw_lp is not None else torch.log_softmax(
         raw_logits.to(torch.float64 if raw_logits.dtype == torch.float64 else torch.float32), -1)
+    if cpu_kernels.fused_ok(lp) and lp.is_contiguous():   # one compiled scan (ties: the lower id first)
+        vals, ids = cpu_kernels.head_stable(lp, k)
+        return ids.to(torch.int32).numpy(), vals.numpy()
     vals, ids = torch.topk(lp, k, dim=-1)
     return ids.to(torch.int32).cpu().numpy(), vals.to(torch.float32).cpu().numpy()

@@ -775,6 +775,7 @@ void head_stable(const float* x, int R, int V, int m, float* vals, int64_t* ids,
     return a.first > b.first || (a.first == b.first && a.second < b.second);
   };
 #pragma omp parallel for num_threads(std::max(1, num_threads)) schedule(static)
+  if (m <= 0 || m > V) return;       // (callers ask for 1 <= m <= V)
   for (int r = 0; r < R; ++r) {
     const float* xr = x + int64_t(r) * V;
     std::vector<Entry> heap;

@@ -179,6 +179,8 @@ def head_stable(x: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The first m (<= V) of each float32 row's stable descending order (value descending, ties to
     the lower id) of x [R, V] (contiguous, CPU): (values float32 [R, m], ids int64 [R, m])."""
     R, V = x.shape
+    if not 1 <= m <= V:
+        raise ValueError(f"head_stable: m = {m} must be in [1, {V}]")
     vals, ids = torch.empty(R, m, dtype=torch.float32), torch.empty(R, m, dtype=torch.int64)
     load_library().minipaged_head_stable_f32(x.data_ptr(), R, V, m, vals.data_ptr(), ids.data_ptr(),
                                              torch.get_num_threads())

@@ -774,8 +774,8 @@ void head_stable(const float* x, int R, int V, int m, float* vals, int64_t* ids,
   auto better = [](const Entry& a, const Entry& b) {
     return a.first > b.first || (a.first == b.first && a.second < b.second);
   };
-#pragma omp parallel for num_threads(std::max(1, num_threads)) schedule(static)
   if (m <= 0 || m > V) return;       // (callers ask for 1 <= m <= V)
+#pragma omp parallel for num_threads(std::max(1, num_threads)) schedule(static)
   for (int r = 0; r < R; ++r) {
     const float* xr = x + int64_t(r) * V;
     std::vector<Entry> heap;

@@ -5,6 +5,7 @@ validates every value and answers INVALID_ARGUMENT, so the two cannot disagree."
 from __future__ import annotations
 
 import json
+import numbers
 from typing import Sequence
 
 import numpy as np
@@ -79,7 +80,9 @@ def build_generate_request(prompt: str | None = None, prompt_token_ids: Sequence
         ("best_of", best_of), ("min_new_tokens", min_new_tokens), ("beam_width", beam_width)))
     if top_p is not None and not 0 < float(top_p) <= 1:  # also catches NaN
         raise InvalidArgument(f"top_p must be in (0, 1], got {top_p}")
-    if not 0 <= float(min_p) <= 1:
+    if isinstance(min_p, bool) or not isinstance(min_p, numbers.Real):
+        raise TypeError(f"min_p must be a number, got {min_p!r}")
+    if not 0 <= float(min_p) <= 1:   # (also catches NaN)
         raise InvalidArgument(f"min_p must be in [0, 1] (0 = off), got {min_p}")
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if not all(isinstance(s, str) for s in stops):

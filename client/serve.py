@@ -215,6 +215,8 @@ def serve(a) -> int:
     try:                      # before any process starts: the workers / the gateway would refuse these
         if a.rope_scaling:
             parse_rope_scaling(a.rope_scaling)
+        if a.generation_config not in gd.SOURCES:    # a directory: the gateway runs elsewhere (cwd)
+            a.generation_config = os.path.abspath(a.generation_config)
         gd.load(a.generation_config, a.model, gd.parse_override(a.override_generation_config))
     except (ValueError, OSError) as e:
         say(f"error: {e}")

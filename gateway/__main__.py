@@ -32,8 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the --model the workers load (tiny or a checkpoint directory readable here): names "
                         "the model in /v1/models and supplies its chat template and tokenizer (env MINIPAGED_MODEL)")
     p.add_argument("--served-model-name", default=None, help="the name in /v1/models instead of --model")
-    p.add_argument("--default-max-tokens", type=int, default=256,
-                   help="max_tokens of chat requests that give none (capped by the model's context)")
+    p.add_argument("--default-max-tokens", type=int, default=None,
+                   help="max_tokens of chat requests that give none (capped by the model's context; default: the "
+                        "checkpoint's generation_config.json max_new_tokens with --generation-config auto, else 256)")
     p.add_argument("--generation-config", default="auto",
                    help="what unset sampling fields of a request take: auto (the --model checkpoint's "
                         "generation_config.json, as vLLM: Qwen3's temperature 0.6, top_p 0.95, top_k 20), vllm "

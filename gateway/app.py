@@ -31,7 +31,7 @@ from .dashboard import dashboard_routes
 from .errors import GatewayError, bad_request, error_response
 from .metrics import GatewayMetrics
 from .sse import _chat_events, _collect, _completion_events, _start_sse, _unless_disconnected
-from .state import MODEL_REFRESH_S, Gateway, GatewayConfig
+from .state import DEFAULT_CHAT_MAX_TOKENS, MODEL_REFRESH_S, Gateway, GatewayConfig
 
 log = logging.getLogger("gateway")
 
@@ -193,7 +193,7 @@ async def _chat_completions(gw: Gateway, request: Request):
         prompt = gw.template.render(messages, req.add_generation_prompt, **template_kwargs)
     except ValueError as e:
         raise bad_request(str(e), "messages") from None
-    kw = oa.chat_kwargs(req, _default_max_tokens(gw, prompt), gw.sampling_defaults)
+    kw = oa.chat_kwargs(req, _default_max_tokens(gw, prompt, req.use_beam_search), gw.sampling_defaults)
     kw.update(_forced_tool_kwargs(tools, kw))
     output = OutputOptions(reasoning=gw.config.reasoning_parser == "qwen3" and gw.template.thinks,
                            reasoning_open=rs.prompt_opens_reasoning(prompt), tools=tools)
@@ -262,11 +262,13 @@ def _encode_or_fail(gw: Gateway, text: str) -> list[int]:
     return ids
 
 
-def _default_max_tokens(gw: Gateway, prompt: str) -> int:
-    """Chat requests without max_tokens: generation_config.json's max_new_tokens where the server's
-    defaults have it, else --default-max-tokens; within the model's context when the gateway can read
-    the model (it then knows the prompt's length too)."""
-    limit = gw.sampling_defaults.get("max_tokens", gw.config.default_max_tokens)
+def _default_max_tokens(gw: Gateway, prompt: str, beams: bool = False) -> int:
+    """Chat requests without max_tokens: --default-max-tokens when given, else generation_config.json's
+    max_new_tokens where the server's defaults have it (not for beam search), else 256; within the
+    model's context when the gateway can read the model (it then knows the prompt's length too)."""
+    limit = gw.config.default_max_tokens
+    if limit is None:
+        limit = DEFAULT_CHAT_MAX_TOKENS if beams else gw.sampling_defaults.get("max_tokens", DEFAULT_CHAT_MAX_TOKENS)
     if gw.max_model_len and gw.tokenizer is not None:
         limit = min(limit, max(1, gw.max_model_len - len(gw.tokenizer.encode(prompt))))
     return limit

@@ -38,7 +38,7 @@ class GatewayConfig:
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
-    default_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS  # chat requests without max_tokens
+    default_max_tokens: int | None = None  # chat requests without max_tokens (None: the file's, else 256)
     reasoning_parser: str = rs.DEFAULT_PARSER  # "qwen3": <think> split out where the template thinks
     generation_config: str = "auto"       # unset sampling fields: auto | vllm | DIR (minipaged/generation_defaults.py)
     override_generation_config: dict | None = None
@@ -150,6 +150,7 @@ class Gateway:
             if not identity.readable_checkpoint(st.model):
                 log.warning("the workers' model %s is not readable here: chat uses the %s template and logprob "
                             "tokens are shown as ids (mount it, or pass --model)", st.model, self.template.source)
+                self._adopt_sampling_defaults(None)   # not the previous model's
                 return
             loaded = await asyncio.to_thread(lambda: (ChatTemplate(st.model), self._load_tokenizer(st.model)))
             self.template, self.tokenizer = loaded
@@ -158,15 +159,18 @@ class Gateway:
             log.info("model taken from the service: %s (max_model_len %d, chat template: %s)", st.model,
                      st.max_model_len, self.template.source)
 
-    def _adopt_sampling_defaults(self, model: str) -> None:
-        """Without --model, `--generation-config auto` reads the served model's file once it is known."""
+    def _adopt_sampling_defaults(self, model: str | None) -> None:
+        """Without --model, `--generation-config auto` reads the served model's file once it is known
+        (None: not readable here); what cannot be read leaves the override's defaults alone, never the
+        previous model's."""
         c = self.config
         if c.generation_config != "auto":
             return
         try:
             self.sampling_defaults = gd.load("auto", model, c.override_generation_config)
-        except ValueError as e:   # the workers serve it anyway: requests keep the defaults they had
-            log.error("%s: keeping %s", e, gd.describe(self.sampling_defaults, "auto"))
+        except ValueError as e:   # the workers serve it anyway
+            self.sampling_defaults = gd.load("vllm", None, c.override_generation_config)
+            log.error("%s: %s", e, gd.describe(self.sampling_defaults, "vllm"))
             return
         log.info("%s", gd.describe(self.sampling_defaults, "auto"))
 

@@ -28,13 +28,13 @@ import os
 
 FIELDS = {"temperature": float, "top_p": float, "top_k": int, "repetition_penalty": float,
           "presence_penalty": float, "frequency_penalty": float, "min_p": float, "max_new_tokens": int}
-RANGES = {"temperature": lambda v: v >= 0, "top_p": lambda v: 0 < v <= 1, "top_k": lambda v: v >= -1,
+RANGES = {"temperature": lambda v: v >= 0, "top_p": lambda v: 0 < v <= 1, "top_k": lambda v: -1 <= v < 2**31,
           "repetition_penalty": lambda v: v > 0, "presence_penalty": lambda v: -2 <= v <= 2,
           "frequency_penalty": lambda v: -2 <= v <= 2, "min_p": lambda v: 0 <= v <= 1,
-          "max_new_tokens": lambda v: v >= 1}
-RANGE_TEXT = {"temperature": ">= 0", "top_p": "in (0, 1]", "top_k": ">= -1, -1 or 0 = off",
+          "max_new_tokens": lambda v: 1 <= v < 2**31}
+RANGE_TEXT = {"temperature": ">= 0", "top_p": "in (0, 1]", "top_k": "in [-1, 2^31), -1 or 0 = off",
               "repetition_penalty": "> 0", "presence_penalty": "in [-2, 2]", "frequency_penalty": "in [-2, 2]",
-              "min_p": "in [0, 1]", "max_new_tokens": ">= 1"}
+              "min_p": "in [0, 1]", "max_new_tokens": "in [1, 2^31)"}
 SOURCES = ("auto", "vllm")   # or a directory holding generation_config.json
 
 
@@ -42,11 +42,13 @@ def _read(directory: str) -> dict:
     path = os.path.join(directory, "generation_config.json")
     if not os.path.isfile(path):
         return {}
-    with open(path) as f:
-        try:
+    try:
+        with open(path) as f:
             raw = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not valid JSON ({e})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: cannot be read ({e})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a JSON object")
     return raw
@@ -59,11 +61,13 @@ def _checked(raw: dict, where: str) -> dict:
         value = raw.get(name)
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"{where}: {name} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
-        value = kind(value)
-        if not math.isfinite(value):
+        if not math.isfinite(value):        # (JSON's Infinity / NaN parse as floats)
             raise ValueError(f"{where}: {name} must be finite, got {value!r}")
+        if kind is int and value != int(value):
+            raise ValueError(f"{where}: {name} must be an integer, got {value!r}")
+        value = kind(value)
         out[name] = value
         if not RANGES[name](value):
             raise ValueError(f"{where}: {name} {value} is out of range ({RANGE_TEXT[name]})")

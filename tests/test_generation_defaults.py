@@ -175,3 +175,36 @@ def test_requests_take_the_checkpoints_sampling_defaults(ckpt):
         want = oracle.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=8, do_sample=False, eos_token_id=None,
                                pad_token_id=0)[0, 4:].tolist()
     assert got == want == greedy                                         # top_k 1 over temperature 1: greedy
+
+
+def test_bad_values_are_one_line_errors_and_bounds_are_the_wires(tmp_path):
+    """JSON's Infinity / NaN, ints past int32, an unreadable file: ValueError naming the field or
+    file (python -m gateway and minipaged serve print it and exit), never another exception."""
+    for cfg, words in (({"top_k": float("inf")}, "top_k must be finite"), ({"temperature": float("nan")}, "finite"),
+                       ({"top_k": 2**31}, "top_k 2147483648 is out of range"),
+                       ({"max_new_tokens": 10**12}, "out of range")):
+        d = _write(tmp_path / f"m{len(words)}{cfg}", cfg)
+        with pytest.raises(ValueError, match=words):
+            gd.load("auto", d)
+    d = tmp_path / "unreadable"
+    d.mkdir()
+    (d / "generation_config.json").write_bytes(b"\xff\xfe{")   # not UTF-8 text
+    with pytest.raises(ValueError, match="cannot be read"):
+        gd.load("auto", str(d))
+
+
+def test_chat_default_max_tokens_precedence():
+    """--default-max-tokens when given, else the file's max_new_tokens (not for beam search), else 256."""
+    from gateway.app import _default_max_tokens
+    from gateway.state import GatewayConfig
+
+    class Gw:
+        max_model_len, tokenizer = None, None
+
+        def __init__(self, flag, defaults):
+            self.config, self.sampling_defaults = GatewayConfig(metadata="x", default_max_tokens=flag), defaults
+
+    assert _default_max_tokens(Gw(None, {"max_tokens": 50}), "p") == 50
+    assert _default_max_tokens(Gw(None, {"max_tokens": 50}), "p", beams=True) == 256
+    assert _default_max_tokens(Gw(None, {}), "p") == 256
+    assert _default_max_tokens(Gw(77, {"max_tokens": 50}), "p") == 77

@@ -782,7 +782,8 @@ void head_stable(const float* x, int R, int V, int m, float* vals, int64_t* ids,
     heap.reserve(m);
     int i = 0;
     for (; i < V && int(heap.size()) < m; ++i) {
-      heap.emplace_back(xr[i], i);
+      const float v = xr[i];           // NaN (a broken model) as -inf: the order must stay strict
+      heap.emplace_back(v == v ? v : -std::numeric_limits<float>::infinity(), i);
       std::push_heap(heap.begin(), heap.end(), better);
     }
     float tau = heap.front().first;   // a later id enters only with a value above the worst kept

@@ -139,7 +139,7 @@ def _row_weights(x, temp, buffer: str = "weights") -> torch.Tensor:
     """exp((x - row max) / T) in x's dtype, 0 below EXP_FLOOR, in a scratch buffer (valid until its
     next use). float32 rows on the CPU: one compiled pass (worker/cpu_kernels.cpp row_weights)."""
     out = scratch_like(x, buffer)
-    if cpu_kernels.fused_ok(x) and x.dim() == 2 and x.is_contiguous():
+    if cpu_kernels.fused_ok(x) and x.dim() == 2 and x.is_contiguous() and out.is_contiguous():
         return cpu_kernels.row_weights(x, temp, out)
     w = torch.sub(x, x.max(-1, keepdim=True).values, out=out)
     w.div_(temp.to(w.dtype)[:, None])

@@ -173,13 +173,27 @@ def test_a_nucleus_past_the_head_is_found_by_bins_as_a_sort_finds_it():
                                 for r in range(R)]
 
 
+def _three_ways(monkeypatch, logits, t, p, k, seeds, offset):
+    """The tokens of the compiled paths, of the torch / numpy paths (the kernels switched off), and of
+    reference_draw, for one step at `offset`."""
+    import worker.sampler as sampler_mod
+    R = logits.shape[0]
+    seeds, offs = np.asarray(seeds, dtype=np.int64), np.full(R, offset, dtype=np.int32)
+    compiled, _ = sample(logits, t, p, k, seeds, offs)
+    with monkeypatch.context() as m:
+        m.setattr(sampler_mod.cpu_kernels, "fused_ok", lambda x: False)
+        plain, _ = sample(logits, t, p, k, seeds, offs)
+    u = uniform_for(seeds, offs)
+    want = [reference_draw(logits[r], float(t[r]), float(p[r]), int(k[r]), float(u[r])) for r in range(R)]
+    return compiled.tolist(), plain.tolist(), want
+
+
 def test_compiled_whole_row_draw_is_the_torch_paths_and_the_definitions(monkeypatch):
     """float32 rows that keep every token draw through worker/cpu_kernels.cpp (row_weights, then
     pick_whole): the same tokens as the torch / numpy path and as reference_draw, including rows
     with -inf masked ids and low temperatures over a wide spread (arguments of exp far below its
     normal range, which count as weight 0)."""
     from worker import cpu_kernels
-    import worker.sampler as sampler_mod
     if not cpu_kernels.fused_ok(torch.zeros(1)):
         pytest.skip("the CPU kernels are not built here")
     g = torch.Generator().manual_seed(11)
@@ -189,16 +203,10 @@ def test_compiled_whole_row_draw_is_the_torch_paths_and_the_definitions(monkeypa
     logits[3, ::2] = float("-inf")
     logits[7, 10:] = float("-inf")
     t = np.array([1.0, 0.6, 0.3, 0.1] * 4, dtype=np.float32)
-    ones, zeros = np.ones(R, np.float32), np.zeros(R, np.int32)
     for offset in range(8):
-        seeds, offs = np.arange(R, dtype=np.int64) * 3 + 2, np.full(R, offset, dtype=np.int32)
-        compiled, _ = sample(logits, t, ones, zeros, seeds, offs)
-        with monkeypatch.context() as m:
-            m.setattr(sampler_mod.cpu_kernels, "fused_ok", lambda x: False)
-            plain, _ = sample(logits, t, ones, zeros, seeds, offs)
-        u = uniform_for(seeds, offs)
-        want = [reference_draw(logits[r], float(t[r]), 1.0, 0, float(u[r])) for r in range(R)]
-        assert compiled.tolist() == plain.tolist() == want
+        compiled, plain, want = _three_ways(monkeypatch, logits, t, np.ones(R, np.float32),
+                                            np.zeros(R, np.int32), np.arange(R) * 3 + 2, offset)
+        assert compiled == plain == want
         assert all(np.isfinite(logits[r, compiled[r]].item()) for r in range(R))
 
 
@@ -224,7 +232,6 @@ def test_compiled_head_is_the_stable_sorts_first_m_and_draws_the_same_tokens(mon
     lower id) of bfloat16-rounded float32 rows (many ties) with -inf ids; the sampler's top-k /
     top-p draws through it equal the torch path's (topk, then re-sorted by id and value)."""
     from worker import cpu_kernels
-    import worker.sampler as sampler_mod
     if not cpu_kernels.fused_ok(torch.zeros(1)):
         pytest.skip("the CPU kernels are not built here")
     g = torch.Generator().manual_seed(21)
@@ -240,11 +247,5 @@ def test_compiled_head_is_the_stable_sorts_first_m_and_draws_the_same_tokens(mon
     p = np.array([0.95, 1.0, 0.9, 0.8, 1.0, 0.95, 0.5, 1.0, 0.9, 0.99], dtype=np.float32)
     k = np.array([20, 40, 0, 0, 5, 20, 0, 1, 50, 20], dtype=np.int32)
     for offset in range(6):
-        seeds, offs = np.arange(R, dtype=np.int64) * 5 + 3, np.full(R, offset, dtype=np.int32)
-        compiled, _ = sample(logits, t, p, k, seeds, offs)
-        with monkeypatch.context() as mp:
-            mp.setattr(sampler_mod.cpu_kernels, "fused_ok", lambda x: False)
-            plain, _ = sample(logits, t, p, k, seeds, offs)
-        u = uniform_for(seeds, offs)
-        want = [reference_draw(logits[r], float(t[r]), float(p[r]), int(k[r]), float(u[r])) for r in range(R)]
-        assert compiled.tolist() == plain.tolist() == want
+        compiled, plain, want = _three_ways(monkeypatch, logits, t, p, k, np.arange(R) * 5 + 3, offset)
+        assert compiled == plain == want

@@ -224,7 +224,7 @@ def _sliding_layers(cfg: dict) -> int:
     return max(0, cfg["num_hidden_layers"] - (28 if first is None else first))
 
 
-def _read_json(path: str):
+def read_json(path: str):
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
@@ -257,7 +257,7 @@ def load_model_config(model: str, rope_scaling: dict | None = None) -> ModelConf
         if not os.path.isfile(path):
             raise FileNotFoundError(f"--model {model!r}: no config.json there (expected 'tiny' or a local "
                                     f"Hugging Face Qwen3 checkpoint directory)")
-        cfg = _read_json(path)
+        cfg = read_json(path)
     if rope_scaling is not None and isinstance(cfg, dict):
         cfg = dict(cfg, rope_scaling=dict({"rope_theta": rope_theta(cfg)}, **rope_scaling))   # its own theta wins
     if model == "tiny":
@@ -266,7 +266,7 @@ def load_model_config(model: str, rope_scaling: dict | None = None) -> ModelConf
     # generation_config.json may name more EOS ids (Qwen3 chat models do).
     gen_path = os.path.join(model, "generation_config.json")
     if os.path.isfile(gen_path):
-        gen = _read_json(gen_path)
+        gen = read_json(gen_path)
         gen_eos = gen.get("eos_token_id") if isinstance(gen, dict) else None
         if gen_eos is not None:
             if not (_is_int(gen_eos) or (isinstance(gen_eos, list) and all(_is_int(e) for e in gen_eos))):

@@ -26,15 +26,17 @@ import json
 import math
 import os
 
-FIELDS = {"temperature": float, "top_p": float, "top_k": int, "repetition_penalty": float,
-          "presence_penalty": float, "frequency_penalty": float, "min_p": float, "max_new_tokens": int}
-RANGES = {"temperature": lambda v: v >= 0, "top_p": lambda v: 0 < v <= 1, "top_k": lambda v: -1 <= v < 2**31,
-          "repetition_penalty": lambda v: v > 0, "presence_penalty": lambda v: -2 <= v <= 2,
-          "frequency_penalty": lambda v: -2 <= v <= 2, "min_p": lambda v: 0 <= v <= 1,
-          "max_new_tokens": lambda v: 1 <= v < 2**31}
-RANGE_TEXT = {"temperature": ">= 0", "top_p": "in (0, 1]", "top_k": "in [-1, 2^31), -1 or 0 = off",
-              "repetition_penalty": "> 0", "presence_penalty": "in [-2, 2]", "frequency_penalty": "in [-2, 2]",
-              "min_p": "in [0, 1]", "max_new_tokens": "in [1, 2^31)"}
+from minipaged.config import read_json
+
+# field -> (type, the range the service accepts, that range in words)
+FIELDS = {"temperature": (float, lambda v: v >= 0, ">= 0"),
+          "top_p": (float, lambda v: 0 < v <= 1, "in (0, 1]"),
+          "top_k": (int, lambda v: -1 <= v < 2**31, "in [-1, 2^31), -1 or 0 = off"),
+          "repetition_penalty": (float, lambda v: v > 0, "> 0"),
+          "presence_penalty": (float, lambda v: -2 <= v <= 2, "in [-2, 2]"),
+          "frequency_penalty": (float, lambda v: -2 <= v <= 2, "in [-2, 2]"),
+          "min_p": (float, lambda v: 0 <= v <= 1, "in [0, 1]"),
+          "max_new_tokens": (int, lambda v: 1 <= v < 2**31, "in [1, 2^31)")}
 SOURCES = ("auto", "vllm")   # or a directory holding generation_config.json
 
 
@@ -43,12 +45,9 @@ def _read(directory: str) -> dict:
     if not os.path.isfile(path):
         return {}
     try:
-        with open(path) as f:
-            raw = json.load(f)
-    except (OSError, UnicodeDecodeError) as e:
+        raw = read_json(path)       # (bad JSON or text: a ValueError naming the file)
+    except OSError as e:
         raise ValueError(f"{path}: cannot be read ({e})") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a JSON object")
     return raw
@@ -57,7 +56,7 @@ def _read(directory: str) -> dict:
 def _checked(raw: dict, where: str) -> dict:
     """The sampling fields of `raw`, typed; a wrong type or value is a ValueError naming it."""
     out = {}
-    for name, kind in FIELDS.items():
+    for name, (kind, in_range, range_text) in FIELDS.items():
         value = raw.get(name)
         if value is None:
             continue
@@ -69,8 +68,8 @@ def _checked(raw: dict, where: str) -> dict:
             raise ValueError(f"{where}: {name} must be an integer, got {value!r}")
         value = kind(value)
         out[name] = value
-        if not RANGES[name](value):
-            raise ValueError(f"{where}: {name} {value} is out of range ({RANGE_TEXT[name]})")
+        if not in_range(value):
+            raise ValueError(f"{where}: {name} {value} is out of range ({range_text})")
     if "max_new_tokens" in out:
         out["max_tokens"] = out.pop("max_new_tokens")
     return out

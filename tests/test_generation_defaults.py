@@ -189,7 +189,7 @@ def test_bad_values_are_one_line_errors_and_bounds_are_the_wires(tmp_path):
     d = tmp_path / "unreadable"
     d.mkdir()
     (d / "generation_config.json").write_bytes(b"\xff\xfe{")   # not UTF-8 text
-    with pytest.raises(ValueError, match="cannot be read"):
+    with pytest.raises(ValueError, match="generation_config.json: not UTF-8 text"):
         gd.load("auto", str(d))
 
 

@@ -4,8 +4,10 @@ Randomness is counter-based: row r's uniform number is a hash (splitmix64) of it
 (seed, offset), where offset is the index of the token being sampled. So a request with a seed
 gets the same tokens whatever else is in the batch, wherever it sits, on any device, without a
 per-row generator loop. The uniform picks a token by inverse CDF over the kept tokens in id order.
-Nothing sorts the vocabulary unless a top-p nucleus is larger than the head of candidates that
-torch.topk finds (bench/sampling_rules.py: [64, 151,936] rows, ~360 ms for a sort, 6-35 ms here).
+The kept set comes from a head of candidates (on the CPU one compiled scan, worker/cpu_kernels.cpp
+head_stable; elsewhere torch.topk), a top-p nucleus past the head from binning its row; a row is
+sorted only where its top-k edge ties run past the head on a GPU or in float64
+(bench/sampling_rules.py: [64, 151,936] rows, ~360 ms for a sort, 2-3 ms here).
 """
 from __future__ import annotations
 
@@ -107,7 +109,7 @@ def _draw(logits, temp, top_p, top_k, seeds, offsets) -> torch.Tensor:
     the top_k (0 = all) heaviest, ties to the lower id, then the smallest prefix of those whose
     mass reaches top_p (at least one token); the uniform picks by inverse CDF over the kept
     tokens in id order. Rows that keep every token draw over the vocabulary without a sort; the
-    others find their kept set in a head of candidates (torch.topk), or, past the head, by binning
+    others find their kept set in a head of candidates (_head), or, past the head, by binning
     the row (top-p) or sorting it. Every path keeps the same set and draws the same way."""
     R, V = logits.shape
     dev = logits.device
@@ -132,7 +134,7 @@ def _draw(logits, temp, top_p, top_k, seeds, offsets) -> torch.Tensor:
 # float32: 2.8 ms for in-range values, 14 ms for -inf, 35 ms for -200, 86 ms where results are
 # subnormal). Masked logits (-inf: grammars, min_tokens, min_p) and low temperatures over a trained
 # model's spread land there; such weights count as 0 (< 1.2e-38 of the row's heaviest, which is 1).
-EXP_FLOOR = {torch.float32: -87.3, torch.float64: -708.0, torch.bfloat16: -87.3, torch.float16: -9.7}
+EXP_FLOOR = {torch.float32: -87.3, torch.float64: -708.0}   # (the sampler computes in these two)
 
 
 def _row_weights(x, temp, buffer: str = "weights") -> torch.Tensor:
@@ -143,7 +145,7 @@ def _row_weights(x, temp, buffer: str = "weights") -> torch.Tensor:
         return cpu_kernels.row_weights(x, temp, out)
     w = torch.sub(x, x.max(-1, keepdim=True).values, out=out)
     w.div_(temp.to(w.dtype)[:, None])
-    floor = EXP_FLOOR.get(w.dtype, -87.0)
+    floor = EXP_FLOOR[w.dtype]
     if bool(w.amin() >= floor):         # (one read of the rows: the common case stays one exp)
         return w.exp_()
     low = w < floor

@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <omp.h>
 #include <type_traits>
 #include <vector>
 
@@ -50,18 +51,42 @@ constexpr int kVectorBytes = 64;
 constexpr int kVectorBytes = 32;
 #endif
 
-// Blocks sit anywhere in the cache, so the hardware prefetcher cannot see the next one coming;
-// asking for it a couple of blocks ahead hides most of the memory latency (~25% faster here). The
-// decode loops ask one kv head's rows at a time, as they reach that head in the current block, not a
-// whole block at once: a burst of 256 prefetches (a tiny-model block) outruns the core's miss
-// buffers and most of it is dropped (59 sequences x ~400 tokens: 1.27-1.33 -> 0.96-1.0 ms a layer).
-constexpr int kPrefetchBlocks = 2;
-constexpr int64_t kPrefetchAllBytes = 512 << 10;   // a quarter of an L2 here (1.5 MB: slower)
+// A thread's decode reads, in the order its loop makes them (its sequences b, b + nt, ...: each
+// one's K blocks, then its V blocks), asked for into L2 kLeadBytes before they are read. Blocks sit
+// anywhere in the cache, so the hardware prefetcher cannot see the next one coming; asking for a
+// sequence's blocks when it starts is too late for a short context (its first reads wait) and, for a
+// long one, a burst that outruns the core's miss buffers (most of it dropped). Asked for at the pace
+// of the reads, the next sequence arrives while this one computes.
+constexpr int64_t kLeadBytes = 128 << 10;   // 256 KB: the same; 512 KB: slower (an L2 is 1 MB here)
 
-template <typename T>
-inline void prefetch(const T* p, int64_t n) {
-  for (int64_t i = 0; i < n; i += 64 / sizeof(T)) __builtin_prefetch(p + i, 0, 3);
-}
+template <typename C>
+struct ReadAhead {
+  const C* caches[2];              // K, V
+  const int32_t* tables;
+  const int32_t* lens;
+  int max_blocks, B, step, block_size;
+  int64_t block_stride;            // elements of one block (all kv heads)
+  int b, kv = 0, j = 0;            // the next line to ask for: sequence b, cache kv, block j, at off
+  int64_t off = 0, asked = 0;      // asked: bytes asked for so far
+
+  void skip_empty() {
+    while (b < B && lens[b] <= 0) b += step;
+  }
+  void ask_until(int64_t bytes) {
+    while (asked < bytes && b < B) {
+      __builtin_prefetch(caches[kv] + int64_t(tables[int64_t(b) * max_blocks + j]) * block_stride + off, 0, 2);
+      asked += 64;
+      if ((off += 64 / sizeof(C)) < block_stride) continue;
+      off = 0;
+      if (++j < (lens[b] + block_size - 1) / block_size) continue;
+      j = 0;
+      if (++kv < 2) continue;
+      kv = 0;
+      b += step;
+      skip_empty();
+    }
+  }
+};
 
 // Every block a sequence reads must exist: returns 1 + the first bad sequence, or 0. (The worker
 // validates Steps before they get here; this keeps a wrong direct call an error, not a crash.)
@@ -354,11 +379,18 @@ int paged_decode(const T* query, const C* key_cache, const C* value_cache, int n
   int max_len = 1;
   for (int b = 0; b < B; ++b) max_len = std::max(max_len, int(seq_lens[b]));
 
-#pragma omp parallel num_threads(std::max(1, std::min(num_threads, B)))
+  const int nt = std::max(1, std::min(num_threads, B));
+  const int64_t unit_bytes = block_stride * int64_t(sizeof(C)) / H;   // read per (block, head) step
+#pragma omp parallel num_threads(nt)
   {
     std::vector<T> scores(size_t(H) * max_len);  // this thread's [H, len] scores, then weights
     std::vector<T> acc(size_t(H) * D);
-#pragma omp for schedule(dynamic, 1)
+    // static, 1: thread t takes sequences t, t + nt, ..., so its reads are known ahead
+    ReadAhead<C> ahead{{key_cache, value_cache}, block_tables, seq_lens, max_blocks, B, nt, block_size,
+                       block_stride, omp_get_thread_num()};
+    ahead.skip_empty();
+    int64_t read = 0;                            // bytes this thread's loop has reached
+#pragma omp for schedule(static, 1)
     for (int b = 0; b < B; ++b) {
       const int len = seq_lens[b];
       const T* q = query + int64_t(b) * H * D;
@@ -369,27 +401,11 @@ int paged_decode(const T* query, const C* key_cache, const C* value_cache, int n
         continue;
       }
       // 1. scores[h, p] = (q[h] . k[p]) * scale, block by block
-      const int num_blocks_used = (len + block_size - 1) / block_size;
-      // A short context (<= kPrefetchAllBytes of K and V) is asked for whole up front, so its
-      // blocks arrive in parallel instead of two at a time (a decode batch of 80-token contexts:
-      // 0.74 -> 0.5 ms a layer); a long one streams kPrefetchBlocks ahead.
-      const bool all_at_once = 2 * int64_t(num_blocks_used) * block_stride * int64_t(sizeof(C)) <= kPrefetchAllBytes;
-      for (int j = 0; j < (all_at_once ? num_blocks_used : std::min(kPrefetchBlocks, num_blocks_used)); ++j) {
-        prefetch(key_cache + int64_t(table[j]) * block_stride, block_stride);
-        if (all_at_once) prefetch(value_cache + int64_t(table[j]) * block_stride, block_stride);
-      }
       for (int p0 = 0; p0 < len; p0 += block_size) {
-        const int j = p0 / block_size;
-        const C* kb = key_cache + int64_t(table[j]) * block_stride;
+        const C* kb = key_cache + int64_t(table[p0 / block_size]) * block_stride;
         const int n = std::min(block_size, len - p0);
-        const int ahead = j + kPrefetchBlocks;  // K ahead, then the first V blocks
-        const C* pf = nullptr;
-        if (!all_at_once && ahead < num_blocks_used)
-          pf = key_cache + int64_t(table[ahead]) * block_stride;
-        else if (!all_at_once && ahead - num_blocks_used < num_blocks_used)
-          pf = value_cache + int64_t(table[ahead - num_blocks_used]) * block_stride;
         for (int h = 0; h < H; ++h) {
-          if (pf != nullptr && h % G == 0) prefetch(pf + (h / G) * head_stride, head_stride);  // a kv head at a time
+          ahead.ask_until((read += unit_bytes) + kLeadBytes);
           const T* qh = q + int64_t(h) * D;
           const C* kh = kb + (h / G) * head_stride;
           T* s = scores.data() + size_t(h) * len + p0;
@@ -412,10 +428,8 @@ int paged_decode(const T* query, const C* key_cache, const C* value_cache, int n
         const int j = p0 / block_size;
         const C* vb = value_cache + int64_t(table[j]) * block_stride;
         const int n = std::min(block_size, len - p0);
-        const C* pf = !all_at_once && j + kPrefetchBlocks < num_blocks_used
-                          ? value_cache + int64_t(table[j + kPrefetchBlocks]) * block_stride : nullptr;
         for (int h = 0; h < H; ++h) {
-          if (pf != nullptr && h % G == 0) prefetch(pf + (h / G) * head_stride, head_stride);
+          ahead.ask_until((read += unit_bytes) + kLeadBytes);
           const C* vh = vb + (h / G) * head_stride;
           const T* w = scores.data() + size_t(h) * len + p0;
           add_weighted<T, C, kD>(w, vh, n, D, acc.data() + size_t(h) * D);

@@ -189,7 +189,7 @@ def _three_ways(monkeypatch, logits, t, p, k, seeds, offset):
 
 
 def test_compiled_whole_row_draw_is_the_torch_paths_and_the_definitions(monkeypatch):
-    """float32 rows that keep every token draw through worker/cpu_kernels.cpp (row_weights, then
+    """float32 rows that keep every token draw through worker/cpu_sampling.cpp (row_weights, then
     pick_whole): the same tokens as the torch / numpy path and as reference_draw, including rows
     with -inf masked ids and low temperatures over a wide spread (arguments of exp far below its
     normal range, which count as weight 0)."""
@@ -206,6 +206,33 @@ def test_compiled_whole_row_draw_is_the_torch_paths_and_the_definitions(monkeypa
     for offset in range(8):
         compiled, plain, want = _three_ways(monkeypatch, logits, t, np.ones(R, np.float32),
                                             np.zeros(R, np.int32), np.arange(R) * 3 + 2, offset)
+        assert compiled == plain == want
+        assert all(np.isfinite(logits[r, compiled[r]].item()) for r in range(R))
+
+
+def test_compiled_nucleus_past_the_head_is_the_numpy_bins_and_the_definitions(monkeypatch):
+    """float32 flat rows whose top-p nucleus holds most of 30,000 ids, found by the compiled search
+    (worker/cpu_sampling.cpp nucleus_weights): the tokens of the numpy bins and of reference_draw,
+    with bfloat16-rounded values (ties across the cut), -inf masked ids, a row with one finite id,
+    and one whose values are all equal."""
+    from worker import cpu_kernels
+    if not cpu_kernels.fused_ok(torch.zeros(1)):
+        pytest.skip("the CPU kernels are not built here")
+    g = torch.Generator().manual_seed(13)
+    R, V = 8, 30000
+    logits = (torch.randn(R, V, generator=g) * 0.3).bfloat16().float()
+    logits[2, ::3] = float("-inf")
+    logits[5, 1:] = float("-inf")
+    logits[5, 0] = 3.0
+    logits[6] = 0.25
+    logits[4] = float("-inf")              # p z (~900) under the head's size, its nucleus past it:
+    logits[4, :4000] = -1.4 + 0.01 * torch.randn(4000, generator=g)   # the head is tried first
+    logits[4, 7] = 0.0
+    t = np.array([0.7, 1.0, 1.5, 0.9, 1.0, 1.0, 1.0, 0.6], dtype=np.float32)
+    p = np.array([0.8, 0.95, 0.5, 0.99, 0.9, 0.9, 0.7, 0.999], dtype=np.float32)
+    for offset in range(6):
+        compiled, plain, want = _three_ways(monkeypatch, logits, t, p, np.zeros(R, np.int32),
+                                            np.arange(R) * 11 + 5, offset)
         assert compiled == plain == want
         assert all(np.isfinite(logits[r, compiled[r]].item()) for r in range(R))
 
@@ -228,7 +255,7 @@ def test_compiled_min_p_masks_what_the_torch_form_masks(monkeypatch):
 
 
 def test_compiled_head_is_the_stable_sorts_first_m_and_draws_the_same_tokens(monkeypatch):
-    """worker/cpu_kernels.cpp head_stable: the first m of a stable descending sort (ties to the
+    """worker/cpu_sampling.cpp head_stable: the first m of a stable descending sort (ties to the
     lower id) of bfloat16-rounded float32 rows (many ties) with -inf ids; the sampler's top-k /
     top-p draws through it equal the torch path's (topk, then re-sorted by id and value)."""
     from worker import cpu_kernels

@@ -1,6 +1,6 @@
 """The CPU kernels library (worker/cpu_kernels.cpp: paged attention loops and the fused
-elementwise steps of the Qwen3 block; worker/cpu_attn_amx.cpp: the bfloat16 mode's prefill
-attention on AMX; worker/cpu_gemm.cpp, cpu_gemm_amx.cpp: the bfloat16-weight GEMMs of
+elementwise steps of the Qwen3 block; worker/cpu_sampling.cpp: the sampler's passes over rows;
+worker/cpu_attn_amx.cpp: the bfloat16 mode's prefill attention on AMX; worker/cpu_gemm.cpp, cpu_gemm_amx.cpp: the bfloat16-weight GEMMs of
 worker/cpu_gemm.py), called through ctypes on torch tensors.
 
 It is compiled on first use with the machine's C++ compiler (`g++ -O3 -march=native -fopenmp`,
@@ -27,8 +27,8 @@ from minipaged.paths import build_dir
 log = logging.getLogger("worker.cpu_kernels")
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = [os.path.join(_HERE, name) for name in ("cpu_kernels.cpp", "cpu_gemm.cpp", "cpu_gemm_amx.cpp",
-                                                    "cpu_attn_amx.cpp")]
+SOURCES = [os.path.join(_HERE, name) for name in ("cpu_kernels.cpp", "cpu_sampling.cpp", "cpu_gemm.cpp",
+                                                    "cpu_gemm_amx.cpp", "cpu_attn_amx.cpp")]
 HEADERS = [os.path.join(_HERE, "cpu_math.h")]   # included by the sources: part of the build's hash
 BUILD_DIR = os.environ.get("MINIPAGED_CPU_KERNEL_DIR", build_dir("cpu_kernels"))  # not site-packages
 CXX = os.environ.get("CXX", "g++")
@@ -110,12 +110,13 @@ def load_library() -> ctypes.CDLL | None:
         lib.minipaged_pick_whole_f32.argtypes = [P, I, I, P, I, P, I]
         lib.minipaged_min_p_f32.argtypes = [P, I, I, P, I]
         lib.minipaged_head_stable_f32.argtypes = [P, I, I, I, P, P, I]
+        lib.minipaged_nucleus_weights_f32.argtypes = [P, I, P, I, P, P, P, I]
         for fn in (lib.minipaged_linear_bf16w_f32, lib.minipaged_linear_amx_f32):
             fn.argtypes = [P, ctypes.c_int64, I, I, P, I, P, P, ctypes.c_int64, I]
         for fn in (lib.minipaged_qk_norm_rope_f32, lib.minipaged_qk_norm_rope_bf16, lib.minipaged_silu_mul_f32,
                    lib.minipaged_silu_mul_bf16, lib.minipaged_add_rmsnorm_bf16, lib.minipaged_add_rmsnorm_f32,
                    lib.minipaged_linear_bf16w_f32, lib.minipaged_row_weights_f32, lib.minipaged_pick_whole_f32,
-                   lib.minipaged_min_p_f32, lib.minipaged_head_stable_f32):
+                   lib.minipaged_min_p_f32, lib.minipaged_head_stable_f32, lib.minipaged_nucleus_weights_f32):
             fn.restype = None
         for fn in (lib.minipaged_bf16w_available, lib.minipaged_bf16w_all_batches, lib.minipaged_amx_available,
                    lib.minipaged_linear_amx_f32,
@@ -192,6 +193,20 @@ def min_p_mask(x: torch.Tensor, drop: torch.Tensor) -> None:
     R, V = x.shape
     d = drop.to(torch.float32).contiguous()
     load_library().minipaged_min_p_f32(x.data_ptr(), R, V, d.data_ptr(), torch.get_num_threads())
+
+
+def nucleus_weights(x: torch.Tensor, rows: torch.Tensor, temp: torch.Tensor, p: torch.Tensor,
+                    out: torch.Tensor) -> torch.Tensor:
+    """Top-p alone (worker/sampler.py _nucleus_by_bins, compiled): for the float32 rows `rows` of
+    x [R, V] (contiguous, CPU), their weights exp((x - max) / T) with every token outside the
+    nucleus (mass p of the row's) set to 0, into `out` (float32 [n, V], contiguous), returned."""
+    V = x.shape[1]
+    idx = rows.to(torch.int64).contiguous()
+    t = temp.to(torch.float32).contiguous()
+    pp = p.to(torch.float64).contiguous()
+    load_library().minipaged_nucleus_weights_f32(x.data_ptr(), V, idx.data_ptr(), idx.numel(), t.data_ptr(),
+                                                 pp.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 def pick_whole(w: torch.Tensor, u: torch.Tensor, chunk: int) -> torch.Tensor:

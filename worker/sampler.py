@@ -4,10 +4,11 @@ Randomness is counter-based: row r's uniform number is a hash (splitmix64) of it
 (seed, offset), where offset is the index of the token being sampled. So a request with a seed
 gets the same tokens whatever else is in the batch, wherever it sits, on any device, without a
 per-row generator loop. The uniform picks a token by inverse CDF over the kept tokens in id order.
-The kept set comes from a head of candidates (on the CPU one compiled scan, worker/cpu_kernels.cpp
-head_stable; elsewhere torch.topk), a top-p nucleus past the head from binning its row; a row is
-sorted only where its top-k edge ties run past the head on a GPU or in float64
-(bench/sampling_rules.py: [64, 151,936] rows, ~360 ms for a sort, 2-3 ms here).
+The kept set comes from a head of candidates (on the CPU one compiled scan, worker/cpu_sampling.cpp
+head_stable; elsewhere torch.topk); top-p alone from binning its row (float32 on the CPU: always, a
+compiled search; elsewhere where the nucleus runs past the head); a row is sorted only where its
+top-k edge ties run past the head on a GPU or in float64 (bench/sampling_rules.py: [64, 151,936]
+rows, ~360 ms for a sort, 2-3 ms with top-k, ~12 ms for top-p alone).
 """
 from __future__ import annotations
 
@@ -139,7 +140,7 @@ EXP_FLOOR = {torch.float32: -87.3, torch.float64: -708.0}   # (the sampler compu
 
 def _row_weights(x, temp, buffer: str = "weights") -> torch.Tensor:
     """exp((x - row max) / T) in x's dtype, 0 below EXP_FLOOR, in a scratch buffer (valid until its
-    next use). float32 rows on the CPU: one compiled pass (worker/cpu_kernels.cpp row_weights)."""
+    next use). float32 rows on the CPU: one compiled pass (worker/cpu_sampling.cpp row_weights)."""
     out = scratch_like(x, buffer)
     if cpu_kernels.fused_ok(x) and x.dim() == 2 and x.is_contiguous() and out.is_contiguous():
         return cpu_kernels.row_weights(x, temp, out)
@@ -186,25 +187,39 @@ def _pick_whole(w, u) -> torch.Tensor:
 def _draw_filtered(x, temp, p, k, u) -> torch.Tensor:
     R, V = x.shape
     dev = x.device
+    # Top-p alone on the CPU skips the head where the bins are cheaper: float32 rows always (the
+    # compiled search, a few passes of a row, finds any nucleus for less than a head of ~1,000 costs,
+    # and sums the row itself), others where the mass p z exceeds m (no weight exceeds 1, so the
+    # head cannot hold the nucleus).
+    compiled = dev.type == "cpu" and cpu_kernels.fused_ok(x) and x.is_contiguous()
     z_all = torch.zeros(R, dtype=torch.float64, device=dev)   # top-p over the whole row: its total mass
-    if bool((k == 0).any()):
+    if not compiled and bool((k == 0).any()):
         rows = (k == 0).nonzero().squeeze(1)
         z_all[rows] = _row_totals(_row_weights(x if rows.numel() == R else x[rows], temp[rows]))
     m = int(k.max()) + 64 if bool((k > 0).all()) else max(HEAD, int(k.max()) + 64)
     if m >= V:   # a small vocabulary: the head would be the whole row, so sort the row
         vals, ids = torch.sort(x, dim=-1, descending=True, stable=True)
         return _finish(vals, ids, temp, p, k, u, z_all, torch.full((R,), V, device=dev), True)[0]
-    vals, ids, exact = _head(x, m)
-    tok, fits = _finish(vals, ids, temp, p, k, u, z_all, exact, False)
-    if bool(fits.all()):
-        return tok
+    if dev.type == "cpu":
+        far = (k == 0) & ((p * z_all > m) | compiled)
+    else:
+        far = torch.zeros(R, dtype=torch.bool, device=dev)
+    tok = torch.empty(R, dtype=torch.int64, device=dev)
+    late = far.clone()
+    if not bool(far.all()):
+        near = (~far).nonzero().squeeze(1)
+        xs = x if near.numel() == R else x[near]
+        vals, ids, exact = _head(xs, m)
+        tok[near], fits = _finish(vals, ids, temp[near], p[near], k[near], u[near], z_all[near], exact, False)
+        late[near] = ~fits
+        if not bool(late.any()):
+            return tok
     # The kept set reaches past the head: a nucleus (top-p alone) by binning its row on the CPU,
     # anything else (a GPU, or top-k whose edge ties run past the head) by a sort of the row.
-    late = ~fits
     if dev.type == "cpu":
         bins = late & (k == 0)
-        for r in bins.nonzero().squeeze(1).tolist():
-            tok[r] = _nucleus_by_bins(x[r], float(temp[r]), float(p[r]), float(z_all[r]), u[r:r + 1])
+        if bool(bins.any()):
+            tok[bins] = _nucleus(x, bins.nonzero().squeeze(1), temp, p, z_all, u)
         late &= ~bins
     if bool(late.any()):
         rows = late.nonzero().squeeze(1)
@@ -212,6 +227,16 @@ def _draw_filtered(x, temp, p, k, u) -> torch.Tensor:
         tok[rows], _ = _finish(svals, sids, temp[rows], p[rows], k[rows], u[rows], z_all[rows],
                                torch.full((rows.numel(),), V, device=dev), True)
     return tok
+
+
+def _nucleus(x, rows, temp, p, z_all, u) -> torch.Tensor:
+    """The tokens of top-p rows `rows` of x whose nucleus lies past the head (CPU): float32 rows
+    by the compiled search (worker/cpu_sampling.cpp nucleus_weights), others by _nucleus_by_bins."""
+    if cpu_kernels.fused_ok(x) and x.is_contiguous():
+        out = scratch_like(x, "nucleus")[:rows.numel()]
+        return _pick_whole(cpu_kernels.nucleus_weights(x, rows, temp[rows], p[rows], out), u[rows])
+    return torch.tensor([_nucleus_by_bins(x[r], float(temp[r]), float(p[r]), float(z_all[r]), u[r:r + 1])
+                         for r in rows.tolist()], dtype=torch.int64)
 
 
 def _head(x, m: int):

@@ -32,11 +32,17 @@ class CpuTorchBackend(TorchBackend):
     def __init__(self):
         super().__init__()
         self._lib = load_library()
-        # the bfloat16 mode's prefill on AMX tiles (cpu_attn_amx.cpp); MINIPAGED_AMX=0 keeps the
-        # AVX-512 loop, whose float32 products of the cache's values the AMX form rounds like a
-        # bfloat16 model does (q and the softmax weights to bfloat16)
-        self.amx_prefill = (self._lib is not None and os.environ.get("MINIPAGED_AMX", "1") != "0"
-                            and bool(self._lib.minipaged_amx_available()))
+        # The bfloat16 mode's prefill in bfloat16 products (cpu_attn_bf16.cpp) on AMX tiles, else
+        # AVX512_BF16 pair dot products: it rounds q and the softmax weights to bfloat16 as a
+        # bfloat16 model does, where the AVX-512 loop multiplies the cache's values in float32.
+        # `bf16_prefill` is the engine (2 AMX, 1 pairs, 0 the loop); MINIPAGED_AMX=0 leaves AMX
+        # out, MINIPAGED_BF16_PREFILL=0 keeps the loop.
+        engines = self._lib.minipaged_bf16_prefill_engines() if self._lib is not None else 0
+        if os.environ.get("MINIPAGED_AMX", "1") == "0":
+            engines &= ~2
+        if os.environ.get("MINIPAGED_BF16_PREFILL", "1") == "0":
+            engines = 0
+        self.bf16_prefill = 2 if engines & 2 else engines & 1
 
     @property
     def native(self) -> bool:
@@ -118,8 +124,8 @@ class CpuTorchBackend(TorchBackend):
                 tables.data_ptr(), tables.shape[1], lens.data_ptr(), starts.data_ptr(), qls.data_ptr(),
                 pre.numel(), T, H, Hkv, block_size, D, float(scale), out.data_ptr(), torch.get_num_threads())
         bad = -2
-        if key_cache.dtype == torch.bfloat16 and self.amx_prefill:   # -2: AMX or this head layout not there
-            bad = self._lib.minipaged_paged_prefill_f32_bf16_amx(*args)
+        if key_cache.dtype == torch.bfloat16 and self.bf16_prefill:   # -2: this head layout not there
+            bad = self._lib.minipaged_paged_prefill_f32_bf16_rounded(self.bf16_prefill, *args)
         if bad == -2:
             bad = fn(*args)
         if bad:

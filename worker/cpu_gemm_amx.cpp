@@ -95,7 +95,7 @@ void block(const uint16_t* parts, int64_t part, int Kp, int mb, const uint16_t* 
 
 }  // namespace
 
-namespace minipaged_amx {  // shared with worker/cpu_attn_amx.cpp
+namespace minipaged_amx {  // shared with worker/cpu_attn_bf16.cpp
 bool permitted() {  // the process may use AMX: asked for once
   static const bool ok = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
   return ok;

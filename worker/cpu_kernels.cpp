@@ -706,8 +706,9 @@ void add_rmsnorm(float* h, const Y* y, int T, int n, const float* w, float eps, 
   }
 }
 
-namespace minipaged_amx {  // worker/cpu_attn_amx.cpp
-int paged_prefill_bf16(const float* query, const uint16_t* key_cache, const uint16_t* value_cache,
+namespace minipaged_attn_bf16 {  // worker/cpu_attn_bf16.cpp
+int engines();
+int paged_prefill_bf16(int engine, const float* query, const uint16_t* key_cache, const uint16_t* value_cache,
                        const int32_t* block_tables, int max_blocks, const int32_t* seq_lens, const int32_t* q_starts,
                        const int32_t* q_lens, int S, int H, int Hkv, int block_size, int D, float scale, float* out,
                        int num_threads);
@@ -821,21 +822,26 @@ int minipaged_paged_prefill_f32_bf16(const float* query, const uint16_t* key_cac
                                             block_size, D, float(scale), out, num_threads);
 }
 
-// The same over AMX tiles (worker/cpu_attn_amx.cpp: q and the softmax weights rounded to
-// bfloat16, as a bfloat16 model computes them). Returns as above, or -2 (nothing done) where AMX
-// or this head layout is not available: the caller then runs the loop above.
-int minipaged_paged_prefill_f32_bf16_amx(const float* query, const uint16_t* key_cache,
-                                         const uint16_t* value_cache, int num_blocks, const int32_t* block_tables,
-                                         int max_blocks, const int32_t* seq_lens, const int32_t* q_starts,
-                                         const int32_t* q_lens, int S, int num_tokens, int H, int Hkv,
-                                         int block_size, int D, double scale, float* out, int num_threads) {
+// The same in bfloat16 products (worker/cpu_attn_bf16.cpp: q and the softmax weights rounded to
+// bfloat16, as a bfloat16 model computes them) on `engine` (2: AMX tiles, 1: AVX512_BF16 pair dot
+// products; minipaged_bf16_prefill_engines() says which are here). Returns as above, or -2
+// (nothing done) where that engine or this head layout is not available: the caller then runs the
+// loop above.
+int minipaged_paged_prefill_f32_bf16_rounded(int engine, const float* query, const uint16_t* key_cache,
+                                             const uint16_t* value_cache, int num_blocks,
+                                             const int32_t* block_tables, int max_blocks, const int32_t* seq_lens,
+                                             const int32_t* q_starts, const int32_t* q_lens, int S, int num_tokens,
+                                             int H, int Hkv, int block_size, int D, double scale, float* out,
+                                             int num_threads) {
   if (const int bad = check_prefill(block_tables, max_blocks, seq_lens, q_starts, q_lens, S, num_tokens,
                                     block_size, num_blocks))
     return bad;
-  return minipaged_amx::paged_prefill_bf16(query, key_cache, value_cache, block_tables, max_blocks, seq_lens,
-                                           q_starts, q_lens, S, H, Hkv, block_size, D, float(scale), out,
-                                           num_threads);
+  return minipaged_attn_bf16::paged_prefill_bf16(engine, query, key_cache, value_cache, block_tables, max_blocks,
+                                                 seq_lens, q_starts, q_lens, S, H, Hkv, block_size, D, float(scale),
+                                                 out, num_threads);
 }
+
+int minipaged_bf16_prefill_engines() { return minipaged_attn_bf16::engines(); }
 
 void minipaged_qk_norm_rope_f32(const float* qkv, int row_stride, int T, int H, int Hkv, int D,
                                 const float* q_weight, const float* k_weight, float eps,

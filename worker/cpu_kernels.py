@@ -1,6 +1,7 @@
 """The CPU kernels library (worker/cpu_kernels.cpp: paged attention loops and the fused
 elementwise steps of the Qwen3 block; worker/cpu_sampling.cpp: the sampler's passes over rows;
-worker/cpu_attn_amx.cpp: the bfloat16 mode's prefill attention on AMX; worker/cpu_gemm.cpp, cpu_gemm_amx.cpp: the bfloat16-weight GEMMs of
+worker/cpu_attn_bf16.cpp: the bfloat16 mode's prefill attention in bfloat16 products, on AMX or
+AVX512_BF16; worker/cpu_gemm.cpp, cpu_gemm_amx.cpp: the bfloat16-weight GEMMs of
 worker/cpu_gemm.py), called through ctypes on torch tensors.
 
 It is compiled on first use with the machine's C++ compiler (`g++ -O3 -march=native -fopenmp`,
@@ -28,7 +29,7 @@ log = logging.getLogger("worker.cpu_kernels")
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = [os.path.join(_HERE, name) for name in ("cpu_kernels.cpp", "cpu_sampling.cpp", "cpu_gemm.cpp",
-                                                    "cpu_gemm_amx.cpp", "cpu_attn_amx.cpp")]
+                                                    "cpu_gemm_amx.cpp", "cpu_attn_bf16.cpp")]
 HEADERS = [os.path.join(_HERE, "cpu_math.h")]   # included by the sources: part of the build's hash
 BUILD_DIR = os.environ.get("MINIPAGED_CPU_KERNEL_DIR", build_dir("cpu_kernels"))  # not site-packages
 CXX = os.environ.get("CXX", "g++")
@@ -97,9 +98,12 @@ def load_library() -> ctypes.CDLL | None:
             fn.argtypes = [P, P, P, I, P, I, P, I, I, I, I, I, ctypes.c_double, P, I]
             fn.restype = ctypes.c_int
         for fn in (lib.minipaged_paged_prefill_f32, lib.minipaged_paged_prefill_f64,
-                   lib.minipaged_paged_prefill_f32_bf16, lib.minipaged_paged_prefill_f32_bf16_amx):
+                   lib.minipaged_paged_prefill_f32_bf16):
             fn.argtypes = [P, P, P, I, P, I, P, P, P, I, I, I, I, I, I, ctypes.c_double, P, I]
             fn.restype = ctypes.c_int
+        lib.minipaged_paged_prefill_f32_bf16_rounded.argtypes = [I, P, P, P, I, P, I, P, P, P, I, I, I, I, I, I,
+                                                                 ctypes.c_double, P, I]
+        lib.minipaged_paged_prefill_f32_bf16_rounded.restype = ctypes.c_int
         for fn in (lib.minipaged_qk_norm_rope_f32, lib.minipaged_qk_norm_rope_bf16):
             fn.argtypes = [P, I, I, I, I, I, P, P, ctypes.c_float, P, P, P, P, I]
         for fn in (lib.minipaged_silu_mul_f32, lib.minipaged_silu_mul_bf16):
@@ -119,7 +123,7 @@ def load_library() -> ctypes.CDLL | None:
                    lib.minipaged_min_p_f32, lib.minipaged_head_stable_f32, lib.minipaged_nucleus_weights_f32):
             fn.restype = None
         for fn in (lib.minipaged_bf16w_available, lib.minipaged_bf16w_all_batches, lib.minipaged_amx_available,
-                   lib.minipaged_linear_amx_f32,
+                   lib.minipaged_linear_amx_f32, lib.minipaged_bf16_prefill_engines,
                    lib.minipaged_decode_rounds_q_bf16):
             fn.restype = I
         L = ctypes.c_int64

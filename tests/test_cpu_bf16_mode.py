@@ -127,7 +127,8 @@ def test_bf16_prefill_computes_a_bfloat16_models_attention(engine, block_size, g
 
 
 def test_bf16_prefill_engines_agree():
-    """AMX and the pair dot products multiply the same bfloat16 values: equal to float32 rounding."""
+    """AMX and the pair dot products multiply the same bfloat16 values: equal up to float32 rounding
+    and the weight roundings it flips (see the test above)."""
     if bf16_engines() != [2, 1]:
         pytest.skip("needs both AMX and AVX512_BF16")
     be = native_backend()
@@ -136,7 +137,8 @@ def test_bf16_prefill_engines_agree():
     for engine in (2, 1):
         be.bf16_prefill = engine
         out.append(be.paged_prefill(q, kc, vc, tables, sl, qsl, mq, 0.3))
-    torch.testing.assert_close(out[0], out[1], rtol=0, atol=1e-3)
+    diff = (out[0] - out[1]).abs()          # (the two may add a pair's products in either order)
+    assert float(diff.max()) < 1e-2 and float((diff > 1e-3).double().mean()) < 1e-3
 
 
 def test_bf16_prefill_leaves_other_head_layouts_to_the_exact_loop():

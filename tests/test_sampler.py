@@ -237,6 +237,26 @@ def test_compiled_nucleus_past_the_head_is_the_numpy_bins_and_the_definitions(mo
         assert all(np.isfinite(logits[r, compiled[r]].item()) for r in range(R))
 
 
+def test_compiled_paths_on_a_small_vocabulary_keep_top_p(monkeypatch):
+    """A vocabulary no larger than the head (the tiny model's 512): the row is sorted, and top-p
+    alone still keeps its nucleus (its total mass summed) on contiguous float32 rows, next to top-k."""
+    from worker import cpu_kernels
+    if not cpu_kernels.fused_ok(torch.zeros(1)):
+        pytest.skip("the CPU kernels are not built here")
+    g = torch.Generator().manual_seed(17)
+    R, V = 6, 512
+    logits = torch.randn(R, V, generator=g)
+    t = np.array([1.0, 0.7, 1.3, 1.0, 0.9, 2.0], dtype=np.float32)
+    p = np.array([0.9, 0.5, 0.99, 1.0, 0.8, 0.3], dtype=np.float32)
+    k = np.array([0, 0, 0, 40, 10, 0], dtype=np.int32)
+    picked = set()
+    for offset in range(8):
+        compiled, plain, want = _three_ways(monkeypatch, logits, t, p, k, np.arange(R) * 3 + 1, offset)
+        assert compiled == plain == want
+        picked.add(compiled[0])
+    assert len(picked) > 1                      # not the row's argmax every time
+
+
 def test_compiled_min_p_masks_what_the_torch_form_masks(monkeypatch):
     from worker import cpu_kernels, logits_processors
     if not cpu_kernels.fused_ok(torch.zeros(1)):

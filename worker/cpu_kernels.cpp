@@ -386,8 +386,8 @@ int paged_decode(const T* query, const C* key_cache, const C* value_cache, int n
     std::vector<T> scores(size_t(H) * max_len);  // this thread's [H, len] scores, then weights
     std::vector<T> acc(size_t(H) * D);
     // static, 1: thread t takes sequences t, t + nt, ..., so its reads are known ahead
-    ReadAhead<C> ahead{{key_cache, value_cache}, block_tables, seq_lens, max_blocks, B, nt, block_size,
-                       block_stride, omp_get_thread_num()};
+    ReadAhead<C> ahead{{key_cache, value_cache}, block_tables, seq_lens, max_blocks, B, omp_get_num_threads(),
+                       block_size, block_stride, omp_get_thread_num()};
     ahead.skip_empty();
     int64_t read = 0;                            // bytes this thread's loop has reached
 #pragma omp for schedule(static, 1)

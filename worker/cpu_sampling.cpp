@@ -180,8 +180,8 @@ void nucleus_weights(const float* x, int V, const int64_t* rows, int n, const fl
       const float scale = hi > lo ? float(kBins - 1) / (hi - lo) : 0.f;
 #pragma omp simd
       for (int i = 0; i < V; ++i) {
-        const int b = std::min(int((xr[i] - lo) * scale), kBins - 1);
-        bins[i] = std::fabs(xr[i]) <= kMax ? uint16_t(b) : 0;
+        const bool finite = std::fabs(xr[i]) <= kMax;
+        bins[i] = uint16_t(std::min(int(((finite ? xr[i] : lo) - lo) * scale), kBins - 1));
       }
       std::fill(mass.begin(), mass.end(), 0.0);
       for (int i = 0; i < V; ++i) mass[(i & 3) * kBins + bins[i]] += double(wr[i]);

@@ -99,8 +99,9 @@ def sample(logits: torch.Tensor, temperature, top_p, top_k, seeds, offsets,
     return ids.to(torch.int32).cpu().numpy(), logprobs
 
 
-# Candidates per row for top-p without top-k: a nucleus that fits in them is found without sorting
-# the vocabulary (a sort of [64, 151,936] takes ~360 ms on 2 cores, a topk of 1,024 ~15 ms).
+# Candidates per row for top-p without top-k where the bins are not compiled (float64, a GPU): a
+# nucleus that fits in them is found without sorting the vocabulary (a sort of [64, 151,936] takes
+# ~360 ms on 2 cores, a topk of 1,024 ~15 ms).
 HEAD = 1024
 CHUNK = 1024      # a whole-vocabulary draw finds its chunk of ids first, then the id inside it
 
@@ -191,12 +192,12 @@ def _draw_filtered(x, temp, p, k, u) -> torch.Tensor:
     # compiled search, a few passes of a row, finds any nucleus for less than a head of ~1,000 costs,
     # and sums the row itself), others where the mass p z exceeds m (no weight exceeds 1, so the
     # head cannot hold the nucleus).
-    compiled = dev.type == "cpu" and cpu_kernels.fused_ok(x) and x.is_contiguous()
+    m = int(k.max()) + 64 if bool((k > 0).all()) else max(HEAD, int(k.max()) + 64)
+    compiled = dev.type == "cpu" and cpu_kernels.fused_ok(x) and x.is_contiguous() and m < V
     z_all = torch.zeros(R, dtype=torch.float64, device=dev)   # top-p over the whole row: its total mass
     if not compiled and bool((k == 0).any()):
         rows = (k == 0).nonzero().squeeze(1)
         z_all[rows] = _row_totals(_row_weights(x if rows.numel() == R else x[rows], temp[rows]))
-    m = int(k.max()) + 64 if bool((k > 0).all()) else max(HEAD, int(k.max()) + 64)
     if m >= V:   # a small vocabulary: the head would be the whole row, so sort the row
         vals, ids = torch.sort(x, dim=-1, descending=True, stable=True)
         return _finish(vals, ids, temp, p, k, u, z_all, torch.full((R,), V, device=dev), True)[0]

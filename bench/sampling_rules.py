@@ -10,7 +10,7 @@ parameters on every request; tok/s and the ratio to the first row, rows taking t
 rounds, each row of each round on new prompts (a repeated batch would hit the prefix cache).
 
     .venv/bin/python bench/sampling_rules.py [--model qwen3-0.6b|tiny|PATH] [--dtype auto]
-        [--prompts 64] [--new-tokens 64] [--repeat 2] [--skip-cluster] [--bf16-logits]
+        [--prompts 64] [--new-tokens 64] [--repeat 2] [--skip-cluster] [--bf16-logits] [--rows greedy,top_p 0.8]
 
 min_tokens rows do not ignore EOS, so EOS is masked on every step (min_tokens = new tokens: every
 request still generates exactly --new-tokens); the other rows ignore EOS. Random weights give flat
@@ -118,6 +118,8 @@ def cluster(args) -> None:
         seed = 100
         for _ in range(args.repeat):
             for name, rule in rules(args.new_tokens).items():
+                if args.rows and name not in args.rows and not any(r in name for r in args.rows):
+                    continue
                 seed += 1
                 reqs = [dict(prompt_token_ids=p, max_new_tokens=args.new_tokens, **rule)
                         for p in workload(args.prompts, seed, 16, 64, vocab)]
@@ -145,6 +147,9 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--skip-cluster", action="store_true")
+    ap.add_argument("--rows", type=lambda v: [x for x in v.split(",") if x], default=[],
+                    help="Part 2 only: comma list of substrings of the rows to run (default: every row; "
+                         "the first one run is the anchor)")
     ap.add_argument("--bf16-logits", action="store_true",
                     help="Part 1's logits rounded to bfloat16 (the CPU bfloat16 mode's lm_head output)")
     args = ap.parse_args()

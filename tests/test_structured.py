@@ -236,15 +236,21 @@ def test_bitmask_round_trip_and_masking():
     assert torch.equal(torch.isinf(ref[0]), torch.isinf(logits[1]))
 
 
-def test_both_mask_paths_agree_on_a_subset_of_rows():
-    # float32 on the host takes xgrammar's kernel, float64 the numpy unpack: the same -inf cells
+def test_every_mask_path_agrees_on_a_subset_of_rows(monkeypatch):
+    # float32 on the host takes the compiled masked stores (worker/cpu_sampling.cpp), or xgrammar's
+    # kernel without them; float64 the numpy unpack: the same -inf cells (1,000 ids: a partial word)
     rng = np.random.default_rng(0)
     words = rng.integers(-2**31, 2**31 - 1, size=(3, grammar.bitmask_words(1000)), dtype=np.int64).astype(np.int32)
+    words[1, 5] = -1                                      # a word that allows all 32 of its tokens
     rows = np.array([1, 4, 6])
     logits = torch.randn(8, 1000, dtype=torch.float64)
     a = grammar_mask.apply(logits.clone(), rows, words)
     b = grammar_mask.apply(logits.clone().float(), rows, words)
-    assert torch.equal(torch.isinf(a), torch.isinf(b))
+    with monkeypatch.context() as m:
+        m.setattr(grammar_mask.cpu_kernels, "fused_ok", lambda x: False)
+        c = grammar_mask.apply(logits.clone().float(), rows, words)
+    assert torch.equal(torch.isinf(a), torch.isinf(b)) and torch.equal(torch.isinf(a), torch.isinf(c))
+    assert torch.equal(b[~torch.isinf(b)], logits.float()[~torch.isinf(b)])   # allowed values untouched
     assert not torch.isinf(a[[0, 2, 3, 5, 7]]).any()
     bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :1000].astype(bool)
     assert torch.equal(torch.isinf(a[rows]), torch.from_numpy(~bits))

@@ -21,6 +21,7 @@ import subprocess
 import tempfile
 import threading
 
+import numpy as np
 import torch
 
 from minipaged.paths import build_dir
@@ -115,12 +116,14 @@ def load_library() -> ctypes.CDLL | None:
         lib.minipaged_min_p_f32.argtypes = [P, I, I, P, I]
         lib.minipaged_head_stable_f32.argtypes = [P, I, I, I, P, P, I]
         lib.minipaged_nucleus_weights_f32.argtypes = [P, I, P, I, P, P, P, I]
+        lib.minipaged_grammar_mask_f32.argtypes = [P, I, P, I, P, I, I]
         for fn in (lib.minipaged_linear_bf16w_f32, lib.minipaged_linear_amx_f32):
             fn.argtypes = [P, ctypes.c_int64, I, I, P, I, P, P, ctypes.c_int64, I]
         for fn in (lib.minipaged_qk_norm_rope_f32, lib.minipaged_qk_norm_rope_bf16, lib.minipaged_silu_mul_f32,
                    lib.minipaged_silu_mul_bf16, lib.minipaged_add_rmsnorm_bf16, lib.minipaged_add_rmsnorm_f32,
                    lib.minipaged_linear_bf16w_f32, lib.minipaged_row_weights_f32, lib.minipaged_pick_whole_f32,
-                   lib.minipaged_min_p_f32, lib.minipaged_head_stable_f32, lib.minipaged_nucleus_weights_f32):
+                   lib.minipaged_min_p_f32, lib.minipaged_head_stable_f32, lib.minipaged_nucleus_weights_f32,
+                   lib.minipaged_grammar_mask_f32):
             fn.restype = None
         for fn in (lib.minipaged_bf16w_available, lib.minipaged_bf16w_all_batches, lib.minipaged_amx_available,
                    lib.minipaged_linear_amx_f32, lib.minipaged_bf16_prefill_engines,
@@ -211,6 +214,16 @@ def nucleus_weights(x: torch.Tensor, rows: torch.Tensor, temp: torch.Tensor, p: 
     load_library().minipaged_nucleus_weights_f32(x.data_ptr(), V, idx.data_ptr(), idx.numel(), t.data_ptr(),
                                                  pp.data_ptr(), out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def grammar_mask(x: torch.Tensor, rows: np.ndarray, words: np.ndarray) -> None:
+    """In place on float32 rows x [R, V] (contiguous, CPU): -inf in row rows[g] wherever the packed
+    bitmask words[g] (int32 [G, ceil(V / 32)], bit j of word w = token 32 w + j) has a 0."""
+    V = x.shape[1]
+    idx = np.ascontiguousarray(rows, dtype=np.int64)
+    w = np.ascontiguousarray(words, dtype=np.int32)
+    load_library().minipaged_grammar_mask_f32(x.data_ptr(), V, idx.ctypes.data, idx.size, w.ctypes.data,
+                                              w.shape[1], torch.get_num_threads())
 
 
 def pick_whole(w: torch.Tensor, u: torch.Tensor, chunk: int) -> torch.Tensor:

@@ -1,6 +1,6 @@
 // The sampler's passes over whole rows of logits (worker/sampler.py; worker/cpu_kernels.py builds
 // and loads this file with cpu_kernels.cpp): weights, the draw over a row, min_p, the head of
-// candidates for top-k / top-p, and a top-p nucleus that reaches past that head. float32 rows of the
+// candidates for top-k, a top-p nucleus, and the grammar bitmask of structured outputs. float32 rows of the
 // vocabulary, one row per sampled sequence, rows in parallel (OpenMP, torch's thread count). Each
 // keeps the set and the draw that worker/sampler.py defines (its torch / numpy forms are the
 // reference the tests compare with).
@@ -15,6 +15,10 @@
 #include <vector>
 
 #include "cpu_math.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -212,6 +216,31 @@ void nucleus_weights(const float* x, int V, const int64_t* rows, int n, const fl
   }
 }
 
+// Structured outputs (worker/grammar_mask.py apply): in row rows[g] of x [*, V], -inf wherever bit
+// j of word w of words[g] [G, W] is 0 (token 32 w + j not allowed by the grammar; xgrammar's
+// layout). A masked store of -inf per 16 tokens, allowed ones untouched: one pass over the row,
+// where xgrammar's CPU kernel took ~17 ms for 64 rows of 151,936 on 2 cores.
+void grammar_mask(float* x, int V, const int64_t* rows, int G, const int32_t* words, int W, int num_threads) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+#pragma omp parallel for num_threads(std::max(1, num_threads)) schedule(static)
+  for (int g = 0; g < G; ++g) {
+    float* xr = x + rows[g] * V;
+    const uint32_t* wr = reinterpret_cast<const uint32_t*>(words) + int64_t(g) * W;
+    int i = 0;
+#if defined(__AVX512F__)
+    const __m512 inf16 = _mm512_set1_ps(ninf);
+    for (; i + 32 <= V; i += 32) {
+      const uint32_t bad = ~wr[i / 32];
+      if (bad == 0) continue;
+      _mm512_mask_storeu_ps(xr + i, __mmask16(bad & 0xffffu), inf16);
+      _mm512_mask_storeu_ps(xr + i + 16, __mmask16(bad >> 16), inf16);
+    }
+#endif
+    for (; i < V; ++i)
+      if (!((wr[i / 32] >> (i % 32)) & 1u)) xr[i] = ninf;
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -231,6 +260,11 @@ void minipaged_min_p_f32(float* x, int R, int V, const float* drop, int num_thre
 
 void minipaged_row_weights_f32(const float* x, int R, int V, const float* temp, float* out, int num_threads) {
   row_weights(x, R, V, temp, out, num_threads);
+}
+
+void minipaged_grammar_mask_f32(float* x, int V, const int64_t* rows, int G, const int32_t* words, int W,
+                                int num_threads) {
+  grammar_mask(x, V, rows, G, words, W, num_threads);
 }
 
 void minipaged_nucleus_weights_f32(const float* x, int V, const int64_t* rows, int n, const float* temp,

@@ -3,13 +3,16 @@
 The metadata plane (metadata_service/grammar.py, xgrammar) sends one packed int32 row per
 constrained sequence: bit j of word w allows token 32 * w + j (xgrammar's layout). Disallowed
 logits become -inf before anything else looks at them, so greedy, top-k / top-p and the draw all
-pick among allowed tokens, as vLLM applies the grammar bitmask before sampling. Vectorised: one
-shift-and-mask over [G, words, 32], no per-row loop, on the logits' device. The worker needs no
-grammar engine of its own."""
+pick among allowed tokens, as vLLM applies the grammar bitmask before sampling. float32 rows on the
+CPU: one compiled pass of masked stores (worker/cpu_sampling.cpp grammar_mask); elsewhere
+xgrammar's kernel when installed, or one shift-and-mask over [G, words, 32] on the logits' device.
+The worker needs no grammar engine of its own."""
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+from worker import cpu_kernels
 
 
 def words_for(vocab_size: int) -> int:
@@ -65,6 +68,9 @@ _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 def apply(logits: torch.Tensor, rows: np.ndarray, bitmask: np.ndarray) -> torch.Tensor:
     """logits [S, V] (sampled rows), rows int64 [G] into them: -inf where disallowed, in place."""
     if not rows.size:
+        return logits
+    if cpu_kernels.fused_ok(logits) and logits.is_contiguous():   # float32 on the CPU: one masked store pass
+        cpu_kernels.grammar_mask(logits, rows, bitmask)
         return logits
     kernel = _xgrammar_cpu_kernel() if logits.device.type == "cpu" and logits.dtype in _KERNEL_DTYPES else None
     if kernel is not None:

@@ -173,6 +173,14 @@ def test_a_nucleus_past_the_head_is_found_by_bins_as_a_sort_finds_it():
                                 for r in range(R)]
 
 
+def kernels_or_skip():
+    """worker.cpu_kernels, or skip the test where the library cannot be built here."""
+    from worker import cpu_kernels
+    if not cpu_kernels.fused_ok(torch.zeros(1)):
+        pytest.skip("the CPU kernels are not built here")
+    return cpu_kernels
+
+
 def _three_ways(monkeypatch, logits, t, p, k, seeds, offset):
     """The tokens of the compiled paths, of the torch / numpy paths (the kernels switched off), and of
     reference_draw, for one step at `offset`."""
@@ -193,9 +201,7 @@ def test_compiled_whole_row_draw_is_the_torch_paths_and_the_definitions(monkeypa
     pick_whole): the same tokens as the torch / numpy path and as reference_draw, including rows
     with -inf masked ids and low temperatures over a wide spread (arguments of exp far below its
     normal range, which count as weight 0)."""
-    from worker import cpu_kernels
-    if not cpu_kernels.fused_ok(torch.zeros(1)):
-        pytest.skip("the CPU kernels are not built here")
+    kernels_or_skip()
     g = torch.Generator().manual_seed(11)
     R, V = 16, 5000
     scale = torch.tensor([1.0, 4.0, 12.0, 30.0] * 4)[:, None]
@@ -215,9 +221,7 @@ def test_compiled_nucleus_past_the_head_is_the_numpy_bins_and_the_definitions(mo
     (worker/cpu_sampling.cpp nucleus_weights): the tokens of the numpy bins and of reference_draw,
     with bfloat16-rounded values (ties across the cut), -inf masked ids, a row with one finite id,
     and one whose values are all equal."""
-    from worker import cpu_kernels
-    if not cpu_kernels.fused_ok(torch.zeros(1)):
-        pytest.skip("the CPU kernels are not built here")
+    kernels_or_skip()
     g = torch.Generator().manual_seed(13)
     R, V = 8, 30000
     logits = (torch.randn(R, V, generator=g) * 0.3).bfloat16().float()
@@ -240,9 +244,7 @@ def test_compiled_nucleus_past_the_head_is_the_numpy_bins_and_the_definitions(mo
 def test_compiled_paths_on_a_small_vocabulary_keep_top_p(monkeypatch):
     """A vocabulary no larger than the head (the tiny model's 512): the row is sorted, and top-p
     alone still keeps its nucleus (its total mass summed) on contiguous float32 rows, next to top-k."""
-    from worker import cpu_kernels
-    if not cpu_kernels.fused_ok(torch.zeros(1)):
-        pytest.skip("the CPU kernels are not built here")
+    kernels_or_skip()
     g = torch.Generator().manual_seed(17)
     R, V = 6, 512
     logits = torch.randn(R, V, generator=g)
@@ -258,9 +260,8 @@ def test_compiled_paths_on_a_small_vocabulary_keep_top_p(monkeypatch):
 
 
 def test_compiled_min_p_masks_what_the_torch_form_masks(monkeypatch):
-    from worker import cpu_kernels, logits_processors
-    if not cpu_kernels.fused_ok(torch.zeros(1)):
-        pytest.skip("the CPU kernels are not built here")
+    from worker import logits_processors
+    kernels_or_skip()
     g = torch.Generator().manual_seed(4)
     logits = torch.randn(6, 3000, generator=g) * 3
     min_p = np.array([0.05, 0.0, 0.5, 1.0, 0.2, 0.01], dtype=np.float32)
@@ -278,9 +279,7 @@ def test_compiled_head_is_the_stable_sorts_first_m_and_draws_the_same_tokens(mon
     """worker/cpu_sampling.cpp head_stable: the first m of a stable descending sort (ties to the
     lower id) of bfloat16-rounded float32 rows (many ties) with -inf ids; the sampler's top-k /
     top-p draws through it equal the torch path's (topk, then re-sorted by id and value)."""
-    from worker import cpu_kernels
-    if not cpu_kernels.fused_ok(torch.zeros(1)):
-        pytest.skip("the CPU kernels are not built here")
+    cpu_kernels = kernels_or_skip()
     g = torch.Generator().manual_seed(21)
     R, V = 10, 6000
     logits = (torch.randn(R, V, generator=g) * 2).bfloat16().float()

@@ -34,9 +34,16 @@ bool permitted();   // cpu_gemm_amx.cpp: the process holds AMX state (arch_prctl
 void configure();
 }
 
-#if defined(__AVX512F__) && (defined(__AVX512BF16__) || (defined(__AMX_TILE__) && defined(__AMX_BF16__)))
+// Which engines this build has (the tile loop below needs AVX-512 for its packing either way).
+#if defined(__AVX512F__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define MINIPAGED_PREFILL_AMX 1
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define MINIPAGED_PREFILL_PAIRS 1
+#endif
+
+#if defined(MINIPAGED_PREFILL_AMX) || defined(MINIPAGED_PREFILL_PAIRS)
 #include <immintrin.h>
-#define MINIPAGED_BF16_PREFILL 1
 
 namespace minipaged_attn_bf16 {
 
@@ -46,7 +53,7 @@ using minipaged::widen;
 
 constexpr int kRows = 16;   // query rows per tile
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#if defined(MINIPAGED_PREFILL_AMX)
 struct AmxTiles {
   static void begin() { minipaged_amx::configure(); }
   static void end() { _tile_release(); }
@@ -92,7 +99,7 @@ struct AmxTiles {
 };
 #endif
 
-#if defined(__AVX512BF16__)
+#if defined(MINIPAGED_PREFILL_PAIRS)
 // The same products with VDPBF16PS: a lane of an output row takes one bfloat16 pair (of d for
 // scores, of positions for P V) per instruction, the row's pair broadcast to every lane. Rows past
 // the tile's R real ones are computed only up to the register block (AMX multiplies all 16; the
@@ -287,10 +294,10 @@ namespace minipaged_attn_bf16 {
 // 1: AVX512_BF16 pair dot products compiled in; 2: AMX tiles compiled in and granted (bits).
 int engines() {
   int e = 0;
-#if defined(MINIPAGED_BF16_PREFILL) && defined(__AVX512BF16__)
+#if defined(MINIPAGED_PREFILL_PAIRS)
   e |= 1;
 #endif
-#if defined(MINIPAGED_BF16_PREFILL) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#if defined(MINIPAGED_PREFILL_AMX)
   if (minipaged_amx::permitted()) e |= 2;
 #endif
   return e;
@@ -305,12 +312,12 @@ int paged_prefill_bf16(int engine, const float* query, const uint16_t* key_cache
                        int num_threads) {
   if (!(engines() & engine) || Hkv < 1 || H % Hkv != 0 || 16 % (H / Hkv) != 0 || D % 64 != 0 || D > 512)
     return -2;
-#if defined(MINIPAGED_BF16_PREFILL) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#if defined(MINIPAGED_PREFILL_AMX)
   if (engine == 2)
     return prefill<AmxTiles>(query, key_cache, value_cache, block_tables, max_blocks, seq_lens, q_starts, q_lens,
                              S, H, Hkv, block_size, D, scale, out, num_threads);
 #endif
-#if defined(MINIPAGED_BF16_PREFILL) && defined(__AVX512BF16__)
+#if defined(MINIPAGED_PREFILL_PAIRS)
   if (engine == 1)
     return prefill<PairDots>(query, key_cache, value_cache, block_tables, max_blocks, seq_lens, q_starts, q_lens,
                              S, H, Hkv, block_size, D, scale, out, num_threads);

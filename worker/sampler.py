@@ -220,7 +220,7 @@ def _draw_filtered(x, temp, p, k, u) -> torch.Tensor:
     if dev.type == "cpu":
         bins = late & (k == 0)
         if bool(bins.any()):
-            tok[bins] = _nucleus(x, bins.nonzero().squeeze(1), temp, p, z_all, u)
+            tok[bins] = _nucleus(x, bins.nonzero().squeeze(1), temp, p, z_all, u, compiled)
         late &= ~bins
     if bool(late.any()):
         rows = late.nonzero().squeeze(1)
@@ -230,10 +230,10 @@ def _draw_filtered(x, temp, p, k, u) -> torch.Tensor:
     return tok
 
 
-def _nucleus(x, rows, temp, p, z_all, u) -> torch.Tensor:
-    """The tokens of top-p rows `rows` of x whose nucleus lies past the head (CPU): float32 rows
-    by the compiled search (worker/cpu_sampling.cpp nucleus_weights), others by _nucleus_by_bins."""
-    if cpu_kernels.fused_ok(x) and x.is_contiguous():
+def _nucleus(x, rows, temp, p, z_all, u, compiled: bool) -> torch.Tensor:
+    """The tokens of top-p rows `rows` of x whose nucleus lies past the head (CPU): by the compiled
+    search (worker/cpu_sampling.cpp nucleus_weights) where `compiled`, else by _nucleus_by_bins."""
+    if compiled:
         out = scratch_like(x, "nucleus")[:rows.numel()]
         return _pick_whole(cpu_kernels.nucleus_weights(x, rows, temp[rows], p[rows], out), u[rows])
     return torch.tensor([_nucleus_by_bins(x[r], float(temp[r]), float(p[r]), float(z_all[r]), u[r:r + 1])

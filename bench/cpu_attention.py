@@ -14,7 +14,7 @@ V read (whole blocks), and the ratio; the anchor is the base revision in the sam
 each sequence's length drawn from [L/2, 3L/2) instead of L.
 
 Prefill (--prefill SxL, "" to skip): S prompts of L tokens, one layer's causal attention, each of
-this tree's engines on the same data, alternating: the float32 loop (cpu_kernels.cpp
+this tree's engines on the same data, alternating: the float32 loop (cpu_attn_prefill.cpp
 paged_prefill, the anchor) and the bfloat16-product engines this CPU has (cpu_attn_bf16.cpp: AMX
 tiles, AVX512_BF16 pair dot products); ms, GFLOP/s of the causal products (4 H D per visible
 query-key pair), and the ratio to the loop.

@@ -154,7 +154,7 @@ def test_bf16_prefill_leaves_other_head_layouts_to_the_exact_loop():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_add_rmsnorm_matches_torch(dtype):
-    """The residual step (cpu_kernels.cpp add_rmsnorm): h += y in place, then HF's RMSNorm ops in
+    """The residual step (cpu_fused.cpp add_rmsnorm): h += y in place, then HF's RMSNorm ops in
     float32; the bfloat16 mode's form rounds the result once to bfloat16 (one bfloat16 step where
     float32 sums differ). RMSNorm.forward itself takes this path for float32 rows, so the oracle
     here is HF's op sequence written out. QK-norm + RoPE and SwiGLU: tests/test_model_parity.py."""

@@ -1,4 +1,4 @@
-"""The compiled CPU kernels (worker/cpu_kernels.cpp and the files built with it) compile wherever a
+"""The compiled CPU kernels (worker/cpu_attn_*.cpp and the files built with them) compile wherever a
 C++ compiler is: a compile error only switches every CPU path to its torch fallback (logged once)
 and the kernels' own tests to skips, so without this test a broken kernel file would pass CI."""
 from __future__ import annotations

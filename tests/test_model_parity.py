@@ -260,7 +260,7 @@ def test_weights_loading_and_fingerprint(checkpoints, tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_cpu_steps_match_the_torch_ops(dtype):
-    """qk_norm_rope and silu_mul (worker/cpu_kernels.cpp, float32 math on the CPU) against the
+    """qk_norm_rope and silu_mul (worker/cpu_fused.cpp, float32 math on the CPU) against the
     module code they replace: RMSNorm (HF's ops) then RoPE, and F.silu(gate) * up. bfloat16 is the
     bfloat16 mode's form (GEMM products in; k and silu_mul's output written bfloat16, q float32):
     the torch ops in float32 on the same values, rounded once, within one bfloat16 step."""

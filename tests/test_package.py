@@ -74,7 +74,7 @@ def test_pip_install_and_console_scripts(tmp_path):
     assert os.path.isfile(os.path.join(pkg, "gateway", "static", "dashboard.html"))
     assert os.path.isfile(os.path.join(pkg, "worker", "kernels", "simt_cpu.h"))
     assert any(f.endswith(".cu") for f in os.listdir(os.path.join(pkg, "worker", "kernels")))
-    assert os.path.isfile(os.path.join(pkg, "worker", "cpu_kernels.cpp"))  # the CPU kernels' source (issue 21)
+    assert os.path.isfile(os.path.join(pkg, "worker", "cpu_attn_decode.cpp"))  # the CPU kernels' source (issue 21)
     assert not os.path.exists(os.path.join(pkg, "tests"))
     bindir = os.path.dirname(py)
     for script, module in SCRIPTS.items():
@@ -109,7 +109,7 @@ def test_pip_install_and_console_scripts(tmp_path):
 
 
 def _installed_worker_serves_with_cpu_kernels(tmp_path, bindir, port, pkg, cwd):
-    """The installed worker compiles worker/cpu_kernels.cpp from site-packages into the user's cache
+    """The installed worker compiles the worker's CPU kernels from site-packages into the user's cache
     (not into site-packages) and serves a request with it."""
     cache = tmp_path / "cache"
     env = {**_env(), "XDG_CACHE_HOME": str(cache)}

@@ -2,7 +2,7 @@
 
 `TorchBackend` (worker/attention_torch.py) stays the pure-torch reference that the kernel tests
 compare against. `CpuTorchBackend` is what `get_backend("torch", "cpu")` gives a worker: it inherits
-everything, and its `paged_decode` / `paged_prefill` call the loops of worker/cpu_kernels.cpp,
+everything, and its `paged_decode` / `paged_prefill` call the loops of worker/cpu_attn_decode.cpp / cpu_attn_prefill.cpp,
 which read K/V straight from the cache through the block tables: decode reads each sequence's
 blocks once instead of gathering them into a buffer for two batched matmuls (~3x per layer), and
 prefill runs each tile of queries as a small register-blocked GEMM against the rows it may see,
@@ -58,7 +58,7 @@ class CpuTorchBackend(TorchBackend):
         return getattr(self._lib, f"minipaged_paged_{kind}_{suffix}")
 
     def write_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
-        """The compiled slot copy (cpu_kernels.cpp minipaged_write_kv) for CPU caches, heads
+        """The compiled slot copy (cpu_fused.cpp minipaged_write_kv) for CPU caches, heads
         contiguous (float32 K/V for a bfloat16 cache rounded first); otherwise the torch code."""
         if key_cache.dtype == torch.bfloat16 and key.dtype == torch.float32:   # the bfloat16 compute mode
             key, value = key.to(torch.bfloat16), value.to(torch.bfloat16)

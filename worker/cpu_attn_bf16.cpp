@@ -1,10 +1,10 @@
 // Varlen causal prefill attention over a bfloat16 K/V cache in bfloat16 products: the bfloat16
-// compute mode's prefill (worker/attention_cpu.py), called through cpu_kernels.cpp's
+// compute mode's prefill (worker/attention_cpu.py), called through cpu_attn_prefill.cpp's
 // minipaged_paged_prefill_f32_bf16_rounded, which validates the tables first. Two engines for the
 // same products: AMX tiles (TDPBF16PS) where the CPU has them and Linux grants their state, else
 // AVX512_BF16's pair dot products (VDPBF16PS, e.g. Zen 4/5), 16 lanes of one output row at a time.
 //
-// Why: the AVX-512 loop (cpu_kernels.cpp paged_prefill) widens every K and V element to float32
+// Why: the AVX-512 loop (cpu_attn_prefill.cpp paged_prefill) widens every K and V element to float32
 // and multiplies in float32 (~35 GFLOP/s a core on this project's Xeon, ~110 on a Zen 5); a long
 // prompt's attention is then ~30-50% of its prefill. bfloat16 products run several times faster,
 // and the cache already holds bfloat16. The numbers are a bfloat16 model's: q and the softmax

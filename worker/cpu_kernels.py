@@ -1,5 +1,6 @@
-"""The CPU kernels library (worker/cpu_kernels.cpp: paged attention loops and the fused
-elementwise steps of the Qwen3 block; worker/cpu_sampling.cpp: the sampler's passes over rows;
+"""The CPU kernels library (worker/cpu_attn_decode.cpp, cpu_attn_prefill.cpp: the paged attention
+loops, sharing cpu_attn_common.h; worker/cpu_fused.cpp: the fused elementwise steps of the Qwen3
+block; worker/cpu_sampling.cpp: the sampler's passes over rows;
 worker/cpu_attn_bf16.cpp: the bfloat16 mode's prefill attention in bfloat16 products, on AMX or
 AVX512_BF16; worker/cpu_gemm.cpp, cpu_gemm_amx.cpp: the bfloat16-weight GEMMs of
 worker/cpu_gemm.py), called through ctypes on torch tensors.
@@ -29,9 +30,10 @@ from minipaged.paths import build_dir
 log = logging.getLogger("worker.cpu_kernels")
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = [os.path.join(_HERE, name) for name in ("cpu_kernels.cpp", "cpu_sampling.cpp", "cpu_gemm.cpp",
-                                                    "cpu_gemm_amx.cpp", "cpu_attn_bf16.cpp")]
-HEADERS = [os.path.join(_HERE, "cpu_math.h")]   # included by the sources: part of the build's hash
+SOURCES = [os.path.join(_HERE, name) for name in ("cpu_attn_decode.cpp", "cpu_attn_prefill.cpp", "cpu_attn_bf16.cpp",
+                                                    "cpu_fused.cpp", "cpu_sampling.cpp", "cpu_gemm.cpp",
+                                                    "cpu_gemm_amx.cpp")]
+HEADERS = [os.path.join(_HERE, name) for name in ("cpu_math.h", "cpu_attn_common.h")]  # part of the build's hash
 BUILD_DIR = os.environ.get("MINIPAGED_CPU_KERNEL_DIR", build_dir("cpu_kernels"))  # not site-packages
 CXX = os.environ.get("CXX", "g++")
 FLAGS = ["-x", "c++", "-std=c++17", "-O3", "-march=native", "-fopenmp", "-fno-trapping-math",

@@ -1,4 +1,4 @@
-// Helpers shared by the CPU kernel sources (worker/cpu_kernels.cpp, cpu_sampling.cpp, cpu_attn_bf16.cpp,
+// Helpers shared by the CPU kernel sources (worker/cpu_attn_*.cpp, cpu_fused.cpp, cpu_sampling.cpp,
 // cpu_gemm_amx.cpp): the vectorizable exp and the row max of the softmax, and bfloat16 <-> float32.
 // Header-only, inline, no state.
 #pragma once

@@ -1,12 +1,12 @@
 // The sampler's passes over whole rows of logits (worker/sampler.py; worker/cpu_kernels.py builds
-// and loads this file with cpu_kernels.cpp): weights, the draw over a row, min_p, the head of
+// and loads this file with the other kernels): weights, the draw over a row, min_p, the head of
 // candidates for top-k, a top-p nucleus, and the grammar bitmask of structured outputs. float32
 // rows of the vocabulary, one row per sampled sequence, rows in parallel (OpenMP, torch's thread
 // count). Each
 // keeps the set and the draw that worker/sampler.py defines (its torch / numpy forms are the
 // reference the tests compare with).
 // GCC 12 warns inside its own AVX-512 intrinsics (max_of's _mm512_max_ps) once inlined: a known
-// false positive, as in cpu_kernels.cpp.
+// false positive, as in cpu_attn_common.h.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <algorithm>
 #include <cmath>

@@ -61,7 +61,8 @@ class ResultAssembler:
 
     def result(self) -> GenerateResult:
         out = self._result()
-        out.prompt_logprobs, out.prompt_top_logprobs = self._prompt
+        for r in [out, *(out.choices or [])]:   # the request's, the same for every choice
+            r.prompt_logprobs, r.prompt_top_logprobs = self._prompt
         return out
 
     def _result(self) -> GenerateResult:

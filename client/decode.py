@@ -51,8 +51,9 @@ def result_from_proto(r: pb.GenerationResult) -> GenerateResult:
     out.prompt_logprobs, out.prompt_top_logprobs = _prompt_logprobs(r)
     if r.choices:
         out.choices = [result_from_proto(c) for c in r.choices]
-        for c in out.choices:
+        for c in out.choices:   # the prompt's logprobs are the request's: every choice has them
             c.index = out.index
+            c.prompt_logprobs, c.prompt_top_logprobs = out.prompt_logprobs, out.prompt_top_logprobs
     return out
 
 

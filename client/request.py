@@ -80,6 +80,7 @@ def build_generate_request(prompt: str | None = None, prompt_token_ids: Sequence
         ("best_of", best_of), ("min_new_tokens", min_new_tokens), ("beam_width", beam_width)))
     if top_p is not None and not 0 < float(top_p) <= 1:  # also catches NaN
         raise InvalidArgument(f"top_p must be in (0, 1], got {top_p}")
+    _check_wire_zeros(n, best_of, repetition_penalty)
     if isinstance(min_p, bool) or not isinstance(min_p, numbers.Real):
         raise TypeError(f"min_p must be a number, got {min_p!r}")
     if not 0 <= float(min_p) <= 1:   # (also catches NaN)
@@ -121,6 +122,18 @@ def _check_prompt_and_ints(prompt, prompt_token_ids, ints) -> None:
             raise TypeError(f"{name} must be an int, got {v!r}")
 
 
+def _check_wire_zeros(n, best_of, repetition_penalty) -> None:
+    """Values the caller set that the wire would read as unset (proto3's 0): refused here, as the
+    service refuses the same values when they are not 0."""
+    if n is not None and n < 1:
+        raise InvalidArgument(f"n must be in [1, 16], got {n}")
+    if best_of is not None and best_of < 1:
+        raise InvalidArgument(f"best_of must be in [n, 16], got {best_of}")
+    if isinstance(repetition_penalty, numbers.Real) and not isinstance(repetition_penalty, bool) \
+            and float(repetition_penalty) == 0:
+        raise InvalidArgument("repetition_penalty must be > 0 (1 = off), got 0")
+
+
 def _optional_fields(req: pb.GenerateRequest, length_penalty, top_p, prompt_token_ids, stop_token_ids,
                      seed) -> None:
     """Fields whose absence means something of its own (proto3 optional) or that are packed arrays."""
@@ -154,14 +167,20 @@ def _structured(req: pb.GenerateRequest, json_schema, regex, choice, json_object
             json_schema = json.dumps(json_schema)
         if not isinstance(json_schema, str):
             raise TypeError(f"json_schema must be a dict or a JSON string, got {type(json_schema).__name__}")
+        if not json_schema.strip():   # "" is unset on the wire
+            raise InvalidArgument("json_schema must be a JSON schema, got an empty string")
         req.json_schema = json_schema
     if regex is not None:
         if not isinstance(regex, str):
             raise TypeError(f"regex must be a str, got {type(regex).__name__}")
+        if not regex:   # "" is unset on the wire
+            raise InvalidArgument("regex must be a non-empty pattern")
         req.regex = regex
     if choice is not None:
         if isinstance(choice, str) or not all(isinstance(c, str) for c in choice):
             raise TypeError(f"choice must be a list of str, got {choice!r:.80}")
+        if not choice:  # an empty list is unset on the wire
+            raise InvalidArgument("choice must be 1 to 1024 non-empty strings, got none")
         req.choice.extend(choice)
     req.json_object = bool(json_object)
 

@@ -19,7 +19,7 @@ import threading
 import time
 
 from minipaged import generation_defaults as gd
-from minipaged.config import parse_rope_scaling
+from minipaged.config import load_model_config, parse_rope_scaling
 from minipaged.constants import DTYPE_BYTES
 
 from . import cluster as cl
@@ -209,12 +209,25 @@ def _run_until_stopped(c: _ServeCluster) -> int:
         time.sleep(0.5)
 
 
+def _check_max_model_len(flag: int, model: str, rope) -> None:
+    """vLLM's rule: --max-model-len may not exceed the model's context (its positions past that
+    were never trained, and the workers refuse them)."""
+    try:
+        limit = load_model_config(model, rope).max_context
+    except (OSError, ValueError, KeyError):
+        return                 # the workers name what is wrong with the checkpoint
+    if flag > limit:
+        raise ValueError(f"--max-model-len {flag} is longer than the model's context, {limit} tokens "
+                         f"(max_position_embeddings, or what --rope-scaling extends it to)")
+
+
 def serve(a) -> int:
     if a.api_key is None:
         a.api_key = os.environ.get("MINIPAGED_API_KEY")
     try:                      # before any process starts: the workers / the gateway would refuse these
-        if a.rope_scaling:
-            parse_rope_scaling(a.rope_scaling)
+        rope = parse_rope_scaling(a.rope_scaling) if a.rope_scaling else None
+        if a.max_model_len:
+            _check_max_model_len(int(a.max_model_len), a.model, rope)
         if a.generation_config not in gd.SOURCES:    # a directory: the gateway runs elsewhere (cwd)
             a.generation_config = os.path.abspath(a.generation_config)
         gd.load(a.generation_config, a.model, gd.parse_override(a.override_generation_config))

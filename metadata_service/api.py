@@ -155,6 +155,7 @@ class MetadataServicer(JobRpcs, metadata_pb2_grpc.MetadataServiceServicer):
             if m.output_top:
                 chunk.top_logprob_ids = pack(np.concatenate([t[0] for t in m.output_top]))
                 chunk.top_logprobs = pack(np.concatenate([t[1] for t in m.output_top]), FLOAT32)
+            prompt_logprobs.attach_once(chunk, seq.prompt_lp)   # the request's: on the first winner
             yield chunk
 
     # ------------------------------------------------------------------ stats

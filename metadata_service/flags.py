@@ -73,8 +73,8 @@ def _scheduling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--full-block-tables", action="store_true",
                    help="send whole block tables every step instead of deltas (to compare wire costs)")
     p.add_argument("--max-model-len", type=int, default=0,
-                   help="default: the model's context (max_position_embeddings, or what its RoPE scaling "
-                        "extends it to)")
+                   help="default and upper bound: the model's context (max_position_embeddings, or what its "
+                        "RoPE scaling extends it to; a larger value serves that, with a warning)")
     p.add_argument("--max-waiting", type=int, default=4096, help="pending requests before RESOURCE_EXHAUSTED")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--kv-move-part-bytes", type=int, default=0,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 from minipaged.config import shape_signature
-from minipaged.tokenizer import byte_fallback_problem, load_tokenizer
+from minipaged.tokenizer import ByteTokenizer, byte_fallback_problem, load_tokenizer
 from minipaged.wire import INT32, unpack
 
 from .grammar import Grammars
@@ -49,11 +49,16 @@ class ServedModel:
                 for cb in self.on_model_changed:
                     cb(info.model_fingerprint, info.model_name)
         self.eos_ids = set(unpack(stages[-1].info.eos_token_ids, INT32).tolist())
+        if isinstance(self.tokenizer, ByteTokenizer) and self.tokenizer.special != self.eos_ids:
+            self.tokenizer = ByteTokenizer(self.eos_ids)   # an EOS byte ends the text, never in it
         self.vocab_size = info.vocab_size
         self.text_prompt_problem = byte_fallback_problem(info.model_name, info.vocab_size)
         if self.text_prompt_problem:
             log.warning("%s", self.text_prompt_problem)
         self.model_shape = shape_signature(info.vocab_size, info.hidden_size, info.num_layers,
                                            info.num_attention_heads, info.num_kv_heads, info.head_dim)
-        self.max_model_len = self.max_model_len_flag or info.max_position_embeddings
+        self.max_model_len = min(self.max_model_len_flag or info.max_position_embeddings, info.max_position_embeddings)
+        if self.max_model_len_flag > info.max_position_embeddings:   # the workers would refuse those positions
+            log.warning("--max-model-len %d is longer than the model's context, %d tokens: serving %d",
+                        self.max_model_len_flag, info.max_position_embeddings, self.max_model_len)
         self.model_known.set()

@@ -5,15 +5,22 @@ import os
 
 
 class ByteTokenizer:
-    """ids 0-255 are the UTF-8 bytes; 256 = <|endoftext|> (EOS), 257/258 = <|im_start|>/<|im_end|>."""
+    """ids 0-255 are the UTF-8 bytes; 256 = <|endoftext|> (EOS), 257/258 = <|im_start|>/<|im_end|>.
+    `special`: the model's EOS ids, which decode skips even below 256 (a checkpoint without
+    tokenizer files may name a byte its EOS: that id ends the text, it is not part of it, as a
+    transformers tokenizer's skip_special_tokens has it)."""
 
     eos_token_ids = [256]
+
+    def __init__(self, special=()):
+        self.special = frozenset(int(i) for i in special)
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, ids) -> str:
-        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+        skip = self.special
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256 and int(i) not in skip).decode("utf-8", errors="replace")
 
 
 class HFTokenizer:

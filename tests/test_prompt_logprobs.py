@@ -186,6 +186,13 @@ def test_prompt_logprobs_equal_transformers(cluster, oracle):
     r = cl.generate(prompt_token_ids=p, max_new_tokens=0, prompt_logprobs=1)
     assert r.token_ids == [] and r.finish_reason == "length"
     check(p, r.prompt_logprobs, r.prompt_top_logprobs, oracle(p), 1)
+    # best_of > n (the winners come whole at the end) and n choices, by generate() and as a job:
+    # the request's prompt logprobs on the result and on every choice
+    for kw in (dict(best_of=2), dict(n=2, best_of=3), dict(n=2)):
+        args = dict(prompt_token_ids=p, max_new_tokens=2, temperature=1.0, seed=3, prompt_logprobs=1, **kw)
+        for r in (cl.generate(**args), cl.wait(cl.submit([args]))[0]):
+            for one in [r, *(r.choices or [])]:
+                check(p, one.prompt_logprobs, one.prompt_top_logprobs, oracle(p), 1)
     st = cl.stats()
     assert st.invariants_ok
 

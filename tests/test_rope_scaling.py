@@ -14,6 +14,7 @@ from transformers import Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
+from client.errors import InvalidArgument
 from minipaged.config import ModelConfig, load_model_config
 from tests.checkpoints import load_oracle, make_checkpoint
 from worker.layers import RotaryEmbedding
@@ -164,10 +165,12 @@ def test_rope_scaling_flag_gives_the_config_it_names(yarn_checkpoint, tmp_path):
     with torch.no_grad():
         want = hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=10, min_new_tokens=10,
                            pad_token_id=0)[0, len(p):].tolist()
-    with LocalCluster(model=plain, workers=2, dtype="float64",
+    with LocalCluster(model=plain, workers=2, dtype="float64", extra_service_args=["--max-model-len", "9999"],
                       extra_worker_args=["--rope-scaling", json.dumps(YARN_QWEN)]) as c:
         assert c.client.generate(prompt_token_ids=p, max_new_tokens=10, ignore_eos=True).token_ids == want
-        assert c.client.stats().max_model_len == 256
+        assert c.client.stats().max_model_len == 256   # a larger --max-model-len serves the model's context
+        with pytest.raises(InvalidArgument, match="exceeds max_model_len 256"):   # refused up front
+            c.client.generate(prompt_token_ids=[5] * 250, max_new_tokens=10)
 
 
 @pytest.mark.parametrize("flag, message", [

@@ -148,6 +148,23 @@ def run_cases(client, hf, prompts, info, eos, decode, max_new_tokens=80):
 
 # ---------------------------------------------------------------- end to end
 
+def test_an_eos_byte_ends_the_text_and_is_not_in_it(tmp_path):
+    """A checkpoint without tokenizer files may name a byte its EOS (here 1): the byte-level
+    tokenizer then skips it in text, as transformers' skip_special_tokens does, so a structured
+    output that stops on it is exactly what its grammar allows."""
+    d = make_checkpoint(num_layers=1, hidden=32, heads=2, kv_heads=1, head_dim=16, vocab=300, seed=4,
+                        directory=str(tmp_path / "eos1"))
+    _set_eos(d, 1)
+    with LocalCluster(model=d, workers=1, dtype="float32") as c:
+        for kind, value in CASES:
+            r = c.client.generate(prompt_token_ids=[5, 6, 7, 8], max_new_tokens=80, **{kind: value})
+            assert r.finish_reason == "stop" and r.token_ids[-1] == 1, (kind, r)
+            check_text(kind, value, r.text)
+        r = c.client.generate(prompt_token_ids=[5, 6, 7, 8], max_new_tokens=40, stop_token_ids=[1],
+                              ignore_eos=False)
+        assert "\x01" not in r.text
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_byte_vocab_equals_transformers_with_xgrammar(byte_ckpt, workers):
     hf = load_oracle(byte_ckpt, torch.float64)

@@ -8,7 +8,6 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-import numpy as np
 
 # Scheduler sequence ids live above the block API's range (0 .. 2**62-1), so both can share one
 # KVBlockManager without colliding.

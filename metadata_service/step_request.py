@@ -74,7 +74,6 @@ def _add_extras(req: worker_pb2.StepRequest, seqs: list[Sequence], offsets: np.n
     Penalized sequences send their whole history: their cost grows with their length (only theirs).
     A history is what this service knows: a token still being sampled (input -1) is left out, and
     the last stage, which sampled it, appends it."""
-    B = len(seqs)
     suppress = [bool(s.suppress_ids) and int(o) < s.params.min_new_tokens for s, o in zip(seqs, offsets)]
     if any(suppress):
         ids = [s.suppress_ids if on else () for s, on in zip(seqs, suppress)]

@@ -66,9 +66,11 @@ from hf_anchors import run_hf_generate_batch, run_hf_padded, run_hf_per_prompt, 
 from vllm_anchor import VllmAnchor  # noqa: E402
 
 
-# name -> (prompts, shortest, longest prompt, new tokens): the tiny rows of issues 4/12, and the
-# two workloads of issue 18 at real shapes (prefill-heavy, decode-heavy)
-WORKLOADS = {"tiny": (64, 16, 512, 64), "prefill": (16, 64, 512, 32), "decode": (16, 16, 64, 64)}
+# name -> (prompts, shortest, longest prompt, new tokens): the tiny rows of issues 4/12, the two
+# workloads of issue 18 at real shapes (prefill-heavy, decode-heavy), and long prompts (attention's
+# quadratic part, a RAG-like load; the default 2 GiB of K/V holds ~18k tokens at the 0.6B shape)
+WORKLOADS = {"tiny": (64, 16, 512, 64), "prefill": (16, 64, 512, 32), "decode": (16, 16, 64, 64),
+             "long": (4, 3000, 4000, 16)}
 
 
 def workload(n: int, seed: int = 0, shortest: int = 16, longest: int = 512, vocab: int = 256):

@@ -20,7 +20,7 @@ REQUEST_KEYS = ("prompt", "prompt_token_ids", "max_new_tokens", "temperature", "
                 "seed", "stop", "stop_token_ids", "ignore_eos", "return_logprobs", "logprobs", "n", "best_of",
                 "min_new_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_p",
                 "json_schema", "regex", "choice", "json_object", "beam_width", "length_penalty", "early_stopping",
-                "prompt_logprobs")
+                "prompt_logprobs", "include_stop_str_in_output")
 
 
 def _int_array(name: str, values) -> bytes:
@@ -67,14 +67,16 @@ def build_generate_request(prompt: str | None = None, prompt_token_ids: Sequence
                            json_object: bool = False, beam_width: int = 0,
                            length_penalty: float | None = None,
                            early_stopping: bool | str = False,
-                           prompt_logprobs: int | None = None) -> pb.GenerateRequest:
+                           prompt_logprobs: int | None = None,
+                           include_stop_str_in_output: bool = False) -> pb.GenerateRequest:
     """Type checks and the few value checks the wire cannot express (top_p=0, both prompt forms);
     the server validates every value and answers INVALID_ARGUMENT.
 
     Structured outputs (at most one): `json_schema` (a dict or its JSON text), `regex`, `choice` (a
     list of strings), `json_object=True` (any JSON object). beam_width=K: beam search
     (transformers' num_beams=K, num_return_sequences=K): K choices, best first, each with its
-    cumulative_logprob and beam_score; n must then be unset or K."""
+    cumulative_logprob and beam_score; n must then be unset or K. include_stop_str_in_output
+    (vLLM's): the text keeps the matched stop string, or the stop token's text."""
     _check_prompt_and_ints(prompt, prompt_token_ids, (
         ("max_new_tokens", max_new_tokens), ("top_k", top_k), ("seed", seed), ("n", n),
         ("best_of", best_of), ("min_new_tokens", min_new_tokens), ("beam_width", beam_width)))
@@ -88,6 +90,9 @@ def build_generate_request(prompt: str | None = None, prompt_token_ids: Sequence
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if not all(isinstance(s, str) for s in stops):
         raise TypeError(f"stop must be a str or a list of str, got {stop!r}")
+    _check_text(("prompt", [prompt] if prompt else []), ("stop", stops), ("regex", [regex] if regex else []),
+                ("choice", list(choice) if choice and not isinstance(choice, str) else []),
+                ("json_schema", [json_schema] if isinstance(json_schema, str) else []))
     want_logprobs, top_logprobs = _logprob_fields(logprobs, return_logprobs)
     if early_stopping not in (True, False, "never"):
         raise InvalidArgument(f'early_stopping must be True, False or "never", got {early_stopping!r}')
@@ -101,13 +106,13 @@ def build_generate_request(prompt: str | None = None, prompt_token_ids: Sequence
                                  presence_penalty=float(presence_penalty),
                                  frequency_penalty=float(frequency_penalty), min_p=float(min_p),
                                  beam_width=int(beam_width or 0),
-                                 early_stopping=str(early_stopping).lower() if beam_width else "")
+                                 early_stopping=str(early_stopping).lower() if beam_width else "",
+                                 include_stop_str_in_output=bool(include_stop_str_in_output))
         _optional_fields(req, length_penalty, top_p, prompt_token_ids, stop_token_ids, seed)
         _structured(req, json_schema, regex, choice, json_object)
         _set_prompt_logprobs(req, prompt_logprobs)
     except (ValueError, OverflowError) as e:
-        raise InvalidArgument(f"{e} (max_new_tokens, top_k, n, best_of, min_new_tokens are int32, seed int64, "
-                              f"token ids int32)") from None
+        raise InvalidArgument(str(e)) from None
     return req
 
 
@@ -120,6 +125,22 @@ def _check_prompt_and_ints(prompt, prompt_token_ids, ints) -> None:
     for name, v in ints:
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer))):
             raise TypeError(f"{name} must be an int, got {v!r}")
+        bits = 63 if name == "seed" else 31          # the wire's int64 / int32
+        if v is not None and not -(1 << bits) <= v < (1 << bits):
+            raise InvalidArgument(f"{name} = {v} is out of range (an int{bits + 1} on the wire)")
+
+
+def _check_text(*fields) -> None:
+    """Strings the wire carries as UTF-8: a lone surrogate (valid in JSON, not text) is named."""
+    for name, values in fields:
+        for v in values:
+            if not isinstance(v, str):
+                continue                          # (a wrong type is named by the type checks)
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise InvalidArgument(f"{name} is not valid text: {e.reason} at {e.start} "
+                                      f"({v[e.start:e.end]!r})") from None
 
 
 def _check_wire_zeros(n, best_of, repetition_penalty) -> None:

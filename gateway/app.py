@@ -11,6 +11,7 @@ gateway/state.py (Gateway), the streamed responses in gateway/sse.py."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -41,8 +42,15 @@ async def _json_body(request: Request) -> dict:
         body = await request.json()
     except (ValueError, UnicodeDecodeError) as e:
         raise bad_request(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise bad_request("the request body is not valid JSON: nested too deeply") from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
+    try:      # JSON may escape a lone UTF-16 surrogate ("\udc00"): valid JSON, not text
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad_request(f"the request body holds a lone UTF-16 surrogate ({e.object[e.start:e.end]!r}), "
+                          f"which is not text") from None
     return body
 
 
@@ -134,6 +142,7 @@ def _error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(MiniPagedError, as_error)
     app.add_exception_handler(RequestValidationError, validation)
     app.add_exception_handler(StarletteHTTPException, http)
+    app.add_exception_handler(Exception, as_error)   # a bug: still an OpenAI error object (500), logged
 
 
 # ---------------------------------------------------------------- OpenAI API
@@ -189,8 +198,10 @@ async def _chat_completions(gw: Gateway, request: Request):
     messages = oa.chat_messages(req)
     tools = tc.plan(req.tools, req.tool_choice, req.parallel_tool_calls)
     template_kwargs = {**(req.chat_template_kwargs or {}), **({"tools": req.tools} if req.tools else {})}
+    if req.continue_final_message and req.add_generation_prompt:
+        raise bad_request("continue_final_message and add_generation_prompt cannot both be true", "continue_final_message")
     try:
-        prompt = gw.template.render(messages, req.add_generation_prompt, **template_kwargs)
+        prompt = gw.template.render(messages, req.add_generation_prompt, req.continue_final_message, **template_kwargs)
     except ValueError as e:
         raise bad_request(str(e), "messages") from None
     kw = oa.chat_kwargs(req, _default_max_tokens(gw, prompt, req.use_beam_search), gw.sampling_defaults)

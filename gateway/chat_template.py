@@ -98,19 +98,35 @@ class ChatTemplate:
             pass
         return lambda **kw: compiled.render(**special, **kw)
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs) -> str:
-        """Raises ValueError when the template refuses the conversation (e.g. roles out of order)."""
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, continue_final: bool = False,
+               **template_kwargs) -> str:
+        """Raises ValueError when the template refuses the conversation (e.g. roles out of order).
+        continue_final (vLLM's continue_final_message): the text ends where the last message's
+        content does, open for the model to go on (transformers' rule)."""
         if self._tokenizer is not None:
             try:
                 return self._tokenizer.apply_chat_template(messages, tokenize=False,
                                                            add_generation_prompt=add_generation_prompt,
+                                                           continue_final_message=continue_final,
                                                            **template_kwargs)
             except Exception as e:  # noqa: BLE001 - jinja errors, raise_exception(...) in templates
                 raise ValueError(f"the chat template refused these messages: {e}") from None
         if self._jinja is not None:
             try:
-                return self._jinja(messages=messages, add_generation_prompt=add_generation_prompt,
+                text = self._jinja(messages=messages, add_generation_prompt=add_generation_prompt,
                                    **template_kwargs)
             except Exception as e:  # noqa: BLE001
                 raise ValueError(f"the chat template refused these messages: {e}") from None
-        return render_simple(messages, add_generation_prompt)
+        else:
+            text = render_simple(messages, add_generation_prompt)
+        return _continued(text, messages) if continue_final else text
+
+
+def _continued(text: str, messages: list[dict]) -> str:
+    """The rendered conversation cut right after the last message's content (as transformers'
+    continue_final_message cuts it)."""
+    final = str(messages[-1].get("content") or "") if messages else ""
+    for needle in (final, final.strip()):
+        if needle and needle in text:
+            return text[:text.rindex(needle) + len(needle)]
+    raise ValueError("continue_final_message: the last message's content is not in the rendered chat")

@@ -23,10 +23,18 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # vLLM: usage on every chunk
 
 
+# vLLM request fields this server does not implement, with the value that asks for nothing: any
+# other value is a 400 naming the field, where ignoring it would answer another question.
+UNSUPPORTED_VLLM_FIELDS = {"prompt_logprobs": None, "skip_special_tokens": True, "allowed_token_ids": None,
+                           "bad_words": None, "truncate_prompt_tokens": None, "guided_grammar": None,
+                           "logits_processors": None, "spaces_between_special_tokens": True}
+
+
 class _Sampling(BaseModel):
     """Fields shared by completions and chat completions. Unknown fields are ignored, as the
-    OpenAI clients send some we have no use for (user, ...)."""
-    model_config = ConfigDict(extra="ignore")
+    OpenAI clients send some we have no use for (user, ...), except vLLM's that would change the
+    answer (UNSUPPORTED_VLLM_FIELDS)."""
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: int | None = None
@@ -55,6 +63,7 @@ class _Sampling(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     structured_outputs: dict[str, Any] | None = None
+    include_stop_str_in_output: bool = False    # vLLM extension: the stop string / stop token's text stays
     use_beam_search: bool = False               # vLLM extension: n beams (metadata_service/beam.py)
     length_penalty: float | None = None         # beam search: score = logprob / length ** length_penalty
     early_stopping: Union[bool, Literal["never"]] = False
@@ -84,10 +93,14 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True          # vLLM extension
+    continue_final_message: bool = False        # vLLM extension: the last (assistant) message is continued
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension (e.g. enable_thinking)
 
 
 def _check_common(req: _Sampling) -> None:
+    for name, neutral in UNSUPPORTED_VLLM_FIELDS.items():
+        if (req.model_extra or {}).get(name, neutral) != neutral:
+            raise bad_request(f"{name} is not supported by this server", name)
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
     if req.n < 1:
@@ -117,7 +130,8 @@ def sampling_kwargs(req: _Sampling, max_tokens: int | None, default_max_tokens: 
               seed=req.seed, stop=stop or None, ignore_eos=req.ignore_eos, n=req.n, best_of=req.best_of,
               min_new_tokens=req.min_tokens, presence_penalty=pick("presence_penalty", 0.0),
               frequency_penalty=pick("frequency_penalty", 0.0),
-              repetition_penalty=pick("repetition_penalty", 1.0), min_p=pick("min_p", 0.0))
+              repetition_penalty=pick("repetition_penalty", 1.0), min_p=pick("min_p", 0.0),
+              include_stop_str_in_output=req.include_stop_str_in_output)
     top_p = pick("top_p", None)
     if top_p is not None:
         kw["top_p"] = top_p  # the SDK refuses 0 (400) as the server does

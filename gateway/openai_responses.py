@@ -77,7 +77,9 @@ def completion_logprobs(choice: Choice, token_text, offset0: int = 0) -> dict | 
 
 def echo_logprobs(prompt_ids: list[int], logprobs: list, top: list | None, token_text) -> dict:
     """The echoed prompt's part of the legacy logprobs: token_logprobs and top_logprobs are null
-    for the first token (nothing comes before it), as OpenAI's are."""
+    for the first token (nothing comes before it), as OpenAI's are. Special tokens show their text
+    (the echoed prompt holds it), so the offsets add up."""
+    token_text = getattr(token_text, "with_specials", token_text)
     tokens = [token_text(t) for t in prompt_ids]
     offsets, pos = [], 0
     for t in tokens:

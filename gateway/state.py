@@ -112,7 +112,8 @@ class Gateway:
                                "model", "model_not_found")
 
     def token_text_for(self, req) -> TokenStrings:
-        return TokenStrings(_token_id_text if req.return_tokens_as_token_ids else self.token_text, self.tokenizer)
+        as_ids = req.return_tokens_as_token_ids
+        return TokenStrings(_token_id_text if as_ids else self.token_text, self.tokenizer, as_ids)
 
     def _token_text(self, token_id: int) -> str:
         """A token as text for logprobs (vLLM writes "token_id:N" where it has no tokenizer)."""

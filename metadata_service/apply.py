@@ -100,8 +100,9 @@ def _stop(seq, tok: int, verdict: str, is_eos: bool) -> str:
     if verdict == "rejected":
         return verdict
     if verdict == "stop" or (is_eos and not p.ignore_eos) or tok in p.stop_token_ids:
+        seq.stopped_on_token = True
         return "stop"
-    if seq.stop_checker is not None and seq.stop_checker.push(tok):
+    if seq.stop_checker is not None and seq.stop_checker.push(tok, len(seq.output_token_ids) > p.min_new_tokens):
         return "stop"
     return "length" if len(seq.output_token_ids) >= p.max_new_tokens else ""
 

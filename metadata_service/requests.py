@@ -126,11 +126,14 @@ def _check_fits(req: metadata_pb2.GenerateRequest, prompt_len: int, engine) -> N
         raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
                            f"prompt ({prompt_len} tokens) + max_new_tokens ({req.max_new_tokens}) = {total} "
                            f"exceeds max_model_len {engine.max_model_len}")
-    best_of = req.best_of or max(1, req.n)
-    need = -(-total // engine.block_size) * best_of   # at worst every choice holds its own copy
+    bs, best_of = engine.block_size, req.best_of or max(1, req.n)
+    need = -(-total // bs)
+    if best_of > 1:      # choices fork after all but the last prompt token (groups.py): they share the
+        full = (prompt_len - 1) // bs     # full blocks of that prefix, and each holds its own rest
+        need = full + best_of * -(-(total - full * bs) // bs)
     if req.beam_width:   # beams share the prompt's full blocks; at worst each holds its own rest
-        full = prompt_len // engine.block_size
-        need = full + req.beam_width * -(-(total - full * engine.block_size) // engine.block_size)
+        full = prompt_len // bs
+        need = full + req.beam_width * -(-(total - full * bs) // bs)
     pool = engine.max_pool_blocks  # a sequence lives in one chain's pool: the largest one bounds it
     if need > pool:
         raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -185,6 +188,7 @@ def to_sequence(req: metadata_pb2.GenerateRequest, engine, sink=None, tag=None) 
         max_new_tokens=req.max_new_tokens, temperature=req.temperature,
         top_p=req.top_p if req.HasField("top_p") else 1.0, top_k=req.top_k, seed=req.seed & (2**63 - 1),
         stop=tuple(req.stop), stop_token_ids=tuple(unpack(req.stop_token_ids, INT32).tolist()),
+        include_stop_str_in_output=req.include_stop_str_in_output,
         ignore_eos=req.ignore_eos, return_logprobs=req.return_logprobs or req.top_logprobs > 0,
         n=n, best_of=req.best_of or n, min_new_tokens=req.min_new_tokens,
         repetition_penalty=req.repetition_penalty or 1.0, presence_penalty=req.presence_penalty,
@@ -240,9 +244,15 @@ def prepare(seq: Sequence, engine) -> None:
 
 
 def final_text(seq: Sequence, engine) -> str:
-    text = engine.decode(seq.output_token_ids)
-    cut = seq.stop_checker.cut if seq.stop_checker is not None else None
-    return text[:cut] if cut is not None else text
+    """The output's text as vLLM returns it: without the stop token that ended it (EOS, a stop
+    token id) and cut before a matched stop string, unless include_stop_str_in_output."""
+    keep = seq.params.include_stop_str_in_output
+    ids = seq.output_token_ids[:-1] if seq.stopped_on_token and not keep else seq.output_token_ids
+    text = engine.decode(ids)
+    checker = seq.stop_checker
+    if checker is None or checker.cut is None:
+        return text
+    return text[:checker.end if keep else checker.cut]
 
 
 def usage(seq: Sequence) -> metadata_pb2.Usage:

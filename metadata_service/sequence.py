@@ -29,6 +29,7 @@ class SamplingParams:
     seed: int = 0
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False  # vLLM's: keep the stop string / stop token's text
     ignore_eos: bool = False
     return_logprobs: bool = False
     n: int = 1                               # choices returned
@@ -108,6 +109,7 @@ class Sequence:
     finish_reason: str = ""
     preemptions: int = 0
     stop_checker: object = None              # StopChecker when the request has stop strings
+    stopped_on_token: bool = False           # ended by EOS / a stop token id: its text is not output
 
 
     # Where it runs and what is in flight (the owning chain's thread alone writes these).

@@ -9,19 +9,21 @@ class StopChecker:
         self.stop = tuple(s for s in stop if s)
         self.detok = IncrementalDetokenizer(tokenizer)
         self.cut: int | None = None  # index in the output text where the first match starts
-        self._longest = max((len(s) for s in self.stop), default=0)
+        self.end: int | None = None  # and where it ends (include_stop_str_in_output keeps it)
 
-    def push(self, token_id: int) -> bool:
-        """Feed one generated token; True once a stop string appears."""
+    def push(self, token_id: int, check: bool = True) -> bool:
+        """Feed one generated token; True once a stop string appears. check=False: the text grows,
+        no match is looked for (vLLM's min_tokens: no stop string before that many tokens)."""
         if self.cut is not None:
             return True
         before = len(self.detok.emitted)
         self.detok.push([token_id])
+        if not check:
+            return False
         text = self.detok.emitted
-        # only the tail can hold a new match: the new text plus a stop string's length before it
-        start = max(0, before - self._longest)
-        hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+        # a new match ends in the new text (vLLM's window): it starts at most len(s) - 1 before it
+        hits = [(i, i + len(s)) for s in self.stop if (i := text.find(s, max(0, before - len(s) + 1))) >= 0]
         if hits:
-            self.cut = min(hits)
+            self.cut, self.end = min(hits)
             return True
         return False

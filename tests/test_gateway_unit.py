@@ -52,18 +52,26 @@ def test_completion_mapping():
     kw = oa.completion_kwargs(req)
     assert kw == dict(max_new_tokens=4, temperature=0, top_k=0, seed=3, stop=["x"], ignore_eos=False, n=2,
                       best_of=3, min_new_tokens=1, presence_penalty=0.5, frequency_penalty=0.25,
-                      repetition_penalty=1.2, min_p=0.0, top_p=0.9, stop_token_ids=[9], logprobs=2)
+                      repetition_penalty=1.2, min_p=0.0, include_stop_str_in_output=False, top_p=0.9,
+                      stop_token_ids=[9], logprobs=2)
     assert oa.completion_prompts(req) == [{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [3]}]
     assert oa.completion_prompts(oa.CompletionRequest(prompt=[5, 6])) == [{"prompt_token_ids": [5, 6]}]
     assert oa.completion_prompts(oa.CompletionRequest(prompt=["a", "b"])) == [{"prompt": "a"}, {"prompt": "b"}]
     for bad in (dict(prompt=[]), dict(prompt=[[1], []]), dict(prompt="x", logprobs=21), dict(prompt="x", n=0),
                 dict(prompt="x", n=2, best_of=1), dict(prompt="x", suffix="y"),
-                dict(prompt="x", stream=True, n=1, best_of=2)):
+                dict(prompt="x", stream=True, n=1, best_of=2),
+                # vLLM fields that would change the answer are refused by name, not ignored
+                dict(prompt="x", prompt_logprobs=1), dict(prompt="x", skip_special_tokens=False),
+                dict(prompt="x", allowed_token_ids=[1, 2]), dict(prompt="x", truncate_prompt_tokens=8)):
         with pytest.raises(GatewayError) as info:
             r = oa.CompletionRequest(**bad)
             oa.completion_prompts(r)
             oa.completion_kwargs(r)
         assert info.value.status == 400
+    # ...while their neutral values and fields of no consequence pass
+    oa.completion_kwargs(oa.CompletionRequest(prompt="x", skip_special_tokens=True, user="u", store=False))
+    assert oa.completion_kwargs(oa.CompletionRequest(prompt="x", include_stop_str_in_output=True))[
+        "include_stop_str_in_output"]
 
 
 def test_chat_mapping_and_simple_template():
@@ -79,6 +87,9 @@ def test_chat_mapping_and_simple_template():
     assert render_simple(msgs) == ("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nab<|im_end|>\n"
                                    "<|im_start|>assistant\n")
     assert ChatTemplate("tiny").render(msgs) == render_simple(msgs)
+    # continue_final_message: the text ends where the last (assistant) message does
+    partial = msgs + [{"role": "assistant", "content": "The answer is"}]
+    assert ChatTemplate("tiny").render(partial, False, True) == render_simple(msgs) + "The answer is"
     for bad in (dict(top_logprobs=2), dict(response_format={"type": "xml"})):
         with pytest.raises(GatewayError):
             r = oa.ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **bad)

@@ -220,6 +220,26 @@ def test_features_end_to_end_against_transformers(ckpt):
         for tok, alts in zip(r.token_ids, r.top_logprobs):
             assert list(alts)[0] == tok and list(alts.values()) == sorted(alts.values(), reverse=True)
 
+        # stop token ids end the sequence (in token_ids) but their text is left out, as vLLM's; with
+        # include_stop_str_in_output the stop token's text, or a matched stop string, stays
+        full = cl.generate(prompt_token_ids=p, max_new_tokens=8, ignore_eos=True)
+        k = full.token_ids.index(full.token_ids[3])                  # the first of that id
+        text_of = lambda n: cl.generate(prompt_token_ids=p, max_new_tokens=n, ignore_eos=True).text  # noqa: E731
+        r = cl.generate(prompt_token_ids=p, max_new_tokens=8, ignore_eos=True, stop_token_ids=[full.token_ids[3]])
+        assert r.token_ids == full.token_ids[:k + 1] and r.finish_reason == "stop" and r.text == text_of(k)
+        r = cl.generate(prompt_token_ids=p, max_new_tokens=8, ignore_eos=True, stop_token_ids=[full.token_ids[3]],
+                        include_stop_str_in_output=True)
+        assert r.text == text_of(k + 1)
+        stop = text_of(4)[-2:]
+        at = full.text.find(stop)
+        for keep in (False, True):
+            r = cl.generate(prompt_token_ids=p, max_new_tokens=8, ignore_eos=True, stop=[stop],
+                            include_stop_str_in_output=keep)
+            assert r.finish_reason == "stop" and r.text == full.text[:at + (len(stop) if keep else 0)]
+        # no stop string matches before min_new_tokens tokens exist (vLLM's rule)
+        r = cl.generate(prompt_token_ids=p, max_new_tokens=8, ignore_eos=True, stop=[stop], min_new_tokens=8)
+        assert r.finish_reason == "length" and r.token_ids == full.token_ids and r.text == full.text
+
         # generate() asks for final_only: one chunk per choice, the same result as the token stream
         from client.messages import build_generate_request, chunk_from_proto
         for kw in (dict(max_new_tokens=7), dict(max_new_tokens=6, n=2, temperature=1.0, seed=5, logprobs=2),
@@ -261,3 +281,20 @@ def test_penalized_batches_decode_ahead_and_equal_transformers(ckpt, workers):
         a, b = cl.generate(**kw), cl.generate(**kw)
         assert [ch.token_ids for ch in a.choices] == [ch.token_ids for ch in b.choices]
         settle(cl)
+
+
+def test_choices_are_admitted_by_the_blocks_they_share():
+    """n / best_of choices fork after all but the last prompt token and share its full blocks: a
+    request is refused as never fitting only when even that sharing overflows the largest pool."""
+    import types
+
+    import grpc
+
+    from metadata_service.requests import RequestError, _check_fits
+    from minipaged.v1 import metadata_pb2
+    engine = types.SimpleNamespace(max_model_len=4096, block_size=16, max_pool_blocks=8)
+    req = metadata_pb2.GenerateRequest(max_new_tokens=10, n=2)
+    _check_fits(req, 64, engine)             # 3 shared blocks + 2 x 2 of each choice's own = 7 <= 8
+    with pytest.raises(RequestError) as info:
+        _check_fits(metadata_pb2.GenerateRequest(max_new_tokens=10, n=3), 64, engine)   # 3 + 3 x 2 = 9
+    assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "needs 9 blocks" in str(info.value)

@@ -203,3 +203,35 @@ def test_errors_roles_and_logprob_bytes_over_http(cluster, oai, ckpt):
         assert [a.bytes for a in c.top_logprobs] == [list(token_bytes(tok, int(a.token.split(":")[1])))
                                                      for a in c.top_logprobs]
     settle(cluster.client)
+
+
+def test_malformed_bodies_unsupported_fields_and_echoed_specials_over_http(cluster, oai, ckpt):
+    url, json_type = cluster.http_url, {"content-type": "application/json"}
+    # valid JSON that is no text (a lone surrogate) or nested past the parser: a 400 error object, not a 500
+    for body in ('{"model": "%s", "messages": [{"role": "user", "content": "\\udc00"}]}' % ckpt, "[" * 100_000):
+        r = httpx.post(url + "/v1/chat/completions", content=body, headers=json_type, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    # an int past the wire's range names its own field
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.completions.create(model=ckpt, prompt="hello", max_tokens=2, seed=2**70)
+    assert info.value.body["param"] == "seed"
+    # a vLLM field that would change the answer is refused by name, not ignored
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.completions.create(model=ckpt, prompt="hello", max_tokens=2, extra_body={"prompt_logprobs": 1})
+    assert info.value.body["param"] == "prompt_logprobs"
+    # continue_final_message: the prompt ends with the assistant's text (transformers' rendering)
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]
+    r = oai.chat.completions.create(model=ckpt, messages=msgs, max_tokens=1, extra_body={
+        "continue_final_message": True, "add_generation_prompt": False})
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    text = tok.apply_chat_template(msgs, continue_final_message=True, tokenize=False)
+    assert text.endswith("hello there") and r.usage.prompt_tokens == len(tok.encode(text, add_special_tokens=False))
+    with pytest.raises(openai.BadRequestError):     # with a generation prompt after it: contradictory
+        oai.chat.completions.create(model=ckpt, messages=msgs, max_tokens=1, extra_body={"continue_final_message": True})
+    # an echoed special token shows its text, so the offsets add up to the echoed prompt
+    r = oai.completions.create(model=ckpt, prompt="<|im_start|>user\nhi", max_tokens=1, echo=True, logprobs=0)
+    lp = r.choices[0].logprobs
+    assert lp.tokens[0] == "<|im_start|>"
+    assert all(r.choices[0].text[o:].startswith(t) for t, o in zip(lp.tokens, lp.text_offset))
+    settle(cluster.client)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "return_logprobs", "n", "best_of", "min_new_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty", "top_logprobs", "min_p", "json_schema", "regex", "choice", "json_object", "beam_width", "length_penalty", "early_stopping", "prompt_logprobs", "final_only")
+    __slots__ = ("prompt", "prompt_token_ids", "max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "return_logprobs", "n", "best_of", "min_new_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty", "top_logprobs", "min_p", "include_stop_str_in_output", "json_schema", "regex", "choice", "json_object", "beam_width", "length_penalty", "early_stopping", "prompt_logprobs", "final_only")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class GenerateRequest(_message.Message):
     FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     MIN_P_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
     REGEX_FIELD_NUMBER: _ClassVar[int]
     CHOICE_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +57,7 @@ class GenerateRequest(_message.Message):
     frequency_penalty: float
     top_logprobs: int
     min_p: float
+    include_stop_str_in_output: bool
     json_schema: str
     regex: str
     choice: _containers.RepeatedScalarFieldContainer[str]
@@ -65,7 +67,7 @@ class GenerateRequest(_message.Message):
     early_stopping: str
     prompt_logprobs: int
     final_only: bool
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[bytes] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[bytes] = ..., ignore_eos: _Optional[bool] = ..., return_logprobs: _Optional[bool] = ..., n: _Optional[int] = ..., best_of: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., top_logprobs: _Optional[int] = ..., min_p: _Optional[float] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., choice: _Optional[_Iterable[str]] = ..., json_object: _Optional[bool] = ..., beam_width: _Optional[int] = ..., length_penalty: _Optional[float] = ..., early_stopping: _Optional[str] = ..., prompt_logprobs: _Optional[int] = ..., final_only: _Optional[bool] = ...) -> None: ...
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[bytes] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[bytes] = ..., ignore_eos: _Optional[bool] = ..., return_logprobs: _Optional[bool] = ..., n: _Optional[int] = ..., best_of: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., top_logprobs: _Optional[int] = ..., min_p: _Optional[float] = ..., include_stop_str_in_output: _Optional[bool] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., choice: _Optional[_Iterable[str]] = ..., json_object: _Optional[bool] = ..., beam_width: _Optional[int] = ..., length_penalty: _Optional[float] = ..., early_stopping: _Optional[str] = ..., prompt_logprobs: _Optional[int] = ..., final_only: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "preemptions")

@@ -51,6 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.worker_token_file:
         args.worker_token = _read_secret(parser, args.worker_token_file)
     args.worker_host = args.worker_host or args.host
+    _check_numbers(parser, args)
     if args.kv_move_part_bytes < 0:
         parser.error("--kv-move-part-bytes must be >= 0")
     if args.shards < 1:
@@ -175,6 +176,16 @@ def _serve_metrics(args, engine) -> int | None:
         print(f"error: cannot serve metrics on {args.host}:{args.metrics_port}: {e}", file=sys.stderr, flush=True)
         return None
     return mport
+
+
+def _check_numbers(parser, args) -> None:
+    """Durations and weights out of their range (NaN included) stop the start with one line."""
+    if not args.worker_lease > 0:       # 0 drops every worker at its first check: no chain would form
+        parser.error(f"--worker-lease must be > 0 seconds, got {args.worker_lease}")
+    for flag, value in (("--step-timeout", args.step_timeout), ("--worker-wait", args.worker_wait),
+                        ("--grace", args.grace), ("--router-overlap-weight", args.router_overlap_weight)):
+        if not value >= 0:
+            parser.error(f"{flag} must be >= 0, got {value}" + (" (0: no deadline)" if flag == "--step-timeout" else ""))
 
 
 def main(argv=None) -> int:

@@ -69,7 +69,8 @@ class KvMoves:
             if s.handed_off or s.status is not SeqStatus.RUNNING or not s.output_token_ids:
                 continue
             s.handed_off = True                    # once: a request that stays here decodes here
-            if s.group is not None or s.finish_reason or not self.engine.decode_chains_for(self):
+            need = -(-(s.num_prompt_tokens + s.params.max_new_tokens) // self.manager.block_size)
+            if s.group is not None or s.finish_reason or not self.engine.decode_chains_for(self, need):
                 continue
             with self.lock:                        # gone from here before another chain owns it
                 full = s.num_prompt_tokens // self.manager.block_size
@@ -77,7 +78,7 @@ class KvMoves:
                 self.manager.hold(("out", s.seq_id), blocks)
                 self.scheduler.remove(s)
             s.status, s.num_computed_tokens = SeqStatus.WAITING, 0
-            dst = self.engine.route_to_decode(s, self)
+            dst = self.engine.route_to_decode(s, self, need)
             if dst is None:                        # the decode chains left meanwhile: recompute
                 self._unhold(s.seq_id)
                 self.engine.reroute([s])

@@ -86,20 +86,23 @@ class SequenceRouting:
                 s.chain = s.route = None
         self._route(seqs)
 
-    def decode_chains_for(self, src: ChainRunner) -> list[ChainRunner]:
+    def decode_chains_for(self, src: ChainRunner, need_blocks: int = 0) -> list[ChainRunner]:
         """Live decode chains a prefill chain's requests can move to: the same layer split (a move
-        pairs stages of equal layer ranges), and every prefill stage offers its data link."""
+        pairs stages of equal layer ranges), every prefill stage offers its data link, and the
+        pool holds `need_blocks` (a request larger than every decode pool decodes where it prefilled,
+        rather than wait forever for room that will never exist)."""
         split = [(w.info.layer_start, w.info.layer_end) for w in src.stages]
         if not all(data_address(w) for w in src.stages):
             return []
         return [c for c in list(self.chains.values()) if c.alive and c.role == "decode"
+                and c.manager.pool.num_blocks >= need_blocks
                 and [(w.info.layer_start, w.info.layer_end) for w in c.stages] == split]
 
-    def route_to_decode(self, seq: Sequence, src: ChainRunner) -> ChainRunner | None:
+    def route_to_decode(self, seq: Sequence, src: ChainRunner, need_blocks: int = 0) -> ChainRunner | None:
         """The decode chain a prefilled request moves to (routed like a new request among them: the
         exact router prefers the one that already holds most of its blocks), or None."""
         with self.route_lock:
-            chains = self.decode_chains_for(src)
+            chains = self.decode_chains_for(src, need_blocks)
             if not chains:
                 return None
             cid, route = self.router.choose([c.chain_id for c in chains], seq.all_token_ids, seq.params.max_new_tokens)

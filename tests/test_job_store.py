@@ -28,6 +28,10 @@ def _req(n=3):
 def test_without_db_the_store_is_in_memory_and_writes_no_file(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert parse_args([]).db == ""          # not a relative data/jobs.db that unrelated runs share
+    # durations and weights out of range (NaN too) stop the start with one line, not a silent misbehaviour
+    for bad in (["--worker-lease", "0"], ["--step-timeout", "nan"], ["--router-overlap-weight", "-1"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
     store = JobStore(parse_args([]).db)
     store.create("j", _req())
     assert not store.durable and store.unfinished()[0][0] == "j"

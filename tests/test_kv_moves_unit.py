@@ -45,3 +45,21 @@ def test_the_last_move_reply_restarts_the_clock():
     c.last_move_at = time.monotonic() - 1.0
     c._check_move_deadline()
     assert c.lost is None
+
+
+def test_a_request_larger_than_every_decode_pool_decodes_where_it_prefilled():
+    """Moved only to a decode chain whose pool can hold it: one that never could would keep it
+    waiting for room forever (found by probing: a 36-token prompt + 6 new over a 10-block pool)."""
+    from metadata_service.sequence_routing import SequenceRouting
+
+    def chain(cid, role, blocks):
+        stage = SimpleNamespace(info=SimpleNamespace(layer_start=0, layer_end=3, data_port=9000 + cid),
+                                address=f"127.0.0.1:{8000 + cid}")
+        return SimpleNamespace(chain_id=cid, alive=True, role=role, stages=[stage],
+                               manager=SimpleNamespace(pool=SimpleNamespace(num_blocks=blocks)))
+    src, small, big = chain(1, "prefill", 64), chain(2, "decode", 10), chain(3, "decode", 40)
+    engine = SimpleNamespace(chains={1: src, 2: small})
+    assert SequenceRouting.decode_chains_for(engine, src, 10) == [small]
+    assert SequenceRouting.decode_chains_for(engine, src, 11) == []      # stays on the prefill chain
+    engine.chains[3] = big
+    assert SequenceRouting.decode_chains_for(engine, src, 11) == [big]

@@ -17,6 +17,10 @@ from minipaged.wire import pack
 
 log = logging.getLogger("metadata_service.chain")
 
+# Stats' monotone counts (Prometheus counters); the rest are gauges of the pools as they are now
+COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "preemptions", "steps", "generated_tokens", "tier_queries",
+            "tier_hits", "tier_saved_blocks", "tier_loaded_blocks", "kv_moves", "kv_moved_blocks", "kv_move_failures")
+
 
 class ChainStats:
     """Mixed into ChainRunner: reads its manager, scheduler, stages and step counters."""
@@ -28,6 +32,16 @@ class ChainStats:
             log.error("chain %d: block manager invariants violated: %s", self.chain_id,
                       "; ".join(self.manager.check_invariants()[:5]))
         self.invariants_checked, self._invariants_dirty = ok, False
+
+    def counters(self) -> dict:
+        """The chain's monotone counts (COUNTERS), read without the lock: when the chain is lost the
+        service adds them to its totals, so Stats and /metrics counters never go down."""
+        m = self.manager
+        return dict(prefix_cache_queries=m.prefix_cache_queries, prefix_cache_hits=m.prefix_cache_hits,
+                    preemptions=self.scheduler.num_preemptions, steps=self.steps,
+                    generated_tokens=self.generated_tokens, tier_queries=m.tier_queries, tier_hits=m.tier_hits,
+                    tier_saved_blocks=m.tier_saved_blocks, tier_loaded_blocks=m.tier_loaded_blocks,
+                    kv_moves=self.moves_in, kv_moved_blocks=self.moved_blocks, kv_move_failures=self.moves_failed)
 
     def stats(self) -> dict:
         with self.lock:

@@ -22,13 +22,14 @@ import itertools
 import queue
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 
 from minipaged.tokenizer import ByteTokenizer
 
 from .backlog import CANCEL_COMMAND, refusal_hint
 from .block_manager import KVBlockManager
 from .chain import ChainConfig, ChainRunner
+from .chain_stats import COUNTERS
 from .chain_upkeep import ChainUpkeep
 from .router import OVERLAP_WEIGHT, Router
 from .sequence import Sequence
@@ -87,6 +88,7 @@ class Engine(SequenceRouting, ChainUpkeep, ServedModel):
         self._backlog_note = (0.0, "")             # (when, text): recomputed at most once a second
         self.registry.refusal_hint = lambda: refusal_hint(next(iter(self.backlog()), None), self.cancel_command)
         self.eos_ids: set[int] = set()
+        self.retired: Counter = Counter()          # lost chains' counts (COUNTERS), kept in Stats' totals
         self.vocab_size = 0
         self._grammars = None                      # (model key, Grammars): structured outputs
         self._grammars_lock = threading.Lock()
@@ -133,13 +135,16 @@ class Engine(SequenceRouting, ChainUpkeep, ServedModel):
         st = {k: sum(c.get(k, 0) for c in chains) for k in keys}
         if not chains:
             st.update({k: v for k, v in self.default_manager.stats().items() if k in keys})
+        live_tokens = st["generated_tokens"]
+        for k in COUNTERS:                         # counters count the service's life, lost chains too
+            st[k] += self.retired[k]
         used = sum(c["kv_used_tokens"] for c in chains)
         alloc = sum(c["kv_allocated_tokens"] for c in chains)
         meta_s = sum(c["metadata_s"] for c in chains)
         busy = max((time.monotonic() - min(c_.started for c_ in self.pools())) if chains else 0.0, 1e-9)
         st.update(block_size=self.block_size, kv_utilization=used / alloc if alloc else 0.0,
                   invariants_ok=all(c["invariants_ok"] for c in chains), waiting=st["waiting"] + len(self.parked),
-                  tokens_per_second=st["generated_tokens"] / busy if chains else 0.0,
+                  tokens_per_second=live_tokens / busy if chains else 0.0,
                   metadata_ms_per_step=1e3 * meta_s / st["steps"] if st["steps"] else 0.0,
                   num_workers=len(self.registry), ready=self.ready, num_chains=len(chains),
                   cache_epoch=chains[0]["cache_epoch"] if chains else 0, chains=chains,

@@ -138,7 +138,8 @@ class SequenceRouting:
     def on_chain_lost(self, chain: ChainRunner, seqs: list[Sequence], why: str) -> None:
         """From the chain's thread: its sequences recompute elsewhere; upkeep re-forms chains."""
         with self.route_lock:
-            self.chains.pop(chain.chain_id, None)
+            if self.chains.pop(chain.chain_id, None) is not None:
+                self.retired.update(chain.counters())     # its counts stay in the service's totals
             self.router.remove_chain(chain.chain_id)
             for s in seqs:
                 s.chain = None

@@ -78,6 +78,7 @@ def test_worker_kill9_mid_job_recovers_with_identical_tokens(ckpt, greedy):
     with LocalCluster(model=ckpt, workers=2, dtype="float64") as c:
         job = c.client.submit(job_requests(batch, 60))
         wait_until(lambda: c.client.stats().steps > 5, what="some steps")
+        before = c.client.stats()
         c.kill_worker(1)
         c.restart_worker(1, wait=False)
         results = c.client.wait(job, timeout=180)
@@ -85,6 +86,8 @@ def test_worker_kill9_mid_job_recovers_with_identical_tokens(ckpt, greedy):
             assert r.token_ids == greedy(p, 60)
         st = settle(c.client)
         assert st.ready and st.num_workers == 2
+        # the lost chain's counts stay in the totals: counters never go down (Prometheus' rule)
+        assert st.steps > before.steps and st.generated_tokens >= sum(len(r.token_ids) for r in results)
 
 
 def _process_serving(cluster, address):

@@ -46,6 +46,8 @@ class MetadataServicer(JobRpcs, metadata_pb2_grpc.MetadataServiceServicer):
         with self.block_api.lock:
             m = self.block_api.manager
             if not m.sequences and m.num_physical_blocks != chain.manager.num_physical_blocks:
+                self.engine.retired.update(prefix_cache_queries=m.prefix_cache_queries,   # counters go on
+                                           prefix_cache_hits=m.prefix_cache_hits)
                 self.block_api.manager = self.engine.default_manager = KVBlockManager(
                     chain.manager.num_physical_blocks, m.block_size, enable_prefix_caching=m.enable_prefix_caching)
                 self.block_api._dirty = True
@@ -163,8 +165,6 @@ class MetadataServicer(JobRpcs, metadata_pb2_grpc.MetadataServiceServicer):
         st = self.engine.stats()
         q, h = st.get("prefix_cache_queries", 0), st.get("prefix_cache_hits", 0)
         api_ok = self.block_api.invariants_ok()
-        with self.block_api.lock:
-            api_live = len(self.block_api.manager.sequences)
         chains = [metadata_pb2.ChainStats(
             chain_id=c["chain_id"], ready=c["ready"], num_blocks=c["num_blocks"], used_blocks=c["used_blocks"],
             free_blocks=c["free_blocks"], cached_blocks=c["cached_blocks"], shared_blocks=c["shared_blocks"],
@@ -187,7 +187,7 @@ class MetadataServicer(JobRpcs, metadata_pb2_grpc.MetadataServiceServicer):
             steps=st["steps"], generated_tokens=st["generated_tokens"], prompt_tokens=st["prompt_tokens"],
             tokens_per_second=st["tokens_per_second"], metadata_ms_per_step=st["metadata_ms_per_step"],
             num_workers=st["num_workers"], ready=st["ready"], cache_epoch=st["cache_epoch"],
-            live_sequences=st["live_sequences"] + api_live, not_ready_reason=st["not_ready_reason"],
+            live_sequences=st["live_sequences"], not_ready_reason=st["not_ready_reason"],
             chains=chains, num_chains=st["num_chains"], standby_workers=st["standby_workers"],
             metadata_cpu_seconds=time.process_time(), model=self.engine.model_name,
             max_model_len=self.engine.max_model_len, model_fingerprint=self.engine.model_fingerprint,

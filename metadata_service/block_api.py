@@ -60,6 +60,16 @@ def _check_ids(ids, what: str = "sequence_id") -> None:
                      f"{what} {int(ids[bad][0])} out of range: block-API ids must be in [0, 2**62)")
 
 
+def _check_tokens(tokens: np.ndarray, what: str) -> None:
+    """Token ids are >= 0: -1 means "sampled, not known yet" only inside the scheduler, which fills it
+    in; here nothing would, and the prefix cache would hash a block under a stale slot."""
+    if tokens.size and int(tokens.min()) < 0:
+        i = int(np.argmax(tokens < 0))
+        raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                     f"{what}[{i}] = {int(tokens[i])}: token ids must be >= 0 (num_tokens without token_ids "
+                     f"appends tokens the cache does not know)")
+
+
 class BlockApi:
     def __init__(self, manager: KVBlockManager, lock: threading.Lock | None = None):
         self.manager = manager
@@ -79,6 +89,7 @@ class BlockApi:
             sid = request.sequence_id
             _check_ids([sid])
             prompt = wire.unpack(request.prompt_token_ids, wire.INT32, name="prompt_token_ids")
+            _check_tokens(prompt, "prompt_token_ids")
             if request.num_tokens < 0:
                 raise InvalidArgumentError(f"num_tokens must be >= 0, got {request.num_tokens}")
             with self.lock:
@@ -105,6 +116,7 @@ class BlockApi:
             if request.token_ids:
                 n = ids.size if counts is None else int(counts.sum(dtype=np.int64))
                 toks = wire.unpack(request.token_ids, wire.INT32, name="token_ids", count=n)
+                _check_tokens(toks, "token_ids")
             with self.lock:
                 self._dirty = True   # Stats re-checks the invariants once after a change
                 if counts is None:

@@ -132,12 +132,15 @@ class Engine(SequenceRouting, ChainUpkeep, ServedModel):
                 "running", "waiting", "preemptions", "steps", "generated_tokens", "tier_blocks", "tier_used_blocks",
                 "tier_queries", "tier_hits", "tier_saved_blocks", "tier_loaded_blocks", "kv_moves",
                 "kv_moved_blocks", "kv_move_failures")
+        api = self.default_manager.stats()         # the block API's pool (the seed's API)
         st = {k: sum(c.get(k, 0) for c in chains) for k in keys}
-        if not chains:
-            st.update({k: v for k, v in self.default_manager.stats().items() if k in keys})
+        if not chains:                             # the pool Stats shows until a chain forms
+            st.update({k: v for k, v in api.items() if k in keys and k not in COUNTERS})
+        else:
+            st["live_sequences"] += api["live_sequences"]
         live_tokens = st["generated_tokens"]
-        for k in COUNTERS:                         # counters count the service's life, lost chains too
-            st[k] += self.retired[k]
+        for k in COUNTERS:                         # counters count the service's life: lost chains, the block API
+            st[k] += self.retired[k] + api.get(k, 0)
         used = sum(c["kv_used_tokens"] for c in chains)
         alloc = sum(c["kv_allocated_tokens"] for c in chains)
         meta_s = sum(c["metadata_s"] for c in chains)

@@ -37,7 +37,8 @@ def parse_job_id(job_id: str, shards: int) -> list[int] | None:
     parts = job_id.split("_")
     if len(parts) != shards + 1 or not all(p.isdigit() for p in parts[1:]):
         return None
-    return [int(p) for p in parts[1:]]
+    counts = [int(p) for p in parts[1:]]
+    return counts if any(counts) else None          # a job has a request somewhere
 
 
 def merged_state(states: list[str]) -> str:
@@ -122,6 +123,8 @@ class FrontJobRpcs:
         return job
 
     def ListJobs(self, request, context):
+        if request.limit < 0 or request.limit > 10000:      # the shards' own rule, before the state filter
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"limit must be in [0, 10000], got {request.limit}")
         if request.state not in ("",) + STATES:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"state {clip(request.state)} is not one of queued, running, done, cancelled")

@@ -165,13 +165,15 @@ class JobStore:
         results = {i: metadata_pb2.GenerationResult.FromString(b) for i, b in rows}
         return row[0], row[1], results
 
-    def list_jobs(self, limit: int, state: str = ""):
-        """[(job_id, created, state, total, completed)], newest first."""
+    def list_jobs(self, limit: int, states: tuple[str, ...] = ()):
+        """[(job_id, created, state, total, completed)], newest first; `states`: only those (the
+        column says queued for every unfinished job: running is known in memory)."""
+        where = f" WHERE j.state IN ({', '.join('?' * len(states))})" if states else ""
         q = ("SELECT j.job_id, j.created, j.state, j.total, "
              "(SELECT COUNT(*) FROM requests r WHERE r.job_id = j.job_id AND r.result IS NOT NULL) "
-             "FROM jobs j" + (" WHERE j.state = ?" if state else "") + " ORDER BY j.created DESC LIMIT ?")
+             "FROM jobs j" + where + " ORDER BY j.created DESC LIMIT ?")
         with self._lock:
-            return self._db.execute(q, ((state,) if state else ()) + (limit,)).fetchall()
+            return self._db.execute(q, tuple(states) + (limit,)).fetchall()
 
     def delete(self, job_id: str) -> bool:
         return self.delete_many([job_id]) == 1

@@ -166,16 +166,24 @@ class JobManager:
                         created=self.store.created(job_id))
 
     def list(self, limit: int, state: str = "") -> list[metadata_pb2.Job]:
+        """Newest first; `state` filters on what GetJob would say (queued and running are told
+        apart in memory: the store has both as unfinished, so all of those are read, then cut)."""
+        unfinished = state in ("queued", "running")
+        rows = self.store.list_jobs(-1 if unfinished else limit,
+                                    ("queued", "running") if unfinished else ((state,) if state else ()))
         out = []
-        for job_id, created, st, total, completed in self.store.list_jobs(limit, state):
+        for job_id, created, st, total, completed in rows:
             with self.lock:
                 live = self.jobs.get(job_id)
             if live is not None:
                 with live.cond:
-                    out.append(live.proto(with_results=False))
+                    job = live.proto(with_results=False)
             else:
-                out.append(metadata_pb2.Job(job_id=job_id, state=st, total=total, completed=completed,
-                                            created=created))
+                job = metadata_pb2.Job(job_id=job_id, state=st, total=total, completed=completed, created=created)
+            if not state or job.state == state:
+                out.append(job)
+            if len(out) == limit:
+                break
         return out
 
     def delete(self, job_id: str) -> JobState | None:

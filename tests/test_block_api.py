@@ -5,6 +5,7 @@ import threading
 from concurrent import futures
 
 import grpc
+import numpy as np
 import pytest
 
 from metadata_service.block_api import BlockApi, BlockApiServicer
@@ -102,6 +103,10 @@ def test_status_codes(svc):
     expect(api, S.INVALID_ARGUMENT, lambda: stub.CreateSequence(
         pb.CreateSequenceRequest(sequence_id=3, prompt_token_ids=b"\x01\x02\x03")))
     expect(api, S.INVALID_ARGUMENT, lambda: append(stub, [1], [-1]))
+    # a negative token id: nothing here fills it in, the cache would hash a stale slot under it
+    expect(api, S.INVALID_ARGUMENT, lambda: append(stub, [1], None, [-1]), "token ids must be >= 0")
+    expect(api, S.INVALID_ARGUMENT, lambda: append(stub, [1, 2], [2, 1], [7, -3, 8]), "token_ids[1] = -3")
+    expect(api, S.INVALID_ARGUMENT, lambda: create(stub, 3, [5, -1, 6], 3), "prompt_token_ids[1] = -1")
     expect(api, S.INVALID_ARGUMENT, lambda: append(stub, [1, 2], [1]))            # counts for 1 of 2
     expect(api, S.INVALID_ARGUMENT, lambda: append(stub, [1, 2], [1, 1], [5]))     # token count
     expect(api, S.INVALID_ARGUMENT, lambda: append(stub, [1, 1]))                  # duplicate in batch
@@ -170,3 +175,27 @@ def test_concurrent_clients(svc):
     assert m.num_free_blocks == NUM_BLOCKS and m.stats()["live_sequences"] == 0
     assert m.stats()["used_blocks"] == 0 and m.invariants_ok()
     assert m.stats()["prefix_cache_hits"] > 0
+
+
+def test_stats_count_block_api_sequences_once_and_its_counters_for_good():
+    """Before any chain, Stats shows the block API's pool; its sequences count once, and its
+    prefix-cache counts stay in the counters after a chain's pool replaces it (a counter never goes
+    down)."""
+    from types import SimpleNamespace
+
+    from metadata_service.api import MetadataServicer
+    from metadata_service.engine import Engine
+    engine = Engine(block_size=4, default_num_blocks=64)
+    servicer = MetadataServicer.__new__(MetadataServicer)          # only what Stats reads
+    servicer.engine, servicer.block_api = engine, BlockApi(engine.default_manager, threading.Lock())
+    for sid in (1, 2):
+        engine.default_manager.create_and_append(sid, np.arange(1, 10, dtype=np.int32), 9)
+    st = servicer.Stats(None, None)
+    assert st.live_sequences == 2 and (st.prefix_cache_queries, st.prefix_cache_hits) == (4, 2)
+    for sid in (1, 2):
+        engine.default_manager.release_sequence(sid)
+    chain = SimpleNamespace(manager=KVBlockManager(32, 4))         # a chain's pool of another size
+    servicer._size_block_api_pool(chain)
+    assert engine.default_manager is servicer.block_api.manager and engine.default_manager.num_physical_blocks == 32
+    st = servicer.Stats(None, None)
+    assert (st.prefix_cache_queries, st.prefix_cache_hits) == (4, 2)

@@ -115,6 +115,10 @@ def test_an_interrupted_run_is_named_at_start_and_easy_to_leave(models, tmp_path
         with pytest.raises(NotFound):
             c.get_job(job)
         assert [j.job_id for j in c.list_jobs()] == [running]
+        # the state filter says what GetJob says (the store has queued and running both as unfinished)
+        wait_for(lambda: c.get_job(running).state == "running", timeout=60, what="the job running")
+        assert [j.job_id for j in c.list_jobs(state="running")] == [running]
+        assert [j.job_id for j in c.list_jobs(state="queued")] == []
         c.cancel(running)
         c.close()
     finally:

@@ -33,6 +33,7 @@ def test_a_job_id_says_how_the_job_was_split():
     jid = new_job_id([4, 0, 3])
     assert parse_job_id(jid, 3) == [4, 0, 3]
     assert parse_job_id(jid, 2) is None and parse_job_id("0123abcd", 3) is None
+    assert parse_job_id("abc_0_0", 2) is None          # no request anywhere: no job
 
 
 def test_parts_merge_into_one_job_in_request_order():
@@ -150,6 +151,17 @@ def test_a_refused_job_leaves_no_part_in_any_shard(sharded):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     with pytest.raises(NotFound):
         c.get_job("not-a-sharded-id")
+    for unknown in ("abc_0_0", "_0_0"):       # well formed, but a job has a request somewhere
+        with pytest.raises(NotFound):
+            c.get_job(unknown)
+        with pytest.raises(NotFound):
+            c.cancel(unknown)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.WatchJob(metadata_pb2.JobRequest(job_id=unknown)))
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.RpcError) as e:   # the limit is checked with a state filter too
+        stub.ListJobs(metadata_pb2.ListJobsRequest(limit=-1, state="done"))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 @pytest.mark.slow

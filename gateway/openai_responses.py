@@ -75,12 +75,19 @@ def completion_logprobs(choice: Choice, token_text, offset0: int = 0) -> dict | 
             "text_offset": offsets}
 
 
-def echo_logprobs(prompt_ids: list[int], logprobs: list, top: list | None, token_text) -> dict:
+def echo_logprobs(prompt_ids: list[int], logprobs: list, top: list | None, token_text, text: str | None = None) -> dict:
     """The echoed prompt's part of the legacy logprobs: token_logprobs and top_logprobs are null
-    for the first token (nothing comes before it), as OpenAI's are. Special tokens show their text
-    (the echoed prompt holds it), so the offsets add up."""
-    token_text = getattr(token_text, "with_specials", token_text)
-    tokens = [token_text(t) for t in prompt_ids]
+    for the first token (nothing comes before it), as OpenAI's are. A special token shows its text
+    where the echoed `text` holds it (a text prompt's "<|im_start|>"; a token-id prompt's echo is
+    decoded without specials), so the offsets add up to the echoed text."""
+    special = getattr(token_text, "with_specials", token_text)
+    tokens, pos = [], 0
+    for t in prompt_ids:
+        piece = token_text(t)
+        if text is not None and (shown := special(t)) != piece and text.startswith(shown, pos):
+            piece = shown
+        tokens.append(piece)
+        pos += len(piece)
     offsets, pos = [], 0
     for t in tokens:
         offsets.append(pos)
@@ -148,7 +155,7 @@ def completion_response(rid: str, model: str, choices: list[Choice], per_prompt:
         if prompt_ids is not None:        # echo + logprobs: the prompt's tokens come first
             own, top = prompt_logprobs_of(choices, ch.index // n, n)
             if own is not None:
-                lp = join_logprobs(echo_logprobs(prompt_ids[ch.index // n], own, top, token_text), lp)
+                lp = join_logprobs(echo_logprobs(prompt_ids[ch.index // n], own, top, token_text, prefix), lp)
         out.append({"index": ch.index, "text": prefix + "".join(ch.text), "logprobs": lp,
                     "finish_reason": ch.finish_reason})
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,

@@ -114,7 +114,8 @@ async def _completion_events(gw: Gateway, rid: str, req: oa.CompletionRequest, s
                 offsets[idx] = len(echo[idx // n])
                 elp = None
                 if prompt_ids is not None and idx // n in prompt_lp:
-                    elp = oa.echo_logprobs(prompt_ids[idx // n], *prompt_lp[idx // n], gw.token_text_for(req))
+                    elp = oa.echo_logprobs(prompt_ids[idx // n], *prompt_lp[idx // n], gw.token_text_for(req),
+                                           echo[idx // n])
                 yield _sse(oa.completion_chunk(rid, created, model, idx, echo[idx // n], elp, None))
             part = oa.Choice(idx, token_ids=chunk.token_ids, logprobs=chunk.logprobs or [],
                              top=chunk.top_logprobs or [])

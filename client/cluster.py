@@ -102,6 +102,8 @@ class LocalCluster:
         threads per worker (default: the machine's cores shared out among the CPU workers).
         `http_host`/`http_port` (default: a free port) and `extra_gateway_args` go to the gateway.
         `roles`: one worker --role per replica (["prefill", "decode"]: disaggregated prefill/decode)."""
+        # the children run in the package's directory: a relative checkpoint path is the caller's
+        model = os.path.abspath(model) if model != "tiny" and os.path.isdir(model) else model
         self.model, self.root, self.grace = model, root or ROOT, grace
         self.startup_timeout = startup_timeout
         if replicas < 1 or standby < 0:

@@ -166,7 +166,8 @@ def _cluster_kwargs(a) -> dict:
     worker += ["--rope-scaling", a.rope_scaling] if a.rope_scaling else []
     gateway = ["--reasoning-parser", a.reasoning_parser, "--generation-config", a.generation_config]
     gateway += ["--override-generation-config", a.override_generation_config] if a.override_generation_config else []
-    gateway += ["--served-model-name", a.served_model_name] if a.served_model_name else []
+    # the API's model id is what the user typed (vLLM's), though the workers get an absolute path
+    gateway += ["--served-model-name", a.served_model_name or a.model]
     return dict(model=a.model, workers=a.stages, replicas=a.replicas, dtype=a.dtype, device=a.device,
                 num_blocks=a.num_blocks, block_size=a.block_size, threads=a.threads, db=a.db,
                 token=a.api_key, http=True, http_host=a.host, http_port=a.port, grace=a.grace,

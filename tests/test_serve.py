@@ -52,10 +52,11 @@ def ckpt(tmp_path_factory, tok):
 class Serve:
     """`python -m client serve ...` in its own session, its stdout read line by line."""
 
-    def __init__(self, *args: str):
+    def __init__(self, *args: str, cwd: str = ROOT):
         self.port = free_port()
+        env = dict(os.environ, PYTHONPATH=ROOT)     # importable from any directory, as once installed
         self.p = subprocess.Popen([sys.executable, "-m", "client", "serve", *args, "--port", str(self.port)],
-                                  cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                   start_new_session=True)
         self.lines: list[str] = []
         self.q: queue.Queue = queue.Queue()
@@ -197,6 +198,21 @@ def check_tool_turns_and_choices(oai, tok):
                                     tools=[{"type": "function", "function": {"name": "f", "parameters": {
                                         "type": "objekt"}}}])
     assert "not a valid JSON schema" in str(e.value)
+
+
+def test_a_relative_model_path_is_the_callers(ckpt):
+    """`minipaged serve ./MODEL` from the directory that holds it (the processes run elsewhere): the
+    workers load it, and the API's model id is what was typed, as vLLM's."""
+    d, _ = ckpt
+    s = Serve("./" + os.path.basename(d), "--dtype", "float32", "--threads", "1", cwd=os.path.dirname(d))
+    try:
+        s.wait_for("ready in", timeout=200)
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{s.port}/v1", api_key="x", max_retries=0) as oai:
+            assert [m.id for m in oai.models.list().data] == ["./" + os.path.basename(d)]
+        s.p.send_signal(signal.SIGINT)
+        assert s.p.wait(timeout=60) == 0
+    finally:
+        s.kill()
 
 
 def test_sigterm_stops_and_a_second_signal_kills():

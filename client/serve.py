@@ -160,7 +160,7 @@ class _ServeCluster(cl.LocalCluster):
 
 def _cluster_kwargs(a) -> dict:
     service = ["--max-model-len", a.max_model_len] if a.max_model_len else []
-    service += ["--max-num-seqs", a.max_num_seqs] if a.max_num_seqs else []
+    service += ["--max-num-seqs", a.max_num_seqs] if a.max_num_seqs is not None else []
     service += ["--shards", a.shards] if a.shards > 1 else []
     worker = ["--kv-memory-fraction", a.kv_memory_fraction] if a.kv_memory_fraction is not None else []
     worker += ["--rope-scaling", a.rope_scaling] if a.rope_scaling else []
@@ -210,6 +210,16 @@ def _run_until_stopped(c: _ServeCluster) -> int:
         time.sleep(0.5)
 
 
+def _check_port_free(host: str, port: int) -> None:
+    import socket
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as the gateway's server binds
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise OSError(f"cannot serve on {host}:{port}: {e.strerror or e}") from None
+
+
 def _check_max_model_len(flag: int, model: str, rope) -> None:
     """vLLM's rule: --max-model-len may not exceed the model's context (its positions past that
     were never trained, and the workers refuse them)."""
@@ -226,6 +236,10 @@ def serve(a) -> int:
     if a.api_key is None:
         a.api_key = os.environ.get("MINIPAGED_API_KEY")
     try:                      # before any process starts: the workers / the gateway would refuse these
+        for flag, value in (("--block-size", a.block_size), ("--max-num-seqs", a.max_num_seqs)):
+            if value is not None and value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        _check_port_free(a.host, a.port)      # before minutes of loading weights, not after
         rope = parse_rope_scaling(a.rope_scaling) if a.rope_scaling else None
         if a.max_model_len:
             _check_max_model_len(int(a.max_model_len), a.model, rope)

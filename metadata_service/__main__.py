@@ -182,6 +182,9 @@ def _check_numbers(parser, args) -> None:
     """Durations and weights out of their range (NaN included) stop the start with one line."""
     if not args.worker_lease > 0:       # 0 drops every worker at its first check: no chain would form
         parser.error(f"--worker-lease must be > 0 seconds, got {args.worker_lease}")
+    for flag, value in (("--block-size", args.block_size), ("--max-num-seqs", args.max_num_seqs)):
+        if value < 1:                   # no token / no sequence per step: nothing would ever run
+            parser.error(f"{flag} must be >= 1, got {value}")
     for flag, value in (("--step-timeout", args.step_timeout), ("--worker-wait", args.worker_wait),
                         ("--grace", args.grace), ("--router-overlap-weight", args.router_overlap_weight)):
         if not value >= 0:

@@ -150,3 +150,59 @@ def test_bfloat16_runs_on_cpu(bf16_sharded):
     assert runner.dtype == torch.bfloat16 and runner.stage.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
     tokens = greedy_ours(runner, [3, 1, 4, 1, 5, 9, 2, 6], 4)
     assert len(tokens) == 4 and all(0 <= t < VOCAB for t in tokens)
+
+
+# ---------------------------------------------------------------- broken and unusual checkpoints
+
+def _edit_tensors(d: str, edit) -> None:
+    """Rewrite a single-file checkpoint's tensors through edit(dict) (in place)."""
+    from safetensors.torch import load_file, save_file
+    path = os.path.join(d, "model.safetensors")
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def test_each_fused_part_must_have_its_own_shape(tmp_path):
+    """q_proj and k_proj 16 rows off in opposite directions sum to the right fused rows: refused,
+    as transformers refuses it (before, part of q/k/v was never filled and k overlapped v)."""
+    d = make_checkpoint(num_layers=2, hidden=64, heads=2, kv_heads=1, head_dim=32, directory=str(tmp_path / "c"))
+    p = "model.layers.1.self_attn."
+    _edit_tensors(d, lambda t: t.update({p + "q_proj.weight": t[p + "q_proj.weight"][:48],
+                                         p + "k_proj.weight": torch.cat([t[p + "k_proj.weight"]] * 2)[:48]}))
+    with pytest.raises(ValueError, match=r"[qk]_proj.weight: checkpoint shape \(48, 64\), the config needs"):
+        ModelRunner(d, dtype="float64")
+
+
+def test_tensors_the_model_has_no_place_for_are_ignored_as_transformers_does(tmp_path, caplog):
+    d = make_checkpoint(num_layers=2, hidden=64, heads=2, kv_heads=1, head_dim=32, directory=str(tmp_path / "c"))
+    ref = ModelRunner(d, dtype="float64")
+    _edit_tensors(d, lambda t: t.update({"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(16),
+                                         "model.layers.1.self_attn.q_proj.bias": torch.ones(64)}))
+    with caplog.at_level(logging.WARNING, logger="worker.model"):
+        r = ModelRunner(d, dtype="float64")
+    assert "ignored 2 checkpoint tensor(s)" in caplog.text
+    for (n, a), (_, b) in zip(ref.stage.named_parameters(), r.stage.named_parameters()):
+        assert torch.equal(a, b), n
+    assert r.fingerprint != ref.fingerprint          # another file, though the same model computes
+
+
+def test_a_fine_tune_of_one_matrix_is_another_model(tmp_path):
+    d = make_checkpoint(num_layers=3, hidden=64, heads=2, kv_heads=1, head_dim=32, directory=str(tmp_path / "c"))
+    base = ModelRunner(d, dtype="float64", layer_start=0, layer_end=2).fingerprint
+    assert ModelRunner(d, dtype="float64", layer_start=2, layer_end=3).fingerprint == base   # stages agree
+    _edit_tensors(d, lambda t: t["model.layers.1.self_attn.v_proj.weight"].mul_(1.01))      # a merged LoRA
+    assert ModelRunner(d, dtype="float64", layer_start=2, layer_end=3).fingerprint != base
+
+
+def test_a_truncated_weight_file_is_one_line_naming_it(tmp_path):
+    d = make_checkpoint(num_layers=2, hidden=64, heads=2, kv_heads=1, head_dim=32, directory=str(tmp_path / "c"))
+    path = os.path.join(d, "model.safetensors")
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 1000)
+    with pytest.raises(ValueError, match=r"model.safetensors: .* past the file's .* \(truncated\?\)"):
+        ModelRunner(d, dtype="float64")
+    with open(path, "wb"):
+        pass
+    with pytest.raises(ValueError, match="not a safetensors file"):
+        ModelRunner(d, dtype="float64")

@@ -29,7 +29,8 @@ def test_without_db_the_store_is_in_memory_and_writes_no_file(tmp_path, monkeypa
     monkeypatch.chdir(tmp_path)
     assert parse_args([]).db == ""          # not a relative data/jobs.db that unrelated runs share
     # durations and weights out of range (NaN too) stop the start with one line, not a silent misbehaviour
-    for bad in (["--worker-lease", "0"], ["--step-timeout", "nan"], ["--router-overlap-weight", "-1"]):
+    for bad in (["--worker-lease", "0"], ["--step-timeout", "nan"], ["--router-overlap-weight", "-1"],
+                ["--block-size", "0"], ["--max-num-seqs", "0"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
     store = JobStore(parse_args([]).db)

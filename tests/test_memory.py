@@ -122,3 +122,22 @@ def test_fixed_sizes_and_cpu_defaults():
     assert kv_budget_bytes(resolve_args(["--model", "tiny", "--kv-cache-bytes", "4096"])) == 4096
     assert kv_budget_bytes(resolve_args(["--model", "tiny"])) == DEFAULT_CPU_KV_BYTES
     assert 0 < kv_budget_bytes(resolve_args(["--model", "tiny", "--kv-memory-fraction", "0.01"]))
+
+
+@pytest.mark.parametrize("flags", [["--dtype", "float16"], ["--threads", "-1"], ["--data-port", "-5"]])
+def test_worker_flags_out_of_their_range_stop_the_start(flags):
+    with pytest.raises(SystemExit):
+        resolve_args(["--model", "tiny", *flags])
+
+
+def test_a_cache_that_can_never_be_made_is_refused_at_start():
+    """(Before: the worker registered, and the service retried InitCache on it ~16 times a second.)"""
+    from types import SimpleNamespace
+
+    from worker.__main__ import _cache_never_fits
+    runner = SimpleNamespace(kv_bytes_per_block=lambda bs: 8192 * bs)
+    args = resolve_args(["--model", "tiny", "--kv-cache-bytes", "10"])
+    assert "holds no token (one takes 8192 bytes" in _cache_never_fits(args, runner, 10)
+    args = resolve_args(["--model", "tiny", "--num-blocks", "100000000"])
+    assert "--num-blocks 100000000 needs at least 762.9 GiB" in _cache_never_fits(args, runner, 0)
+    assert _cache_never_fits(resolve_args(["--model", "tiny", "--num-blocks", "64"]), runner, 0) == ""

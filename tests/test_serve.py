@@ -235,6 +235,7 @@ def test_sigterm_stops_and_a_second_signal_kills():
 
 @pytest.mark.parametrize("args,needle", [(["/nonexistent"], "no config.json there"),
                                          (["tiny", "--stages", "9"], "cannot split 4 layers over 9 workers"),
+                                         (["tiny", "--max-num-seqs", "0"], "--max-num-seqs must be >= 1, got 0"),
                                          (["tiny", "--max-model-len", "5000"],   # vLLM's rule
                                           "--max-model-len 5000 is longer than the model's context, 4096 tokens")])
 def test_bad_model_or_layout_exits_1_saying_why(args, needle):

@@ -72,6 +72,36 @@ def kv_budget_bytes(args) -> int:
                                   baseline=getattr(args, "memory_baseline", None))
 
 
+def _warn_unused_lm_head(args) -> None:
+    """config.json ties the lm_head to the embedding, yet the checkpoint has an lm_head of its own:
+    it is not used (vLLM's reading; transformers 5 would use it), and a user should hear so."""
+    if args.simulate or args.model == "tiny" or not args.config.tie_word_embeddings \
+            or args.layer_end != args.config.num_hidden_layers:
+        return
+    from worker.weights import tensor_names
+    if "lm_head.weight" in tensor_names(args.model):
+        log.warning("config.json says tie_word_embeddings but the checkpoint also has an lm_head.weight: it is "
+                    "ignored and the embedding computes the logits (as vLLM; transformers 5 would use it)")
+
+
+def _cache_never_fits(args, runner, budget: int) -> str:
+    """Why no K/V cache of these flags can ever be made on this stage, or "": a budget below one
+    token's K/V, or --num-blocks past the device's whole memory even at one token a block."""
+    if args.simulate:
+        return ""
+    per_token = runner.kv_bytes_per_block(1)
+    if not args.num_blocks and budget < per_token:
+        return f"a K/V budget of {budget} bytes holds no token (one takes {per_token} bytes on this stage)"
+    if args.num_blocks:
+        import torch
+        total = (torch.cuda.get_device_properties(torch.device(args.device)).total_memory
+                 if args.device.startswith("cuda") else os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        if args.num_blocks * per_token > total:
+            return (f"--num-blocks {args.num_blocks} needs at least {args.num_blocks * per_token / 2**30:.1f} GiB "
+                    f"of K/V (one token a block), more than {args.device}'s {total / 2**30:.1f} GiB")
+    return ""
+
+
 def _torch_importable() -> bool:
     """A plain `pip install .` has no PyTorch (it is the [worker] extra): say so, not a traceback."""
     try:
@@ -191,10 +221,20 @@ def main(argv=None) -> int:
     from minipaged.tls import make_channel
     from worker.server import WorkerServicer
     from worker.omp_pool import in_own_thread
-    runner, budget, device, backend = in_own_thread(build_runner, args)   # its OpenMP pool goes with it
+    try:
+        runner, budget, device, backend = in_own_thread(build_runner, args)   # its OpenMP pool goes with it
+    except (ValueError, OSError, KeyError, RuntimeError) as e:   # a broken checkpoint: one line, its cause
+        log.debug("loading %s failed", args.model, exc_info=True)
+        log.error("cannot load %s: %s: %s", args.model, type(e).__name__, e)
+        return 2
     release_freed_memory()
     if not args.num_blocks and budget <= 0:
         log.error("no memory left for the K/V cache on %s (use --kv-cache-bytes or --num-blocks)", args.device)
+        return 2
+    _warn_unused_lm_head(args)
+    problem = _cache_never_fits(args, runner, budget)
+    if problem:       # else the service would retry InitCache on this worker forever
+        log.error("%s", problem)
         return 2
     from minipaged.gc_tuning import tune_for_serving
     tune_for_serving()  # the model is loaded: freeze it out of the collector's sight

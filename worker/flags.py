@@ -129,9 +129,15 @@ def resolve_args(argv=None) -> argparse.Namespace:
         except (ValueError, OSError) as e:
             parser.error(str(e))
         cuda = True  # it stands in for a GPU: bfloat16 by default
+    if args.dtype == "float16" and not cuda:
+        parser.error("--dtype float16 needs --device cuda: on a CPU use float32, float64 or bfloat16")
     from worker.dtype_choice import resolve_dtype
     args.dtype = resolve_dtype(args.dtype, args.config, "cuda" if cuda else "cpu")
     args.backend = args.backend or ("pycuda" if cuda else "torch")
+    if args.threads < 0:
+        parser.error(f"--threads must be >= 0 (0: torch's choice), got {args.threads}")
+    if args.data_port < -1:
+        parser.error(f"--data-port must be >= -1 (-1: none, 0: a free one), got {args.data_port}")
     if args.num_blocks < 0:
         parser.error("--num-blocks must be > 0")
     if args.kv_memory_fraction is not None and not 0 < args.kv_memory_fraction < 1:

@@ -9,6 +9,8 @@ same stacking on a whole state dict, for other callers).
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -19,6 +21,8 @@ from worker.attention import AttentionBackend, get_backend
 from worker.layers import (MLP, Attention, DecoderLayer, Linear, RMSNorm,  # noqa: F401
                            RotaryEmbedding, StepBatch, apply_rope, rotate_half)
 from worker.paged_cache import PagedKVCache, as_dtype
+
+log = logging.getLogger("worker.model")
 
 # Checkpoint tensors that this module stacks into one parameter: (fused name, parts in row order).
 FUSED = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")))
@@ -100,10 +104,11 @@ class Qwen3Stage(nn.Module):
             return None if self.config.tie_word_embeddings or not self.is_last else "lm_head.weight"
         return None
 
-    def _target(self, name: str, params: dict) -> tuple[str, int] | None:
-        """Checkpoint name -> (this module's parameter, first row inside it) or None. A q/k/v or
-        gate/up part lands in its rows of the fused parameter, so tensors can be copied in one at
-        a time, never stacked into a second copy first."""
+    def _target(self, name: str, params: dict) -> tuple[str, int, int] | None:
+        """Checkpoint name -> (this module's parameter, first row inside it, rows it must have:
+        -1 = the whole parameter), or None (not this stage's). A q/k/v or gate/up part lands in its
+        rows of the fused parameter, so tensors can be copied in one at a time, never stacked into a
+        second copy first."""
         for fused, parts in FUSED:
             for j, part in enumerate(parts):
                 for suffix in ("weight", "bias"):
@@ -111,12 +116,12 @@ class Qwen3Stage(nn.Module):
                     if not name.endswith(tail):
                         continue
                     local = self._local_name(name[:-len(tail)] + f".{fused}.{suffix}")
-                    if local is None or local not in params:
-                        return None if local is None else (local, -1)
+                    if local is None:
+                        return None
                     sizes = self._fused_sizes(fused)
-                    return local, sum(sizes[:j])
+                    return local, sum(sizes[:j]), sizes[j]
         local = self._local_name(name)
-        return None if local is None else (local, 0)
+        return None if local is None else (local, 0, -1)
 
     def _fused_sizes(self, fused: str) -> list[int]:
         c = self.config
@@ -130,28 +135,31 @@ class Qwen3Stage(nn.Module):
         an iterable of (Hugging Face name, tensor) pairs, consumed one tensor at a time."""
         params = dict(self.named_parameters())          # tied parameters are listed once
         rows_done: dict[str, int] = {}                   # parameter -> rows copied so far
-        items = state.items() if hasattr(state, "items") else state
+        self.unexpected_tensors: list[str] = []          # this model has no place for them (transformers
+        items = state.items() if hasattr(state, "items") else state   # ignores them too, e.g. rotary inv_freq)
         for name, tensor in items:
             target = self._target(name, params)
             if target is None:
                 continue
-            local, row = target
-            if row < 0 or local not in params:
-                raise ValueError(f"{name}: no such parameter here (an incomplete q/k/v or gate/up set?)")
+            local, row, rows = target
+            if local not in params:
+                self.unexpected_tensors.append(name)
+                continue
             p = params[local]
-            dst = None
-            if row == 0 and tensor.shape == p.shape:
-                dst = p
-            elif tensor.dim() and row + tensor.shape[0] <= p.shape[0]:
-                dst = p.narrow(0, row, tensor.shape[0])
-            if dst is None or dst.shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} does not fit "
-                                 f"model {tuple(p.shape)} at row {row}")
-            dst.copy_(tensor)
+            whole = rows < 0
+            want = p.shape if whole else (rows, *p.shape[1:])
+            if tuple(tensor.shape) != tuple(want):       # each q/k/v or gate/up part its own rows
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, the config needs {tuple(want)}")
+            (p if whole else p.narrow(0, row, rows)).copy_(tensor)
             rows_done[local] = rows_done.get(local, 0) + (tensor.shape[0] if tensor.dim() else 1)
+        if self.unexpected_tensors:
+            log.warning("ignored %d checkpoint tensor(s) this model has no place for (transformers ignores them "
+                        "too): %s", len(self.unexpected_tensors), self.unexpected_tensors[:4])
         missing = sorted(n for n, p in params.items() if rows_done.get(n, 0) != (p.shape[0] if p.dim() else 1))
         if missing:
-            raise ValueError(f"weights missing for layers [{self.layer_start}, {self.layer_end}): {missing[:8]}")
+            parts = dict(FUSED)      # a fused parameter: name the checkpoint's tensors it is made of
+            named = [next((f"{n} ({' / '.join(parts[f])})" for f in parts if f".{f}." in n), n) for n in missing]
+            raise ValueError(f"weights missing for layers [{self.layer_start}, {self.layer_end}): {named[:8]}")
 
     def forward(self, batch: StepBatch, kv_cache: PagedKVCache,
                 hidden_states: torch.Tensor | None = None) -> torch.Tensor:

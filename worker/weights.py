@@ -66,7 +66,10 @@ def stage_needs(name: str, config: ModelConfig, layer_start: int, layer_end: int
     """Is this checkpoint tensor used by the stage serving layers [layer_start, layer_end)?"""
     last = layer_end == config.num_hidden_layers
     if name.startswith("model.layers."):
-        return layer_start <= int(name.split(".")[2]) < layer_end
+        index = name.split(".")[2]
+        if not index.isdigit():
+            raise ValueError(f"{name}: not a layer tensor name (model.layers.<index>...)")
+        return layer_start <= int(index) < layer_end
     if name == "model.embed_tokens.weight":
         return layer_start == 0 or (last and config.tie_word_embeddings)
     if name in ("model.norm.weight", "lm_head.weight"):
@@ -98,9 +101,18 @@ def _safetensors_tensors(full: str, want):
     resident memory (a 1.2 GB shard read through safe_open stays resident until it is closed)."""
     import mmap
     import struct
+    size = os.path.getsize(full)
     with open(full, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{full}: not a safetensors file ({size} bytes, shorter than its header's length)")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise ValueError(f"{full}: a {n}-byte header in a {size}-byte file (truncated?)")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:
+            raise ValueError(f"{full}: its header is not JSON ({e})") from None
         header.pop("__metadata__", None)
         if not header:
             return
@@ -111,6 +123,8 @@ def _safetensors_tensors(full: str, want):
             if not want(name):
                 continue
             lo, hi = (base + o for o in meta["data_offsets"])
+            if hi > size:
+                raise ValueError(f"{full}: {name} ends at byte {hi}, past the file's {size} (truncated?)")
             dtype = _ST_DTYPES.get(meta["dtype"])
             if dtype is None:
                 raise ValueError(f"{full}: {name} has dtype {meta['dtype']}, which this loader cannot read")
@@ -128,6 +142,18 @@ def _safetensors_tensors(full: str, want):
             mm.close()
         except BufferError:  # a consumer kept a view: the map goes when that view does
             pass
+
+
+def tensor_names(path: str) -> set[str]:
+    """Every tensor name of a safetensors checkpoint directory (headers only; empty for .bin ones)."""
+    import struct
+    names: set[str] = set()
+    for fname in _checkpoint_files(path):
+        if fname.endswith(".safetensors"):
+            with open(os.path.join(path, fname), "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                names.update(k for k in json.loads(f.read(n)) if k != "__metadata__")
+    return names
 
 
 def iter_tensors(path: str, want, log_every_s: float = 5.0):
@@ -221,7 +247,30 @@ def fingerprint(config: ModelConfig, state_dict: dict[str, torch.Tensor] | None 
     for name in sorted(sums):
         shape, s1, s2 = sums[name]
         h.update(f"{name}:{shape}:{s1:.12e}:{s2:.12e}".encode())
+    if config.name != "tiny":
+        _hash_samples(config.name, h)
     return h.hexdigest()[:16]
+
+
+def _hash_samples(path: str, h, window: int = 64) -> None:
+    """Every safetensors tensor's name, dtype, shape and three windows of its bytes (start, middle,
+    end) into `h`: a fine-tune that changed only some matrices (a merged LoRA's v_proj) changes them,
+    where the probe sums see only the probes. A few reads per tensor, the same on every stage."""
+    import struct
+    for fname in _checkpoint_files(path):
+        if not fname.endswith(".safetensors"):
+            continue
+        with open(os.path.join(path, fname), "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+            header.pop("__metadata__", None)
+            for name in sorted(header):
+                meta = header[name]
+                lo, hi = (8 + n + o for o in meta["data_offsets"])
+                h.update(f"{name}:{meta['dtype']}:{meta['shape']}".encode())
+                for at in sorted({lo, max(lo, (lo + hi) // 2 - window // 2), max(lo, hi - window)}):
+                    f.seek(at)
+                    h.update(f.read(min(window, hi - at)))
 
 
 def probe_sums(t: torch.Tensor) -> tuple[tuple[int, ...], float, float]:

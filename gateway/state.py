@@ -203,7 +203,7 @@ class Gateway:
         end = object()
 
         async def pump(p: int, kw: dict) -> None:
-            obs = _Observed(self, t0)
+            obs = _Observed(self, t0, n)
             agen = None
             try:  # (a failure to even start the stream must reach the consumer too, or it waits forever)
                 agen = self.client.chunks(whole=whole, **kw)  # best_of > n (refused when streaming): winners at the end
@@ -244,13 +244,14 @@ def _token_id_text(token_id: int) -> str:
 class _Observed:
     """Per prompt: TTFT, inter-token latency, e2e latency, tokens and finish reasons."""
 
-    def __init__(self, gw: Gateway, t0: float):
+    def __init__(self, gw: Gateway, t0: float, choices: int = 1):
         self.gw, self.m, self.model, self.t0 = gw, gw.metrics, gw.model_name, t0
         self.first: float | None = None
         self.last: dict[int, float] = {}
         self.prompt_tokens = 0
         self.generated = 0
         self.finished: list[str] = []
+        self.choices, self.done = choices, False
 
     def chunk(self, c: StreamChunk) -> None:
         now = time.monotonic()
@@ -270,6 +271,8 @@ class _Observed:
             self.prompt_tokens = c.usage.prompt_tokens
         if c.finish_reason:
             self.finished.append(c.finish_reason)
+            if len(self.finished) == self.choices:   # recorded now: a client that hangs up on the
+                self.finish()                        # last chunk was still served in full
 
     def _whole(self, c: StreamChunk, now: float) -> None:
         first = now - c.decode_seconds
@@ -285,6 +288,9 @@ class _Observed:
         self.generated += len(c.token_ids)
 
     def finish(self) -> None:
+        if self.done:
+            return
+        self.done = True
         self.m.e2e.labels(self.model).observe(time.monotonic() - self.t0)
         self.m.prompt_tokens.labels(self.model).inc(self.prompt_tokens)
         self.m.generation_tokens.labels(self.model).inc(self.generated)

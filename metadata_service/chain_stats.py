@@ -76,12 +76,12 @@ class ChainStats:
             waiting = list(self.scheduler.waiting)[:max(0, max_sequences - len(running))]
             seqs = []
             for s, state in [(s, "running") for s in running] + [(s, "waiting") for s in waiting]:
-                table = (self.manager.sequences[s.seq_id].block_table[:64]
+                whole = (self.manager.sequences[s.seq_id].block_table
                          if s.seq_id in self.manager.sequences else np.zeros(0, np.int32))
                 label = "stream" if s.tag is None else f"{s.tag[0].job_id[:8]}:{s.tag[1]}"
-                seqs.append(metadata_pb2.SequenceSnapshot(
-                    sequence_id=s.seq_id, state=state, length=s.num_computed_tokens, num_blocks=len(table),
-                    block_table=pack(table), num_cached_tokens=s.num_cached_tokens, label=label))
+                seqs.append(metadata_pb2.SequenceSnapshot(   # the first 64 blocks; num_blocks counts all
+                    sequence_id=s.seq_id, state=state, length=s.num_computed_tokens, num_blocks=len(whole),
+                    block_table=pack(whole[:64]), num_cached_tokens=s.num_cached_tokens, label=label))
             counts = np.bincount(states, minlength=4)
             stride = max(1, -(-len(states) // max_blocks))
             return metadata_pb2.ChainSnapshot(

@@ -118,6 +118,18 @@ def test_dashboard_during_a_shared_prefix_job(cluster, tmp_path):
     assert page["shown"] == expected_from_stats(st) and st.cached_blocks > 0 and st.used_blocks == 0
 
 
+def test_a_long_sequence_shows_64_blocks_and_counts_all(cluster):
+    """The snapshot sends a sequence's first 64 blocks but its whole count (the page writes "... +N")."""
+    c = cluster.client
+    job = c.submit([{"prompt_token_ids": [7] * 1100, "max_new_tokens": 200, "ignore_eos": True}])  # 69+ blocks
+    try:
+        with frozen(cluster, until=lambda st: st.running >= 1 and st.used_blocks >= 69):
+            seq = next(s for ch in c.pool_snapshot().chains for s in ch.sequences)
+        assert len(seq.block_table) == 64 and seq.num_blocks >= 69
+    finally:
+        c.wait(job)
+
+
 # ---------------------------------------------------------------- the grid, from a real KVBlockManager
 
 class PoolService(pb_grpc.MetadataServiceServicer):

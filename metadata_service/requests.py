@@ -164,7 +164,10 @@ def _check_beams(req: metadata_pb2.GenerateRequest, engine) -> None:
                                     ("repetition_penalty", req.repetition_penalty not in (0, 1)),
                                     ("presence_penalty", req.presence_penalty != 0),
                                     ("frequency_penalty", req.frequency_penalty != 0),
-                                    ("top_logprobs", req.top_logprobs > 0)) if on]
+                                    ("top_logprobs", req.top_logprobs > 0),
+                                    ("structured outputs", bool(req.json_schema or req.regex or req.choice
+                                                                or req.json_object)),
+                                    ("max_new_tokens 0 (prompt logprobs alone)", req.max_new_tokens == 0)) if on]
     if others:
         raise RequestError(bad, f"beam search does not support {', '.join(others)}")
     lp = req.length_penalty if req.HasField("length_penalty") else 1.0

@@ -42,10 +42,9 @@ def build_step_request(b: ScheduledBatch, release: list[int], step_id: int, epoc
     add_tier_moves(req, b.tier_saves, b.tier_loads)
     if b.copies:
         req.copy_src, req.copy_dst = pack([c[0] for c in b.copies]), pack([c[1] for c in b.copies])
+    ends = _add_grammar(req, b, vocab_size) if b.special and any(s.matcher is not None for s in seqs) else set()
     if b.special and any(s.params.extras for s in seqs):
-        _add_extras(req, seqs, b.sample_offsets)
-    if b.special and any(s.matcher is not None for s in seqs):
-        _add_grammar(req, b, vocab_size)
+        _add_extras(req, seqs, b.sample_offsets, ends)
     if b.prompt_rows is not None:
         prompt_logprobs.add_to_request(req, b.prompt_rows)
     return req
@@ -59,22 +58,36 @@ def add_tier_moves(req: worker_pb2.StepRequest, saves, loads) -> None:
         req.tier_load_slots, req.tier_load_blocks = pack([m[0] for m in loads]), pack([m[1] for m in loads])
 
 
-def _add_grammar(req: worker_pb2.StepRequest, b: ScheduledBatch, vocab_size: int) -> None:
+def _add_grammar(req: worker_pb2.StepRequest, b: ScheduledBatch, vocab_size: int) -> set[int]:
     """Structured outputs: the next-token bitmask of every constrained row that samples this step
     (metadata_service/grammar.py). Its matcher has seen every token so far: constrained sequences
-    never run ahead of their sampled token."""
+    never run ahead of their sampled token. Returns the rows whose grammar allows only tokens that
+    min_new_tokens masks (it is complete and wants EOS): there the grammar wins, the output ends
+    valid, where otherwise every token would be masked."""
     rows = [i for i, (s, d) in enumerate(zip(b.seqs, b.do_sample.tolist())) if d and s.matcher is not None]
-    if rows:
-        req.grammar_rows = pack(rows, INT32)
-        req.grammar_bitmask = fill_bitmask([b.seqs[i].matcher for i in rows], vocab_size).tobytes()
+    if not rows:
+        return set()
+    mask = fill_bitmask([b.seqs[i].matcher for i in rows], vocab_size)
+    req.grammar_rows = pack(rows, INT32)
+    req.grammar_bitmask = mask.tobytes()
+    ends = set()
+    for j, i in enumerate(rows):
+        s = b.seqs[i]
+        if s.suppress_ids and int(b.sample_offsets[i]) < s.params.min_new_tokens:
+            allowed = np.flatnonzero(np.unpackbits(mask[j].view(np.uint8), bitorder="little"))
+            if np.isin(allowed, s.suppress_ids).all():
+                ends.add(i)
+    return ends
 
 
-def _add_extras(req: worker_pb2.StepRequest, seqs: list[Sequence], offsets: np.ndarray) -> None:
+def _add_extras(req: worker_pb2.StepRequest, seqs: list[Sequence], offsets: np.ndarray,
+                grammar_ends: set[int] = frozenset()) -> None:
     """The per-sequence sampling rules beyond temperature/top-p/top-k (worker/logits_processors.py).
     Penalized sequences send their whole history: their cost grows with their length (only theirs).
     A history is what this service knows: a token still being sampled (input -1) is left out, and
     the last stage, which sampled it, appends it."""
-    suppress = [bool(s.suppress_ids) and int(o) < s.params.min_new_tokens for s, o in zip(seqs, offsets)]
+    suppress = [bool(s.suppress_ids) and int(o) < s.params.min_new_tokens and i not in grammar_ends
+                for i, (s, o) in enumerate(zip(seqs, offsets))]
     if any(suppress):
         ids = [s.suppress_ids if on else () for s, on in zip(seqs, suppress)]
         req.min_tokens_suppress = np.asarray(suppress, dtype=np.uint8).tobytes()

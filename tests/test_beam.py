@@ -155,7 +155,10 @@ def test_bad_beam_requests_are_rejected_and_change_nothing_and_http_beams(ckpt):
                (dict(best_of=4), "best_of does not combine"),
                (dict(repetition_penalty=1.3), "does not support repetition_penalty"),
                (dict(stop=["x"]), "does not support stop strings"),
-               (dict(logprobs=3), "does not support top_logprobs")]
+               (dict(logprobs=3), "does not support top_logprobs"),
+               # beams scored the raw logprobs: a grammar was ignored, the output invalid
+               (dict(regex="[a-c]{3,8}"), "does not support structured outputs"),
+               (dict(max_new_tokens=0, prompt_logprobs=1), "does not support max_new_tokens 0")]
         for kw, why in bad:
             args = dict(prompt_token_ids=p, max_new_tokens=4, beam_width=4)
             args.update(kw)

@@ -369,3 +369,18 @@ def test_simulated_workers_honour_the_bitmask():
     with LocalCluster(model="tiny", workers=1, simulate="h200") as c:
         out = c.client.generate([{"prompt": f"q{i}"} for i in range(4)], regex=REGEX, max_new_tokens=16)
         assert all(re.fullmatch(REGEX, r.text) and r.finish_reason == "stop" for r in out), [r.text for r in out]
+
+
+def test_a_complete_grammar_ends_the_output_even_before_min_new_tokens(byte_ckpt):
+    """min_new_tokens masks EOS; a grammar that is complete allows only EOS. The grammar wins (the
+    output ends valid, finish "stop"), where every token used to be masked and the step failed
+    INTERNAL, blaming a worker."""
+    with LocalCluster(model=byte_ckpt, workers=1, dtype="float32", block_size=4) as c:
+        for kw in (dict(choice=["ab"], min_new_tokens=5), dict(regex="xyz", min_new_tokens=4, temperature=0.8, seed=3),
+                   dict(json_schema={"type": "boolean"}, min_new_tokens=8)):
+            r = c.client.generate(prompt_token_ids=[40, 41, 42], max_new_tokens=20, **kw)
+            assert r.finish_reason == "stop" and r.token_ids[-1] == 256, (kw, r)
+            assert r.text in ("ab", "xyz", "true", "false"), (kw, r.text)
+        # before the grammar is complete, min_new_tokens still holds EOS back as it does elsewhere
+        r = c.client.generate(prompt_token_ids=[40, 41, 42], max_new_tokens=30, regex="[a-c]{1,20}", min_new_tokens=6)
+        assert r.finish_reason in ("stop", "length") and len(r.token_ids) >= 6

@@ -257,6 +257,7 @@ def _hash_samples(path: str, h, window: int = 64) -> None:
     end) into `h`: a fine-tune that changed only some matrices (a merged LoRA's v_proj) changes them,
     where the probe sums see only the probes. A few reads per tensor, the same on every stage."""
     import struct
+    samples: dict[str, bytes] = {}       # by name: one file or many shards hash the same
     for fname in _checkpoint_files(path):
         if not fname.endswith(".safetensors"):
             continue
@@ -264,13 +265,15 @@ def _hash_samples(path: str, h, window: int = 64) -> None:
             (n,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(n))
             header.pop("__metadata__", None)
-            for name in sorted(header):
-                meta = header[name]
+            for name, meta in header.items():
                 lo, hi = (8 + n + o for o in meta["data_offsets"])
-                h.update(f"{name}:{meta['dtype']}:{meta['shape']}".encode())
+                parts = [f"{name}:{meta['dtype']}:{meta['shape']}".encode()]
                 for at in sorted({lo, max(lo, (lo + hi) // 2 - window // 2), max(lo, hi - window)}):
                     f.seek(at)
-                    h.update(f.read(min(window, hi - at)))
+                    parts.append(f.read(min(window, hi - at)))
+                samples[name] = b"".join(parts)
+    for name in sorted(samples):
+        h.update(samples[name])
 
 
 def probe_sums(t: torch.Tensor) -> tuple[tuple[int, ...], float, float]:

@@ -81,17 +81,14 @@ def echo_logprobs(prompt_ids: list[int], logprobs: list, top: list | None, token
     where the echoed `text` holds it (a text prompt's "<|im_start|>"; a token-id prompt's echo is
     decoded without specials), so the offsets add up to the echoed text."""
     special = getattr(token_text, "with_specials", token_text)
-    tokens, pos = [], 0
+    tokens, offsets, pos = [], [], 0
     for t in prompt_ids:
         piece = token_text(t)
         if text is not None and (shown := special(t)) != piece and text.startswith(shown, pos):
             piece = shown
         tokens.append(piece)
-        pos += len(piece)
-    offsets, pos = [], 0
-    for t in tokens:
         offsets.append(pos)
-        pos += len(t)
+        pos += len(piece)
     alts = None
     if top is not None:
         alts = [None]

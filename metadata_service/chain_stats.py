@@ -51,14 +51,12 @@ class ChainStats:
             # else as of the chain's last idle moment (a busy chain's figure is from before its work)
             st["invariants_ok"] = self.invariants_checked
             st["running"], st["waiting"] = len(self.scheduler.running), len(self.scheduler.waiting)
-            st["preemptions"] = self.scheduler.num_preemptions
+            st.update(self.counters())
         wall = max(time.monotonic() - self.started, 1e-9)
-        st.update(chain_id=self.chain_id, ready=self.alive, steps=self.steps, group=self.group,
-                  generated_tokens=self.generated_tokens, steps_per_second=self.steps / wall,
-                  tokens_per_second=self.generated_tokens / wall, cache_epoch=self.epoch,
-                  micro_batches=self.micro_batches, metadata_s=self.metadata_s, wire_bytes=self.wire_bytes,
-                  role=self.role, kv_moves=self.moves_in, kv_moved_blocks=self.moved_blocks,
-                  kv_move_failures=self.moves_failed,
+        st.update(chain_id=self.chain_id, ready=self.alive, group=self.group,
+                  steps_per_second=self.steps / wall, tokens_per_second=self.generated_tokens / wall,
+                  cache_epoch=self.epoch, micro_batches=self.micro_batches, metadata_s=self.metadata_s,
+                  wire_bytes=self.wire_bytes, role=self.role,
                   tier_block_bytes=sum(w.block_bytes(self.cfg.block_size) for w in self.stages),
                   stages=[dict(address=w.address, layer_start=w.info.layer_start, layer_end=w.info.layer_end,
                                busy_fraction=min(1.0, busy / 1e3 / wall),

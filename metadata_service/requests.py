@@ -127,13 +127,11 @@ def _check_fits(req: metadata_pb2.GenerateRequest, prompt_len: int, engine) -> N
                            f"prompt ({prompt_len} tokens) + max_new_tokens ({req.max_new_tokens}) = {total} "
                            f"exceeds max_model_len {engine.max_model_len}")
     bs, best_of = engine.block_size, req.best_of or max(1, req.n)
-    need = -(-total // bs)
-    if best_of > 1:      # choices fork after all but the last prompt token (groups.py): they share the
-        full = (prompt_len - 1) // bs     # full blocks of that prefix, and each holds its own rest
-        need = full + best_of * -(-(total - full * bs) // bs)
-    if req.beam_width:   # beams share the prompt's full blocks; at worst each holds its own rest
-        full = prompt_len // bs
-        need = full + req.beam_width * -(-(total - full * bs) // bs)
+    # K copies share the prompt's full blocks; at worst each holds its own rest. Choices fork after
+    # all but the last prompt token (groups.py), beams after the whole prompt (beam.py).
+    copies, shared = ((req.beam_width, prompt_len // bs) if req.beam_width
+                      else (best_of, (prompt_len - 1) // bs) if best_of > 1 else (1, 0))
+    need = shared + copies * -(-(total - shared * bs) // bs)
     pool = engine.max_pool_blocks  # a sequence lives in one chain's pool: the largest one bounds it
     if need > pool:
         raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -135,15 +135,15 @@ class Qwen3Stage(nn.Module):
         an iterable of (Hugging Face name, tensor) pairs, consumed one tensor at a time."""
         params = dict(self.named_parameters())          # tied parameters are listed once
         rows_done: dict[str, int] = {}                   # parameter -> rows copied so far
-        self.unexpected_tensors: list[str] = []          # this model has no place for them (transformers
-        items = state.items() if hasattr(state, "items") else state   # ignores them too, e.g. rotary inv_freq)
+        unexpected: list[str] = []          # no place for them here (transformers ignores them too: rotary inv_freq)
+        items = state.items() if hasattr(state, "items") else state
         for name, tensor in items:
             target = self._target(name, params)
             if target is None:
                 continue
             local, row, rows = target
             if local not in params:
-                self.unexpected_tensors.append(name)
+                unexpected.append(name)
                 continue
             p = params[local]
             whole = rows < 0
@@ -152,9 +152,9 @@ class Qwen3Stage(nn.Module):
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, the config needs {tuple(want)}")
             (p if whole else p.narrow(0, row, rows)).copy_(tensor)
             rows_done[local] = rows_done.get(local, 0) + (tensor.shape[0] if tensor.dim() else 1)
-        if self.unexpected_tensors:
+        if unexpected:
             log.warning("ignored %d checkpoint tensor(s) this model has no place for (transformers ignores them "
-                        "too): %s", len(self.unexpected_tensors), self.unexpected_tensors[:4])
+                        "too): %s", len(unexpected), unexpected[:4])
         missing = sorted(n for n, p in params.items() if rows_done.get(n, 0) != (p.shape[0] if p.dim() else 1))
         if missing:
             parts = dict(FUSED)      # a fused parameter: name the checkpoint's tensors it is made of

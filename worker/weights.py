@@ -94,31 +94,39 @@ _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, 
               "U8": torch.uint8, "BOOL": torch.bool}
 
 
+def _header(f, full: str) -> tuple[int, dict]:
+    """(where the data starts, the tensor entries) of an open safetensors file, checked: a file
+    too short or truncated is a ValueError naming it."""
+    import struct
+    size = os.fstat(f.fileno()).st_size
+    head = f.read(8)
+    if len(head) < 8:
+        raise ValueError(f"{full}: not a safetensors file ({size} bytes, shorter than its header's length)")
+    (n,) = struct.unpack("<Q", head)
+    if n > size - 8:
+        raise ValueError(f"{full}: a {n}-byte header in a {size}-byte file (truncated?)")
+    try:
+        header = json.loads(f.read(n))
+    except ValueError as e:
+        raise ValueError(f"{full}: its header is not JSON ({e})") from None
+    header.pop("__metadata__", None)
+    return 8 + n, header
+
+
 def _safetensors_tensors(full: str, want):
     """(name, tensor) for each wanted tensor of one safetensors file, one at a time, straight off a
     memory map of the file. Each tensor is a view of the map, valid until the next one is yielded:
     then its pages are dropped (MADV_DONTNEED), so the file's pages never pile up in this process's
     resident memory (a 1.2 GB shard read through safe_open stays resident until it is closed)."""
     import mmap
-    import struct
     size = os.path.getsize(full)
     with open(full, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ValueError(f"{full}: not a safetensors file ({size} bytes, shorter than its header's length)")
-        (n,) = struct.unpack("<Q", head)
-        if n > size - 8:
-            raise ValueError(f"{full}: a {n}-byte header in a {size}-byte file (truncated?)")
-        try:
-            header = json.loads(f.read(n))
-        except ValueError as e:
-            raise ValueError(f"{full}: its header is not JSON ({e})") from None
-        header.pop("__metadata__", None)
+        base, header = _header(f, full)
         if not header:
             return
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     try:
-        base, page = 8 + n, mmap.PAGESIZE
+        page = mmap.PAGESIZE
         for name, meta in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):  # file order
             if not want(name):
                 continue
@@ -146,13 +154,12 @@ def _safetensors_tensors(full: str, want):
 
 def tensor_names(path: str) -> set[str]:
     """Every tensor name of a safetensors checkpoint directory (headers only; empty for .bin ones)."""
-    import struct
     names: set[str] = set()
     for fname in _checkpoint_files(path):
         if fname.endswith(".safetensors"):
-            with open(os.path.join(path, fname), "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                names.update(k for k in json.loads(f.read(n)) if k != "__metadata__")
+            full = os.path.join(path, fname)
+            with open(full, "rb") as f:
+                names.update(_header(f, full)[1])
     return names
 
 
@@ -256,17 +263,15 @@ def _hash_samples(path: str, h, window: int = 64) -> None:
     """Every safetensors tensor's name, dtype, shape and three windows of its bytes (start, middle,
     end) into `h`: a fine-tune that changed only some matrices (a merged LoRA's v_proj) changes them,
     where the probe sums see only the probes. A few reads per tensor, the same on every stage."""
-    import struct
     samples: dict[str, bytes] = {}       # by name: one file or many shards hash the same
     for fname in _checkpoint_files(path):
         if not fname.endswith(".safetensors"):
             continue
-        with open(os.path.join(path, fname), "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-            header.pop("__metadata__", None)
+        full = os.path.join(path, fname)
+        with open(full, "rb") as f:
+            base, header = _header(f, full)
             for name, meta in header.items():
-                lo, hi = (8 + n + o for o in meta["data_offsets"])
+                lo, hi = (base + o for o in meta["data_offsets"])
                 parts = [f"{name}:{meta['dtype']}:{meta['shape']}".encode()]
                 for at in sorted({lo, max(lo, (lo + hi) // 2 - window // 2), max(lo, hi - window)}):
                     f.seek(at)

@@ -181,6 +181,9 @@ async def _completions(gw: Gateway, request: Request):
                       for p in prompts]
         prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
     items = [{**kw, **p} for p in prompts]
+    if req.max_tokens is None:    # OpenAI's default 16, within the context as vLLM keeps it
+        for item in items:
+            item["max_new_tokens"] = _within_context(gw, item["max_new_tokens"], _prompt_len(gw, item))
     rid = oa.new_id("cmpl")
     stream = gw.generate_stream(items, req.n, t0, whole=not req.stream)
     if req.stream:
@@ -263,6 +266,8 @@ def _forced_tool_kwargs(tools: tc.ToolPlan, kw: dict) -> dict:
         raise bad_request(f"tool_choice {tools.mode!r} needs structured outputs (json_schema), which this "
                           f"build does not have; use \"auto\"", "tool_choice")
     return {"json_schema": schema}
+
+
 def _encode_or_fail(gw: Gateway, text: str) -> list[int]:
     if gw.tokenizer is None:
         raise bad_request("echo with logprobs of a text prompt needs the model's tokenizer on the gateway "
@@ -280,8 +285,21 @@ def _default_max_tokens(gw: Gateway, prompt: str, beams: bool = False) -> int:
     limit = gw.config.default_max_tokens
     if limit is None:
         limit = DEFAULT_CHAT_MAX_TOKENS if beams else gw.sampling_defaults.get("max_tokens", DEFAULT_CHAT_MAX_TOKENS)
-    if gw.max_model_len and gw.tokenizer is not None:
-        limit = min(limit, max(1, gw.max_model_len - len(gw.tokenizer.encode(prompt))))
+    return _within_context(gw, limit, _prompt_len(gw, {"prompt": prompt}))
+
+
+def _prompt_len(gw: Gateway, item: dict) -> int | None:
+    """A prompt's length in tokens, when the gateway can know it (token ids, or text and a tokenizer)."""
+    if "prompt_token_ids" in item:
+        return len(item["prompt_token_ids"])
+    return len(gw.tokenizer.encode(item["prompt"])) if gw.tokenizer is not None else None
+
+
+def _within_context(gw: Gateway, limit: int, prompt_len: int | None) -> int:
+    """A default max_tokens cut to what the model's context leaves after the prompt (at least 1, so
+    that a prompt filling the context gets the service's clear error)."""
+    if gw.max_model_len and prompt_len is not None:
+        return min(limit, max(1, gw.max_model_len - prompt_len))
     return limit
 
 

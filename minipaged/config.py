@@ -77,7 +77,8 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),
             eos_token_ids=eos_ids,
-            rope=rope_scaling(rope, cfg.get("max_position_embeddings", 32768), f"{source or name}: {key}"),
+            rope=rope_scaling(rope, cfg.get("max_position_embeddings", 32768), f"{source or name}: {key}",
+                              cfg.get("original_max_position_embeddings")),
             name=name,
             raw=cfg,
         )
@@ -132,11 +133,13 @@ def _number(v, positive: bool) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and (v > 0 if positive else v >= 0)
 
 
-def rope_scaling(rope: dict, max_positions: int, source: str) -> dict:
+def rope_scaling(rope: dict, max_positions: int, source: str, top_original=None) -> dict:
     """config.json's RoPE parameters (`source` names where they were read), checked and put in one
     form: {} for plain RoPE, else `rope_type` and its numbers (worker/rope.py computes with them).
     Dynamic NTK is refused: transformers recomputes it from each forward's longest sequence, which a
-    server that batches many sequences cannot reproduce per request."""
+    server that batches many sequences cannot reproduce per request. `top_original` is config.json's
+    top-level original_max_position_embeddings (Phi-3's layout): transformers lets it win over the
+    RoPE dict's, and so do we."""
     kind = rope.get("rope_type", rope.get("type")) or "default"
     if kind not in ROPE_TYPES:
         raise ValueError(f"{source}: rope type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
@@ -155,7 +158,7 @@ def rope_scaling(rope: dict, max_positions: int, source: str) -> dict:
                 raise ValueError(f"{source}: field {key!r} must be a {'positive' if key in _ROPE_POSITIVE else 'non-negative'} "
                                  f"number, got {v!r}")
             out[key] = float(v)
-    original = rope.get("original_max_position_embeddings") or max_positions
+    original = top_original or rope.get("original_max_position_embeddings") or max_positions
     if not (_number(original, True) and float(original).is_integer()):
         raise ValueError(f"{source}: field 'original_max_position_embeddings' must be a positive integer, "
                          f"got {original!r}")

@@ -121,6 +121,12 @@ def test_models_health_and_errors_are_openai_shaped(cluster, oai, ckpt):
         assert set(body) >= {"message", "type"} and body["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError, match="out of range|must be in"):
         oai.completions.create(model=ckpt, prompt=[[1, VOCAB + 5]], max_tokens=2)
+    # no max_tokens: OpenAI's 16, cut to what the context leaves (vLLM's rule), not a 400
+    limit = models[0].model_extra["max_model_len"]
+    r = oai.completions.create(model=ckpt, prompt=[[5 + i % 300 for i in range(limit - 3)], [7, 8]], temperature=0,
+                               extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 3 + 16
+    assert [c.finish_reason for c in r.choices] == ["length", "length"]
     r = httpx.post(cluster.http_url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     r = httpx.post(cluster.http_url + "/v1/completions", json={"prompt": 5})

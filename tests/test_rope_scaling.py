@@ -70,6 +70,12 @@ def test_config_json_is_read_as_transformers_reads_it():
     ours = ModelConfig.from_dict(hf_config(odd).to_dict(), "t")
     got = inv_freq_and_scale(ours.head_dim, ours.rope_theta, ours.rope)
     assert torch.equal(got[0], want[0]) and got[1] == want[1]
+    phi3 = dict(hf_config({"rope_type": "yarn", "factor": 4.0}).to_dict(), original_max_position_embeddings=16)
+    hf = Qwen3Config.from_dict(json.loads(json.dumps(phi3)))      # the top-level length wins, as Phi-3 saves it
+    want = ROPE_INIT_FUNCTIONS["yarn"](hf, None)
+    ours = ModelConfig.from_dict(phi3, "t")
+    assert ours.rope["original_max_position_embeddings"] == 16 and ours.max_context == 64
+    assert torch.equal(inv_freq_and_scale(ours.head_dim, ours.rope_theta, ours.rope)[0], want[0])
     base = {"vocab_size": 8, "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 4, "num_attention_heads": 1}
     assert ModelConfig.from_dict(dict(base, hidden_act="swish"), "t")       # SiLU's other name
     for sliding in (dict(use_sliding_window=True, sliding_window=16, max_window_layers=0),

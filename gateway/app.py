@@ -37,9 +37,24 @@ from .state import DEFAULT_CHAT_MAX_TOKENS, MODEL_REFRESH_S, Gateway, GatewayCon
 log = logging.getLogger("gateway")
 
 
-async def _json_body(request: Request) -> dict:
+MAX_BODY_BYTES = 16 << 20   # a body past this is a 413: parsing 24 MB of JSON took 30 s of CPU
+
+
+async def _raw_body(request: Request) -> bytes:
+    size = request.headers.get("content-length", "")
+    if size.isdigit() and int(size) > MAX_BODY_BYTES:        # before reading it
+        raise GatewayError(413, f"the request body is {int(size)} bytes; this server takes at most "
+                                f"{MAX_BODY_BYTES} ({MAX_BODY_BYTES >> 20} MiB)", "invalid_request_error")
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:                            # (chunked: no length given)
+        raise GatewayError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes "
+                                f"({MAX_BODY_BYTES >> 20} MiB), the most this server takes", "invalid_request_error")
+    return raw
+
+
+def _json_of(raw: bytes) -> dict:
     try:
-        body = await request.json()
+        body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise bad_request(f"the request body is not valid JSON: {e}") from None
     except RecursionError:
@@ -163,7 +178,11 @@ async def _model_card(gw: Gateway) -> dict:
 async def _accept(gw: Gateway, request: Request, model):
     """(arrival time, the parsed request) once its model is the served one."""
     t0 = time.monotonic()
-    req = _parse(model, await _json_body(request))
+    raw = await _raw_body(request)
+    if len(raw) > 1 << 20:    # a large body is parsed off the event loop: /health and streams go on
+        req = await asyncio.to_thread(lambda: _parse(model, _json_of(raw)))
+    else:
+        req = _parse(model, _json_of(raw))
     await gw.require_model()  # first: without --model, the name to accept comes from the service
     gw.check_model(req.model)
     return t0, req
@@ -213,12 +232,25 @@ async def _chat_completions(gw: Gateway, request: Request):
                            reasoning_open=rs.prompt_opens_reasoning(prompt), tools=tools)
     rid = oa.new_id("chatcmpl")
     stream = gw.generate_stream([{**kw, "prompt": prompt}], req.n, t0, whole=not req.stream)
+    echo = _chat_echo(req, messages)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await _start_sse(request, stream, _chat_events(gw, rid, req, stream, include_usage, output))
+        return await _start_sse(request, stream, _chat_events(gw, rid, req, stream, include_usage, output, echo))
     choices = await _unless_disconnected(request, _collect(stream))
-    return oa.chat_response(rid, gw.model_name, [choices[i] for i in sorted(choices)], gw.token_text_for(req),
-                            output)
+    out = oa.chat_response(rid, gw.model_name, [choices[i] for i in sorted(choices)], gw.token_text_for(req), output)
+    if echo is not None:
+        for ch in out["choices"]:
+            ch["message"]["content"] = echo + (ch["message"]["content"] or "")
+    return out
+
+
+def _chat_echo(req: oa.ChatCompletionRequest, messages: list[dict]) -> str | None:
+    """vLLM's chat `echo`: the last message's content goes before the answer when that message has
+    the answer's role (continuing an assistant message), else nothing; None without echo."""
+    if not req.echo:
+        return None
+    role = "assistant" if req.add_generation_prompt else messages[-1]["role"]
+    return messages[-1]["content"] or "" if messages[-1]["role"] == role else ""
 
 
 # ---------------------------------------------------------------- operations
@@ -248,7 +280,7 @@ def _decode_or_fail(gw: Gateway, ids: list[int]) -> str:
     if gw.tokenizer is None:
         raise bad_request("echo of a token-id prompt needs the model's tokenizer on the gateway (--model PATH)",
                           "echo")
-    return gw.tokenizer.decode(ids)
+    return gw.tokenizer.decode(ids, skip_special_tokens=False)   # as vLLM echoes token ids: specials named
 
 
 def _forced_tool_kwargs(tools: tc.ToolPlan, kw: dict) -> dict:

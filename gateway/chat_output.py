@@ -5,7 +5,8 @@
 The reasoning split (reasoning.py) runs first; its content goes to the tool-call parser
 (tool_calls.py) when tool_choice is "auto". With a forced choice ("required" or a named function)
 the output is the JSON the schema forced: no reasoning split, it becomes the calls. A choice that
-made calls and stopped by itself finishes with "tool_calls", as in OpenAI's API and vLLM."""
+made calls and stopped by itself finishes with "tool_calls", as in OpenAI's API and vLLM (a named
+tool_choice: "stop", as theirs)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -67,7 +68,9 @@ class ChatOutput:
         return merge(self._reasoning_delta(r), self._content_delta(c, final=True))
 
     def finish_reason(self, reason: str | None) -> str | None:
-        return "tool_calls" if self.calls and reason == "stop" else reason
+        """"tool_calls" for calls the model chose to make; a named tool_choice stays "stop", as in
+        OpenAI's API and vLLM."""
+        return "tool_calls" if self.calls and reason == "stop" and self.mode != "named" else reason
 
     def _reasoning_delta(self, r: str) -> dict:
         return {k: r for k in REASONING_FIELDS} if r else {}
@@ -120,5 +123,7 @@ class ChatOutput:
         if msg["content"] is None and not delta.get("tool_calls") and not any(k in delta for k in REASONING_FIELDS):
             msg["content"] = ""          # an empty answer stays "", as before
         if delta.get("tool_calls"):
+            if not (msg["content"] or "").strip():
+                msg["content"] = None    # only the blank lines around the calls: vLLM says null too
             msg["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in delta["tool_calls"]]
         return msg

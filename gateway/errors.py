@@ -23,7 +23,9 @@ GRPC_TO_HTTP: dict[grpc.StatusCode, tuple[int, str, int | None]] = {
     S.ALREADY_EXISTS: (409, "conflict_error", None),
     S.ABORTED: (409, "conflict_error", None),
     S.RESOURCE_EXHAUSTED: (429, "rate_limit_error", 1),       # the queue is full: retry shortly
-    S.CANCELLED: (499, "cancelled_error", None),              # the client went away (nginx's 499)
+    # a client that hangs up gets no answer at all (its own 499 is only counted): CANCELLED from
+    # upstream means the service or the transport dropped the call, so retry
+    S.CANCELLED: (503, "service_unavailable_error", 1),
     S.UNIMPLEMENTED: (501, "not_implemented_error", None),
     S.FAILED_PRECONDITION: (503, "service_unavailable_error", 5),  # the chain is (re)initialising
     S.UNAVAILABLE: (503, "service_unavailable_error", 5),     # no worker chain (yet)

@@ -20,14 +20,15 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")  #
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM: usage on every chunk
+    continuous_usage_stats: bool = False  # vLLM: usage on every chunk (refused: usage comes at the end)
 
 
 # vLLM request fields this server does not implement, with the value that asks for nothing: any
 # other value is a 400 naming the field, where ignoring it would answer another question.
 UNSUPPORTED_VLLM_FIELDS = {"prompt_logprobs": None, "skip_special_tokens": True, "allowed_token_ids": None,
                            "bad_words": None, "truncate_prompt_tokens": None, "guided_grammar": None,
-                           "logits_processors": None, "spaces_between_special_tokens": True}
+                           "logits_processors": None, "spaces_between_special_tokens": True,
+                           "return_token_ids": False}
 
 
 class _Sampling(BaseModel):
@@ -95,6 +96,7 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True          # vLLM extension
     continue_final_message: bool = False        # vLLM extension: the last (assistant) message is continued
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension (e.g. enable_thinking)
+    echo: bool = False      # vLLM extension: the last message's content before the answer, when its role answers
 
 
 def _check_common(req: _Sampling) -> None:
@@ -103,6 +105,9 @@ def _check_common(req: _Sampling) -> None:
             raise bad_request(f"{name} is not supported by this server", name)
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
+    if req.stream_options is not None and req.stream_options.continuous_usage_stats:
+        raise bad_request("stream_options.continuous_usage_stats is not supported: usage comes in the last "
+                          "chunk (include_usage)", "stream_options")
     if req.n < 1:
         raise bad_request(f"n must be >= 1, got {req.n}", "n")
     if req.best_of is not None and req.best_of < req.n:
@@ -125,6 +130,8 @@ def sampling_kwargs(req: _Sampling, max_tokens: int | None, default_max_tokens: 
 
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     top_k = pick("top_k", 0)
+    if top_k < -1:
+        raise bad_request(f"top_k must be -1 or 0 (off) or at least 1, got {top_k}", "top_k")
     kw = dict(max_new_tokens=default_max_tokens if max_tokens is None else max_tokens,
               temperature=pick("temperature", 1.0), top_k=0 if top_k < 0 else top_k,
               seed=req.seed, stop=stop or None, ignore_eos=req.ignore_eos, n=req.n, best_of=req.best_of,
@@ -201,8 +208,10 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
                 if part.get("type") != "text":
                     raise bad_request(f"messages[{i}]: only text content parts are supported, got "
                                       f"{part.get('type')!r}", "messages")
-                texts.append(str(part.get("text", "")))
-            content = "".join(texts)
+                if not isinstance(part.get("text"), str):
+                    raise bad_request(f"messages[{i}]: a text part needs a string \"text\"", "messages")
+                texts.append(part["text"])
+            content = "\n".join(texts)      # as vLLM joins text parts
         d = {k: v for k, v in (m.model_extra or {}).items()}
         d.update(role=m.role, content=content if content is not None else "")
         out.append(d)

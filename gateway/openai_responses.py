@@ -68,36 +68,33 @@ def completion_logprobs(choice: Choice, token_text, offset0: int = 0) -> dict | 
     for t in tokens:
         offsets.append(pos)
         pos += len(t)
-    top = None
-    if choice.top:
-        top = [{token_text(t): lp for t, lp in alts.items()} for alts in choice.top]
+    top = [_top_row(t, lp, choice.top[k] if k < len(choice.top or ()) else {}, token_text)
+           for k, (t, lp) in enumerate(zip(choice.token_ids, choice.logprobs))]
     return {"tokens": tokens, "token_logprobs": choice.logprobs[:len(tokens)], "top_logprobs": top,
             "text_offset": offsets}
 
 
-def echo_logprobs(prompt_ids: list[int], logprobs: list, top: list | None, token_text, text: str | None = None) -> dict:
+def echo_logprobs(prompt_ids: list[int], logprobs: list, top: list | None, token_text) -> dict:
     """The echoed prompt's part of the legacy logprobs: token_logprobs and top_logprobs are null
-    for the first token (nothing comes before it), as OpenAI's are. A special token shows its text
-    where the echoed `text` holds it (a text prompt's "<|im_start|>"; a token-id prompt's echo is
-    decoded without specials), so the offsets add up to the echoed text."""
-    special = getattr(token_text, "with_specials", token_text)
-    tokens, offsets, pos = [], [], 0
-    for t in prompt_ids:
-        piece = token_text(t)
-        if text is not None and (shown := special(t)) != piece and text.startswith(shown, pos):
-            piece = shown
-        tokens.append(piece)
-        offsets.append(pos)
-        pos += len(piece)
-    alts = None
-    if top is not None:
-        alts = [None]
-        for d in top[1:]:
-            row: dict[str, float] = {}
-            for t, lp in d.items():       # best first: two ids of one text keep the better logprob
-                row.setdefault(token_text(t), lp)
-            alts.append(row)
+    for the first token (nothing comes before it), as OpenAI's are. Special tokens show their names,
+    as the echoed text does, so the offsets add up to it."""
+    tokens = [token_text(t) for t in prompt_ids]
+    offsets = [0]
+    for piece in tokens[:-1]:
+        offsets.append(offsets[-1] + len(piece))
+    alts = [None] + [_top_row(t, lp, (top[k] if top and k < len(top) else None) or {}, token_text)
+                     for k, (t, lp) in enumerate(zip(prompt_ids, logprobs)) if k > 0]
     return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": alts, "text_offset": offsets}
+
+
+def _top_row(token: int, logprob: float, alts: dict, token_text) -> dict[str, float]:
+    """One legacy top_logprobs row as vLLM writes it: the chosen token first, then the k best (so k + 1
+    entries when the chosen one is not among them; logprobs 0: the chosen one alone); two ids of
+    one text keep the first."""
+    row = {token_text(token): logprob}
+    for t, lp in alts.items():
+        row.setdefault(token_text(t), lp)
+    return row
 
 
 def join_logprobs(prompt: dict | None, completion: dict | None) -> dict | None:
@@ -152,7 +149,7 @@ def completion_response(rid: str, model: str, choices: list[Choice], per_prompt:
         if prompt_ids is not None:        # echo + logprobs: the prompt's tokens come first
             own, top = prompt_logprobs_of(choices, ch.index // n, n)
             if own is not None:
-                lp = join_logprobs(echo_logprobs(prompt_ids[ch.index // n], own, top, token_text, prefix), lp)
+                lp = join_logprobs(echo_logprobs(prompt_ids[ch.index // n], own, top, token_text), lp)
         out.append({"index": ch.index, "text": prefix + "".join(ch.text), "logprobs": lp,
                     "finish_reason": ch.finish_reason})
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,

@@ -114,8 +114,7 @@ async def _completion_events(gw: Gateway, rid: str, req: oa.CompletionRequest, s
                 offsets[idx] = len(echo[idx // n])
                 elp = None
                 if prompt_ids is not None and idx // n in prompt_lp:
-                    elp = oa.echo_logprobs(prompt_ids[idx // n], *prompt_lp[idx // n], gw.token_text_for(req),
-                                           echo[idx // n])
+                    elp = oa.echo_logprobs(prompt_ids[idx // n], *prompt_lp[idx // n], gw.token_text_for(req))
                 yield _sse(oa.completion_chunk(rid, created, model, idx, echo[idx // n], elp, None))
             part = oa.Choice(idx, token_ids=chunk.token_ids, logprobs=chunk.logprobs or [],
                              top=chunk.top_logprobs or [])
@@ -137,7 +136,7 @@ async def _completion_events(gw: Gateway, rid: str, req: oa.CompletionRequest, s
 
 
 async def _chat_events(gw: Gateway, rid: str, req: oa.ChatCompletionRequest, stream, include_usage: bool,
-                       output: OutputOptions):
+                       output: OutputOptions, echo: str | None = None):
     created, model = int(time.time()), gw.model_name
     choices: dict[int, oa.Choice] = {}
     parsed: dict = {}  # index -> ChatOutput: reasoning and tool calls parsed out of the text deltas
@@ -149,6 +148,8 @@ async def _chat_events(gw: Gateway, rid: str, req: oa.ChatCompletionRequest, str
                 parsed[idx] = output.new()
                 started = True
                 yield _sse(oa.chat_chunk(rid, created, model, idx, {"role": "assistant", "content": ""}, None, None))
+                if echo:
+                    yield _sse(oa.chat_chunk(rid, created, model, idx, {"content": echo}, None, None))
             ch = choices[idx]
             ch.add(chunk)
             part = oa.Choice(idx, token_ids=chunk.token_ids, logprobs=chunk.logprobs or [],

@@ -25,6 +25,7 @@ from .token_bytes import TokenStrings
 
 log = logging.getLogger("gateway")
 DEFAULT_CHAT_MAX_TOKENS = 256
+MAX_OPEN_STREAMS = 512     # Generate streams to the service at once (Gateway.stream_slots)
 MODEL_REFRESH_S = 5.0  # Stats poll that keeps the served model's identity and context current
 
 
@@ -64,6 +65,9 @@ class Gateway:
         self.started = int(time.time())
         self.last_stats: Stats | None = None
         self.token_text = functools.lru_cache(maxsize=65536)(self._token_text)
+        # Generate streams open to the service at once: a burst of thousands on one channel has gRPC
+        # cancel some (seen at ~2,000); more prompts wait here, in order, as the SDK's batches do
+        self.stream_slots = asyncio.Semaphore(MAX_OPEN_STREAMS)
         self.ttft_sum, self.ttft_count = 0.0, 0  # for the dashboard's TTFT plot
         self.local_config = self._local_config(config.model)
         self.max_model_len = self.local_config.max_context if self.local_config else None
@@ -116,10 +120,11 @@ class Gateway:
         return TokenStrings(_token_id_text if as_ids else self.token_text, self.tokenizer, as_ids)
 
     def _token_text(self, token_id: int) -> str:
-        """A token as text for logprobs (vLLM writes "token_id:N" where it has no tokenizer)."""
+        """A token as text for logprobs (vLLM writes "token_id:N" where it has no tokenizer); a special
+        token by its name ("<|im_end|>"), as vLLM shows it, not as the "" that output text makes of it."""
         if self.tokenizer is None:
             return f"token_id:{token_id}"
-        return self.tokenizer.decode([token_id])
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     # ------------------------------------------------------------ service calls
 
@@ -206,15 +211,18 @@ class Gateway:
             obs = _Observed(self, t0, n)
             agen = None
             try:  # (a failure to even start the stream must reach the consumer too, or it waits forever)
-                agen = self.client.chunks(whole=whole, **kw)  # best_of > n (refused when streaming): winners at the end
-                async for chunk in agen:
-                    obs.chunk(chunk)
-                    await queue.put((p * n + chunk.index, chunk))
-                obs.finish()
-                await queue.put((p, end))
+                async with self.stream_slots:
+                    agen = self.client.chunks(whole=whole, **kw)  # best_of > n (refused when streaming): winners at the end
+                    async for chunk in agen:
+                        obs.chunk(chunk)
+                        await queue.put((p * n + chunk.index, chunk))
+                    obs.finish()
+                    await queue.put((p, end))
             except asyncio.CancelledError:
+                obs.abort()
                 raise
             except BaseException as e:  # noqa: BLE001 - handed to the consumer
+                obs.abort()
                 await queue.put((p, e))
             finally:
                 if agen is not None:
@@ -286,6 +294,12 @@ class _Observed:
             itl.observe(c.decode_seconds / (len(c.token_ids) - 1))
         self.last[c.index] = now
         self.generated += len(c.token_ids)
+
+    def abort(self) -> None:
+        """A prompt whose stream ended early (the client left, or an error): its tokens so far count,
+        and its unfinished choices as "abort", vLLM's reason for them."""
+        self.finished += ["abort"] * (self.choices - len(self.finished))
+        self.finish()
 
     def finish(self) -> None:
         if self.done:

@@ -62,15 +62,6 @@ class TokenStrings:
     def __call__(self, token_id: int) -> str:
         return self._text(token_id)
 
-    def with_specials(self, token_id: int) -> str:
-        """The token as an echoed prompt shows it: a special token as its literal text
-        ("<|im_start|>"), which decoding for output skips, so that the pieces add up to the prompt."""
-        hf = getattr(self._tokenizer, "_tok", None)
-        if self._as_ids or hf is None or int(token_id) not in hf.all_special_ids and \
-                hf.convert_ids_to_tokens(int(token_id)) not in getattr(hf, "added_tokens_encoder", {}):
-            return self._text(token_id)
-        return hf.decode([int(token_id)], skip_special_tokens=False)
-
     def raw_bytes(self, token_id: int) -> list[int]:
         raw = token_bytes(self._tokenizer, token_id)
         return list(raw) if raw is not None else list(self._text(token_id).encode("utf-8"))

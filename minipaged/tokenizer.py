@@ -18,7 +18,11 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def decode(self, ids) -> str:
+    NAMES = {256: "<|endoftext|>", 257: "<|im_start|>", 258: "<|im_end|>"}
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        if not skip_special_tokens:     # logprobs and echoes name special tokens, as transformers' do
+            return "".join(self.NAMES.get(int(i)) or self.decode([i]) for i in ids)
         skip = self.special
         return bytes(int(i) for i in ids if 0 <= int(i) < 256 and int(i) not in skip).decode("utf-8", errors="replace")
 
@@ -35,8 +39,8 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False))
 
-    def decode(self, ids) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")

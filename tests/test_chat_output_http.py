@@ -121,3 +121,47 @@ def test_a_stream_that_fails_to_start_answers_instead_of_hanging(monkeypatch):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     with pytest.raises(RuntimeError, match="could not start"):   # (the server's 500; it used to hang)
         post(monkeypatch, body)
+
+
+def test_vllm_chat_fields_echo_parts_and_refusals(monkeypatch):
+    """vLLM's chat `echo` (the continued message before the answer, whole and streamed), text parts
+    joined by "\\n" as vLLM joins them, and vLLM fields this server does not implement refused."""
+    FakeClient.seen.clear()
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": " there"}]},
+            {"role": "assistant", "content": "Well,"}]
+    body = {"messages": msgs, "max_tokens": 4, "echo": True, "add_generation_prompt": False,
+            "continue_final_message": True, "chat_template_kwargs": {"enable_thinking": False}}
+    status, text = post(monkeypatch, body, reasoning_parser="none")
+    assert status == 200, text
+    assert json.loads(text)["choices"][0]["message"]["content"] == "Well," + "".join(ANSWER)
+    assert "Hi\n there" in FakeClient.seen[-1]["prompt"]
+    status, text = post(monkeypatch, {**body, "stream": True}, reasoning_parser="none")
+    deltas = [c["choices"][0]["delta"] for c in sse(text) if c["choices"]]
+    assert deltas[1] == {"content": "Well,"} and "".join(d.get("content") or "" for d in deltas) == "Well," + "".join(ANSWER)
+    status, text = post(monkeypatch, {**body, "add_generation_prompt": True, "continue_final_message": False,
+                                      "messages": msgs[:1]}, reasoning_parser="none")
+    assert json.loads(text)["choices"][0]["message"]["content"] == "".join(ANSWER)   # a user turn: no echo
+    for extra, field in (({"return_token_ids": True}, "return_token_ids"),
+                         ({"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+                          "stream_options")):
+        status, text = post(monkeypatch, {"messages": msgs[:1], **extra})
+        assert status == 400 and json.loads(text)["error"]["param"] == field, text
+
+
+def test_legacy_logprobs_name_special_tokens_and_hold_the_chosen_one():
+    """Special tokens by name in logprobs (they decoded to "" and two of them collided in one
+    top_logprobs row), and vLLM's rows: the chosen token first, then the k best."""
+    from gateway import openai_api as oa
+    from minipaged.tokenizer import HFTokenizer
+
+    tok = HFTokenizer(qwen3_tokenizer_dir())
+    text = lambda t: tok.decode([t], skip_special_tokens=False)           # noqa: E731 (the gateway's rule)
+    hello = tok.encode("Hello")[0]
+    ch = oa.Choice(0, token_ids=[hello, 151645], logprobs=[-0.5, -0.1],
+                   top=[{151643: -0.2, 151644: -3.0}, {151645: -0.1}])
+    lp = oa.completion_logprobs(ch, text)
+    assert lp["tokens"] == ["Hello", "<|im_end|>"]
+    assert lp["top_logprobs"][0] == {"Hello": -0.5, "<|endoftext|>": -0.2, "<|im_start|>": -3.0}
+    assert list(lp["top_logprobs"][0])[0] == "Hello" and lp["top_logprobs"][1] == {"<|im_end|>": -0.1}
+    assert oa.completion_logprobs(oa.Choice(0, token_ids=[hello], logprobs=[-0.5]), text)["top_logprobs"] == \
+        [{"Hello": -0.5}]                                                  # logprobs 0: the token alone

@@ -129,6 +129,9 @@ def test_models_health_and_errors_are_openai_shaped(cluster, oai, ckpt):
     assert [c.finish_reason for c in r.choices] == ["length", "length"]
     r = httpx.post(cluster.http_url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = httpx.post(cluster.http_url + "/v1/completions", content=b" " * (17 << 20),
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "at most" in r.json()["error"]["message"]
     r = httpx.post(cluster.http_url + "/v1/completions", json={"prompt": 5})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
     r = httpx.get(cluster.http_url + "/v1/nope")
@@ -196,7 +199,7 @@ def test_streaming_matches_non_streaming(cluster, oai, ckpt):
 def test_chat_renders_the_checkpoints_template(cluster, oai, ckpt, tok):
     msgs = [{"role": "system", "content": "a block table per sequence"},
             {"role": "user", "content": [{"type": "text", "text": "hello "}, {"type": "text", "text": "world"}]}]
-    plain = [msgs[0], {"role": "user", "content": "hello world"}]
+    plain = [msgs[0], {"role": "user", "content": "hello \nworld"}]   # parts joined by "\n", as vLLM joins them
     ids = tok.apply_chat_template(plain, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert tok.convert_tokens_to_ids("<|im_start|>") in ids  # the special tokens are single ids
     r = oai.chat.completions.create(model=ckpt, messages=msgs, max_tokens=8, temperature=0, logprobs=True,
@@ -255,9 +258,19 @@ def test_echo(cluster, oai, ckpt):
 
 # ---------------------------------------------------------------- disconnects
 
+def gateway_counts(cluster) -> dict:
+    """The gateway's request counters: {(name, finished_reason or ""): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+    text = httpx.get(cluster.http_url + "/metrics").text
+    return {(s.name, s.labels.get("finished_reason", "")): s.value for f in text_string_to_metric_families(text)
+            for s in f.samples if s.name in ("vllm:request_success_total", "vllm:generation_tokens_total",
+                                             "vllm:e2e_request_latency_seconds_count")}
+
+
 def test_client_disconnect_frees_blocks(cluster, ckpt):
     c = cluster.client
     before = settle(c)
+    counts = gateway_counts(cluster)
     budget = 3000  # far more than the few chunks read below: only a cancel stops it early
     body = {"model": ckpt, "prompt": [[9, 10, 11, 12]] , "max_tokens": budget, "temperature": 0, "stream": True,
             "ignore_eos": True}
@@ -278,6 +291,12 @@ def test_client_disconnect_frees_blocks(cluster, ckpt):
         h.post(cluster.http_url + "/v1/completions", json=body)
     after2 = settle(c)
     assert after2.generated_tokens - after.generated_tokens < budget
+    # the gateway's metrics count both, as cut short ("abort", vLLM's reason) with what they got
+    now = gateway_counts(cluster)
+    delta = {k: v - counts.get(k, 0) for k, v in now.items()}
+    assert delta[("vllm:request_success_total", "abort")] == 2
+    assert delta[("vllm:e2e_request_latency_seconds_count", "")] == 2
+    assert delta[("vllm:generation_tokens_total", "")] > 0
 
 
 # ---------------------------------------------------------------- features waiting for the server

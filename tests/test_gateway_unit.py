@@ -80,11 +80,11 @@ def test_chat_mapping_and_simple_template():
                                                                           {"type": "text", "text": "b"}]}],
                                    max_completion_tokens=7, logprobs=True, top_logprobs=3)
     msgs = oa.chat_messages(req)
-    assert msgs[1] == {"role": "user", "content": "ab"}
+    assert msgs[1] == {"role": "user", "content": "a\nb"}          # parts joined by "\n", as vLLM joins them
     kw = oa.chat_kwargs(req, default_max_tokens=99)
     assert kw["max_new_tokens"] == 7 and kw["logprobs"] == 3
     assert oa.chat_kwargs(oa.ChatCompletionRequest(messages=msgs), 99)["max_new_tokens"] == 99
-    assert render_simple(msgs) == ("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nab<|im_end|>\n"
+    assert render_simple(msgs) == ("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\na\nb<|im_end|>\n"
                                    "<|im_start|>assistant\n")
     assert ChatTemplate("tiny").render(msgs) == render_simple(msgs)
     # continue_final_message: the text ends where the last (assistant) message does

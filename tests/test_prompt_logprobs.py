@@ -240,19 +240,23 @@ def test_openai_echo_with_logprobs(cluster, oracle, ckpt):
             for p, ch in zip(batch, sorted(r.choices, key=lambda c: c.index)):
                 lp, ref = ch.logprobs, oracle(p)
                 assert len(lp.tokens) == len(p) + max_tokens and lp.token_logprobs[0] is None
-                assert lp.top_logprobs[0] is None and all(len(t) <= 2 for t in lp.top_logprobs[1:])
+                assert lp.top_logprobs[0] is None and all(len(t) <= 3 for t in lp.top_logprobs[1:])
+                # vLLM's rows: the prompt's own token first, then the 2 best
+                assert all(next(iter(row)) == t for row, t in zip(lp.top_logprobs[1:len(p)], lp.tokens[1:]))
                 want = ref[torch.arange(len(p) - 1), torch.tensor(p[1:])].numpy()
                 assert np.max(np.abs(np.asarray(lp.token_logprobs[1:len(p)]) - want)) < TOL
-                assert lp.tokens[:len(p)] == [tok.decode([t], skip_special_tokens=True) for t in p]
+                assert lp.tokens[:len(p)] == [tok.decode([t], skip_special_tokens=False) for t in p]
                 assert lp.text_offset[:len(p)] == list(np.cumsum([0] + [len(t) for t in lp.tokens[:len(p) - 1]]))
-                assert ch.text.startswith(tok.decode(p, skip_special_tokens=True)) and len(lp.text_offset) == len(lp.tokens)
+                assert ch.text.startswith(tok.decode(p, skip_special_tokens=False)) and len(lp.text_offset) == len(lp.tokens)
         # a text prompt: the gateway tokenizes it, so tokens and logprobs line up with the text
         text = "the paged cache maps tokens"
         ids = tok.encode(text, add_special_tokens=False)
         r = oai.completions.create(model=ckpt, prompt=text, max_tokens=0, echo=True, logprobs=0)
         ch = r.choices[0]
-        assert ch.text == text and ch.logprobs.tokens == [tok.decode([t], skip_special_tokens=True) for t in ids]
-        assert ch.logprobs.top_logprobs is None and r.usage.completion_tokens == 0
+        assert ch.text == text and ch.logprobs.tokens == [tok.decode([t], skip_special_tokens=False) for t in ids]
+        # logprobs 0: each row holds the token itself alone, as vLLM's do
+        assert ch.logprobs.top_logprobs[1:] == [{t: lp} for t, lp in zip(ch.logprobs.tokens[1:], ch.logprobs.token_logprobs[1:])]
+        assert r.usage.completion_tokens == 0
         want = oracle(ids)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].numpy()
         assert np.max(np.abs(np.asarray(ch.logprobs.token_logprobs[1:]) - want)) < TOL
         # streamed: the echo chunk carries the prompt's logprobs
@@ -260,7 +264,7 @@ def test_openai_echo_with_logprobs(cluster, oracle, ckpt):
         events = list(oai.completions.create(model=ckpt, prompt=p, max_tokens=2, echo=True, logprobs=1,
                                              temperature=0, stream=True))
         first = events[0].choices[0]
-        assert first.text == tok.decode(p, skip_special_tokens=True) and first.logprobs.token_logprobs[0] is None
+        assert first.text == tok.decode(p, skip_special_tokens=False) and first.logprobs.token_logprobs[0] is None
         assert len(first.logprobs.tokens) == len(p)
         want = oracle(p)[torch.arange(len(p) - 1), torch.tensor(p[1:])].numpy()
         assert np.max(np.abs(np.asarray(first.logprobs.token_logprobs[1:]) - want)) < TOL

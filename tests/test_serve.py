@@ -147,7 +147,7 @@ def check_tool_call_and_reasoning(oai, tok, script, d):
     ch = r.choices[0]
     assert ch.finish_reason == "tool_calls"
     assert ch.message.model_extra["reasoning"] == THOUGHT == ch.message.model_extra["reasoning_content"]
-    assert ch.message.content == "\n\n"           # what the model wrote between </think> and the call
+    assert ch.message.content is None    # only "\n\n" between </think> and the call: null, as vLLM's
     [call] = ch.message.tool_calls
     assert call.type == "function" and call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"days": 3}

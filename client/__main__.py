@@ -43,7 +43,7 @@ def _read_requests(path: str) -> list[dict]:
         try:
             out.append(json.loads(line))
         except json.JSONDecodeError as e:
-            raise SystemExit(f"{path}:{n}: not JSON: {e}") from None
+            raise ValueError(f"{path}:{n}: not JSON: {e}") from None
     return out
 
 
@@ -64,10 +64,16 @@ class _Interrupted(Exception):
 def _generate(client: Client, a) -> None:
     kw = _generate_kwargs(a)
     prompts = a.prompt or []
-    if len(prompts) > 1:  # a batch: results in order, as JSON lines or one text each
+    if len(prompts) > 1:  # a batch: results in order, as JSON lines or one text per choice
+        if a.stream:
+            raise ValueError("--stream takes one --prompt (a batch prints each result whole)")
         results = client.generate(prompts, **kw)
         for r in results:
-            print(json.dumps(r.as_dict()) if a.json else r.text, flush=True)
+            if a.json:
+                print(json.dumps(r.as_dict()), flush=True)
+            else:
+                for c in r.choices or [r]:
+                    print(c.text, flush=True)
         return
     if prompts:
         kw["prompt"] = prompts[0]
@@ -77,7 +83,7 @@ def _generate(client: Client, a) -> None:
             for last in client.stream(**kw):
                 if a.json:  # one JSON line per chunk: every field, for jq
                     print(json.dumps(dataclasses.asdict(last)), flush=True)
-                elif a.n > 1:
+                elif a.n > 1 or (a.beam_width or 0) > 1:   # several choices: one JSON line per chunk
                     print(json.dumps({"index": last.index, "text": last.text, "token_ids": last.token_ids}),
                           flush=True)
                 else:
@@ -183,7 +189,7 @@ def main(argv=None) -> int:
         return 141  # 128 + SIGPIPE, as a shell reports a process killed by the broken pipe
     except MiniPagedError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2 if e.before_rpc else 1
     except (TypeError, ValueError, OSError) as e:  # bad input caught before any RPC
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -160,6 +160,18 @@ class AsyncClient:
     async def delete_job(self, job_id: str, *, timeout: float | None = None) -> JobStatus:
         return job_from_proto(await self._unary(self._stub.DeleteJob, pb.JobRequest(job_id=job_id), timeout))
 
+    async def cancel_pending_jobs(self, model: str | None = None, *,
+                                  timeout: float | None = None) -> tuple[int, int]:
+        """As Client.cancel_pending_jobs: (jobs, requests) cancelled."""
+        reply = await self._unary(self._stub.CancelPendingJobs, pb.CancelPendingJobsRequest(model=model or ""),
+                                  timeout)
+        return reply.jobs, reply.requests
+
+    async def purge_jobs(self, older_than_s: float, *, timeout: float | None = None) -> int:
+        """As Client.purge_jobs: the number of jobs deleted."""
+        return (await self._unary(self._stub.PurgeJobs, pb.PurgeJobsRequest(older_than_s=float(older_than_s)),
+                                  timeout)).jobs
+
     async def pool_snapshot(self, max_blocks: int = 0, max_sequences: int = 0, *,
                             timeout: float | None = None) -> PoolSnapshot:
         request = pb.PoolSnapshotRequest(max_blocks=max_blocks, max_sequences=max_sequences)

@@ -136,8 +136,8 @@ class LocalCluster:
             self.wait_ready()
             if http:
                 self._start_gateway(sys.executable, self._log_path("gateway"), token)
-        except BaseException:
-            self.stop(keep_logs=True)
+        except BaseException as e:   # a failure keeps its logs to explain it; an interrupt does not
+            self.stop(keep_logs=not isinstance(e, KeyboardInterrupt))
             raise
 
     def _child_env(self, env: dict | None) -> dict:
@@ -267,9 +267,14 @@ class LocalCluster:
             self.wait_ready()
 
     def stop(self, keep_logs: bool = False) -> None:
-        """SIGTERM everything (workers first), wait `grace`, then SIGKILL. Idempotent."""
+        """Stop in waves, each SIGTERM, up to `grace`, then SIGKILL: the gateway first (its streams in
+        flight still have workers to finish on while it drains), then the workers (they deregister
+        from a live service), then the service. Idempotent."""
         self.client.close()
-        stop_all([p.popen for p in reversed(self._procs) if p.popen is not None], self.grace)
+        waves = ([p for p in self._procs if p.name == "gateway"], [p for p in self._procs if p.name.startswith("worker")],
+                 [p for p in self._procs if p.name == "metadata_service"])
+        for wave in waves:
+            stop_all([p.popen for p in wave if p.popen is not None], self.grace)
         if not keep_logs:
             shutil.rmtree(self.log_dir, ignore_errors=True)
 

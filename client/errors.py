@@ -11,6 +11,7 @@ class MiniPagedError(Exception):
     """A failed call: `.code` is the grpc.StatusCode, `.details` the server's message."""
 
     code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+    before_rpc = False      # True: the SDK's own check refused it before any call (the CLI exits 2)
 
     def __init__(self, details: str = "", code: grpc.StatusCode | None = None):
         if code is not None:

@@ -4,6 +4,7 @@ Only type checks and the few value checks the wire cannot express are made here;
 validates every value and answers INVALID_ARGUMENT, so the two cannot disagree."""
 from __future__ import annotations
 
+import functools
 import json
 import numbers
 from typing import Sequence
@@ -11,9 +12,10 @@ from typing import Sequence
 import numpy as np
 
 from minipaged import wire
+from minipaged.constants import OPENAI_MAX_TOP_LOGPROBS
 from minipaged.v1 import metadata_pb2 as pb
 
-from .errors import InvalidArgument
+from .errors import InvalidArgument, MiniPagedError
 
 # Keys a generate() call / a submit() item may carry (timeout is per call, not per request).
 REQUEST_KEYS = ("prompt", "prompt_token_ids", "max_new_tokens", "temperature", "top_p", "top_k",
@@ -32,6 +34,18 @@ def _int_array(name: str, values) -> bytes:
     return wire.pack(arr, wire.INT32)
 
 
+def _before_rpc(build):
+    """The SDK's own refusals (InvalidArgument before any call) say so: `before_rpc`."""
+    @functools.wraps(build)
+    def checked(*args, **kwargs):
+        try:
+            return build(*args, **kwargs)
+        except MiniPagedError as e:
+            e.before_rpc = True
+            raise
+    return checked
+
+
 def _logprob_fields(logprobs, return_logprobs) -> tuple[bool, int]:
     """`logprobs=True` (or the older `return_logprobs=True`): the sampled tokens' logprobs;
     `logprobs=k` (an int >= 0): also the k best alternatives per token (OpenAI's `logprobs=k`)."""
@@ -40,12 +54,14 @@ def _logprob_fields(logprobs, return_logprobs) -> tuple[bool, int]:
     if logprobs is True:
         return True, 0
     if isinstance(logprobs, (int, np.integer)):
-        if logprobs < 0:
-            raise InvalidArgument(f"logprobs must be True or an int >= 0 (alternatives per token), got {logprobs}")
+        if not 0 <= logprobs <= OPENAI_MAX_TOP_LOGPROBS:
+            raise InvalidArgument(f"logprobs must be True or an int in [0, {OPENAI_MAX_TOP_LOGPROBS}] (alternatives "
+                                  f"per token), got {logprobs}")
         return True, int(logprobs)
     raise TypeError(f"logprobs must be a bool or an int, got {logprobs!r}")
 
 
+@_before_rpc
 def refuse_unstreamable(request: pb.GenerateRequest) -> None:
     """stream() with best_of > n: the winners are known only when every candidate has ended, so
     there is nothing to stream (generate() and the gateway's non-streaming path wait for them)."""
@@ -55,6 +71,7 @@ def refuse_unstreamable(request: pb.GenerateRequest) -> None:
                               f"is known only at the end; use generate() (it waits for them) or submit() a job")
 
 
+@_before_rpc
 def build_generate_request(prompt: str | None = None, prompt_token_ids: Sequence[int] | None = None,
                            max_new_tokens: int = 32, temperature: float = 0.0, top_p: float | None = None,
                            top_k: int = 0, seed: int | None = None, stop: str | Sequence[str] | None = None,
@@ -80,6 +97,9 @@ def build_generate_request(prompt: str | None = None, prompt_token_ids: Sequence
     _check_prompt_and_ints(prompt, prompt_token_ids, (
         ("max_new_tokens", max_new_tokens), ("top_k", top_k), ("seed", seed), ("n", n),
         ("best_of", best_of), ("min_new_tokens", min_new_tokens), ("beam_width", beam_width)))
+    _check_numbers(("temperature", temperature), ("repetition_penalty", repetition_penalty),
+                   ("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty),
+                   ("top_p", top_p, None), ("length_penalty", length_penalty, None))
     if top_p is not None and not 0 < float(top_p) <= 1:  # also catches NaN
         raise InvalidArgument(f"top_p must be in (0, 1], got {top_p}")
     _check_wire_zeros(n, best_of, repetition_penalty)
@@ -87,7 +107,8 @@ def build_generate_request(prompt: str | None = None, prompt_token_ids: Sequence
         raise TypeError(f"min_p must be a number, got {min_p!r}")
     if not 0 <= float(min_p) <= 1:   # (also catches NaN)
         raise InvalidArgument(f"min_p must be in [0, 1] (0 = off), got {min_p}")
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    stops = [stop] if isinstance(stop, str) else [] if stop is None else \
+        list(stop) if isinstance(stop, (list, tuple)) else [stop]
     if not all(isinstance(s, str) for s in stops):
         raise TypeError(f"stop must be a str or a list of str, got {stop!r}")
     _check_text(("prompt", [prompt] if prompt else []), ("stop", stops), ("regex", [regex] if regex else []),
@@ -106,7 +127,7 @@ def build_generate_request(prompt: str | None = None, prompt_token_ids: Sequence
                                  presence_penalty=float(presence_penalty),
                                  frequency_penalty=float(frequency_penalty), min_p=float(min_p),
                                  beam_width=int(beam_width or 0),
-                                 early_stopping=str(early_stopping).lower() if beam_width else "",
+                                 early_stopping=str(early_stopping).lower() if beam_width or early_stopping is not False else "",
                                  include_stop_str_in_output=bool(include_stop_str_in_output))
         _optional_fields(req, length_penalty, top_p, prompt_token_ids, stop_token_ids, seed)
         _structured(req, json_schema, regex, choice, json_object)
@@ -123,11 +144,22 @@ def _check_prompt_and_ints(prompt, prompt_token_ids, ints) -> None:
     if prompt is not None and prompt_token_ids is not None:
         raise InvalidArgument("give prompt or prompt_token_ids, not both")
     for name, v in ints:
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer))):
+        if (v is not None or name in ("max_new_tokens", "top_k", "min_new_tokens")) and \
+                (isinstance(v, bool) or not isinstance(v, (int, np.integer))):
             raise TypeError(f"{name} must be an int, got {v!r}")
         bits = 63 if name == "seed" else 31          # the wire's int64 / int32
         if v is not None and not -(1 << bits) <= v < (1 << bits):
             raise InvalidArgument(f"{name} = {v} is out of range (an int{bits + 1} on the wire)")
+
+
+def _check_numbers(*fields) -> None:
+    """Real numbers (not bools: True would sample at temperature 1) where the wire holds floats;
+    a third element: the one value besides numbers that means "unset"."""
+    for name, v, *unset in fields:
+        if unset and v is unset[0]:
+            continue
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise TypeError(f"{name} must be a number, got {v!r}")
 
 
 def _check_text(*fields) -> None:
@@ -206,7 +238,10 @@ def _structured(req: pb.GenerateRequest, json_schema, regex, choice, json_object
     req.json_object = bool(json_object)
 
 
+@_before_rpc
 def build_submit_request(requests: Sequence[dict]) -> pb.SubmitJobRequest:
+    if not isinstance(requests, (list, tuple)):
+        raise TypeError(f"submit takes a list of request dicts, got {type(requests).__name__}")
     items = []
     for i, item in enumerate(requests):
         if not isinstance(item, dict):

@@ -106,10 +106,13 @@ class Client:
         refuse_unstreamable(request)
         yield from self._chunks(request, timeout)
 
-    def _chunks(self, request: pb.GenerateRequest, timeout: float | None) -> Iterator[StreamChunk]:
-        """The Generate RPC's chunks (with best_of > n: the n winners, whole, at the end)."""
+    def _chunks(self, request: pb.GenerateRequest, timeout: float | None, on_call=None) -> Iterator[StreamChunk]:
+        """The Generate RPC's chunks (with best_of > n: the n winners, whole, at the end).
+        `on_call(call)`: told the RPC as it starts (a batch cancels its others' RPCs on a failure)."""
         self._await_ready(timeout)
         call = self._stub.Generate(request, **self._kw(timeout))
+        if on_call is not None:
+            on_call(call)
         try:
             _say_if_waiting(call, self._told_waiting)
             for chunk in call:
@@ -139,15 +142,32 @@ class Client:
         if not items:
             return []
         failed = threading.Event()
+        calls, lock = set(), threading.Lock()   # RPCs in flight: a failure cancels them at once (their
+                                                # single final chunk may be minutes away)
+
+        def started(call) -> None:
+            with lock:
+                calls.add(call)
+            if failed.is_set():
+                call.cancel()
+
+        def cancel_all() -> None:
+            failed.set()
+            with lock:
+                for call in calls:
+                    call.cancel()
 
         def one(item: dict) -> GenerateResult:
             acc = ResultAssembler()
             if failed.is_set():
                 raise Cancelled("not started: another request of the batch failed")
-            for chunk in self._chunks(final_only(build_generate_request(**item)), timeout):
-                if failed.is_set():  # leaving the loop cancels this request's stream
-                    raise Cancelled("cancelled: another request of the batch failed")
-                acc.add(chunk)
+            try:
+                for chunk in self._chunks(final_only(build_generate_request(**item)), timeout, started):
+                    acc.add(chunk)
+            except MiniPagedError:
+                if failed.is_set():
+                    raise Cancelled("cancelled: another request of the batch failed") from None
+                raise
             return acc.result()
 
         with ThreadPoolExecutor(max_workers=max(1, min(max_concurrency, len(items)))) as pool:
@@ -158,8 +178,8 @@ class Client:
                 if first is not None:
                     raise first
                 results = [f.result() for f in futures]
-            except BaseException:  # a failure, or Ctrl-C: the others stop at their next chunk
-                failed.set()
+            except BaseException:  # a failure, or Ctrl-C: the others' RPCs are cancelled now
+                cancel_all()
                 raise
         for i, r in enumerate(results):
             r.index = i

@@ -64,6 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "as vLLM), vllm (OpenAI's defaults) or a directory holding generation_config.json")
     p.add_argument("--override-generation-config", default=None, metavar="JSON",
                    help="sampling defaults merged over --generation-config's, e.g. '{\"temperature\": 0.7}'")
+    p.add_argument("--default-max-tokens", type=int, default=None,
+                   help="max_tokens of chat requests that give none (the gateway's flag; default: the checkpoint's "
+                        "generation_config.json max_new_tokens, else 256; within the model's context)")
     p.add_argument("--reasoning-parser", default="qwen3", choices=["qwen3", "none"],
                    help="qwen3: <think>...</think> of a Qwen3 template goes to message.reasoning; none: off")
     p.add_argument("--threads", type=int, default=None, help="torch threads per CPU worker")
@@ -166,6 +169,7 @@ def _cluster_kwargs(a) -> dict:
     worker += ["--rope-scaling", a.rope_scaling] if a.rope_scaling else []
     gateway = ["--reasoning-parser", a.reasoning_parser, "--generation-config", a.generation_config]
     gateway += ["--override-generation-config", a.override_generation_config] if a.override_generation_config else []
+    gateway += ["--default-max-tokens", str(a.default_max_tokens)] if a.default_max_tokens is not None else []
     # the API's model id is what the user typed (vLLM's), though the workers get an absolute path
     gateway += ["--served-model-name", a.served_model_name or a.model]
     return dict(model=a.model, workers=a.stages, replicas=a.replicas, dtype=a.dtype, device=a.device,
@@ -236,7 +240,8 @@ def serve(a) -> int:
     if a.api_key is None:
         a.api_key = os.environ.get("MINIPAGED_API_KEY")
     try:                      # before any process starts: the workers / the gateway would refuse these
-        for flag, value in (("--block-size", a.block_size), ("--max-num-seqs", a.max_num_seqs)):
+        for flag, value in (("--block-size", a.block_size), ("--max-num-seqs", a.max_num_seqs),
+                            ("--default-max-tokens", a.default_max_tokens)):
             if value is not None and value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
         _check_port_free(a.host, a.port)      # before minutes of loading weights, not after

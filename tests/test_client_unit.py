@@ -74,6 +74,23 @@ def test_generate_request_packing_and_seed():
     with pytest.raises(TypeError, match="unknown keys"):
         build_submit_request([{"prompt": "x", "max_tokens": 3}])
     assert len(build_submit_request([{"prompt": "a"}, {"prompt_token_ids": [1]}]).requests) == 2
+    # a wrong type is named, never coerced (True would sample; a dict's keys would become stop strings)
+    for kw, field in ((dict(stop={"ab": 1}), "stop"), (dict(stop={"x"}), "stop"), (dict(stop=5), "stop"),
+                      (dict(temperature=True), "temperature"), (dict(temperature="hot"), "temperature"),
+                      (dict(top_p="1"), "top_p"), (dict(max_new_tokens=None), "max_new_tokens"),
+                      (dict(temperature=None), "temperature")):
+        with pytest.raises(TypeError, match=f"^{field} must be"):
+            build_generate_request(prompt="x", **kw)
+    with pytest.raises(TypeError, match="a list of request dicts"):
+        build_submit_request({"prompt": "x"})
+    with pytest.raises(client.InvalidArgument, match=r"logprobs must be True or an int in \[0, 20\]"):
+        build_generate_request(prompt="x", logprobs=21)
+    assert build_generate_request(prompt="x", temperature=np.float32(0.5), top_p=None).temperature == 0.5
+
+
+def test_async_client_has_every_method_of_client():
+    """DESIGN section 2: AsyncClient is Client with `async`."""
+    assert {n for n in dir(Client) if not n.startswith("_")} <= set(dir(AsyncClient))
 
 
 def test_stats_covers_every_proto_field():
@@ -547,8 +564,14 @@ def test_cli_help_jobs_and_new_options(fake, capsys, monkeypatch):
     assert jobs and set(jobs[0]) == {"job_id", "state", "total", "completed", "created"}
     assert cli_main(["delete", "--address", address, jobs[0]["job_id"]]) == 0
     assert json.loads(capsys.readouterr().out.splitlines()[0])["job_id"] == jobs[0]["job_id"]
-    assert cli_main(["generate", "--address", address, "--prompt", "x", "--top-p", "0"]) == 1
+    assert cli_main(["generate", "--address", address, "--prompt", "x", "--top-p", "0"]) == 2   # before any RPC
     assert "top_p must be in (0, 1]" in capsys.readouterr().err
+    # a batch prints every choice of every prompt, and refuses --stream rather than ignore it
+    assert cli_main(["generate", "--address", address, "--prompt", "ab", "--prompt", "cd", "--max-new-tokens", "2",
+                     "--n", "2"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 4
+    assert cli_main(["generate", "--address", address, "--prompt", "ab", "--prompt", "cd", "--stream"]) == 2
+    assert "--stream takes one --prompt" in capsys.readouterr().err
 
 
 def _cli(address, *args, **kw):

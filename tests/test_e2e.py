@@ -2,6 +2,7 @@
 against Hugging Face transformers' `generate` on the same checkpoint (docs/architecture.md section 6)."""
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
 import random
 import time
@@ -220,5 +221,16 @@ def test_e2e_admission_errors_leave_nothing_behind(one_worker):
         c.generate(prompt="hi", max_new_tokens=2)                        # vocab 96, no tokenizer files
     with pytest.raises(InvalidArgument):
         c.submit([{"prompt_token_ids": [5], "max_new_tokens": 2}, {"prompt_token_ids": [5], "top_p": 2.0}])
+    # a batch: the first failure cancels the others' RPCs at once (it waited for their single final chunk)
+    for batch in (c.generate, lambda items, **kw: asyncio.run(_agenerate(one_worker.address, items, **kw))):
+        with pytest.raises(InvalidArgument, match=r"\[0, 96\)"):
+            batch([[5, 6, 7], [1, 500]], max_new_tokens=400, ignore_eos=True)
+        assert c.stats().generated_tokens - before.generated_tokens < 200
     after = c.stats()
     assert (after.free_blocks, after.running, after.waiting) == (before.free_blocks, 0, 0)
+
+
+async def _agenerate(address, items, **kw):
+    from client import AsyncClient
+    async with AsyncClient(address) as ac:
+        return await ac.generate(items, **kw)

@@ -14,7 +14,7 @@ from minipaged.v1 import worker_pb2
 from minipaged.wire import FLOAT32, INT32, unpack
 
 from .beam import on_beam_rows
-from .grammar import advance
+from .grammar import advance, fill_bitmask
 from .step_batch import ScheduledBatch
 from .sequence import SeqStatus
 from .step_rows import STEP_ROW, eos_mask
@@ -113,11 +113,23 @@ def _end(chain, ended: list) -> None:
         chain.scheduler.remove(seq)
     for seq, reason in ended:
         if reason == "rejected":
-            chain.engine.finish(seq, "error", code="INTERNAL",
-                                error=f"the data plane returned token {seq.output_token_ids[-1]}, which the "
-                                      f"request's grammar does not allow (a worker ignored the bitmask)")
+            chain.engine.finish(seq, "error", **_rejection(seq, chain.stages[-1].info.vocab_size))
         else:
             chain.engine.finish(seq, reason)
+
+
+def _rejection(seq, vocab_size: int) -> dict:
+    """A token the grammar refused. Either the grammar allowed no token at all (a dead end: its text
+    cannot be spelled in this vocabulary, e.g. a character whose byte is the EOS id), the request's
+    fault, or a worker ignored the bitmask."""
+    bits = np.unpackbits(fill_bitmask([seq.matcher], vocab_size).view(np.uint8), bitorder="little")
+    if not bits[:vocab_size].any():
+        return dict(code="INVALID_ARGUMENT",
+                    error=f"the structured output cannot go on after {len(seq.output_token_ids) - 1} tokens: its "
+                          f"grammar allows no token of this model's vocabulary there (text the tokenizer cannot "
+                          f"spell, or that needs a special token)")
+    return dict(code="INTERNAL", error=f"the data plane returned token {seq.output_token_ids[-1]}, which the "
+                                       f"request's grammar does not allow (a worker ignored the bitmask)")
 
 
 def apply_plain(chain, b: ScheduledBatch, tokens: np.ndarray) -> None:

@@ -70,12 +70,16 @@ class ChainUpkeep:
                            f"({self.registry.lease_s:.1f}s): hung or gone")
             self.registry.drop(expired)
         known = {w.worker_id for w in self.registry.workers.values()}
+        self._init_failures = {k: v for k, v in self._init_failures.items() if set(k) <= known}
         for c in list(self.chains.values()):  # a stage that re-registered (restarted) voids its chain
             if c.alive and any(w.worker_id not in known for w in c.stages):
                 c.stop("a worker of the chain stopped (deregistered) or restarted")
         busy = {w.worker_id for c in self.chains.values() for w in c.stages} | set(self.registry.quarantined)
+        now = time.monotonic()
         for stages in self.registry.form_chains(busy):
-            self._start_chain(stages)
+            failed = self._init_failures.get(tuple(w.worker_id for w in stages))
+            if failed is None or now >= failed[0]:     # a chain whose InitCache failed waits, backing off
+                self._start_chain(stages)
         reason = self._unready_reason()
         with self.route_lock:
             self.not_ready_reason = reason
@@ -92,7 +96,10 @@ class ChainUpkeep:
         if chains:
             return ""
         busy = set(self.registry.quarantined)
-        return "; ".join(r for r in (self.registry.explain(busy) or "no chain is ready", self._waiting_note()) if r)
+        live = {w.worker_id for w in self.registry.workers.values()}
+        failures = [why for ids, (_, _, why) in self._init_failures.items() if set(ids) <= live]
+        why = "; ".join(failures) or self.registry.explain(busy) or "no chain is ready"
+        return "; ".join(r for r in (why, self._waiting_note()) if r)
 
     def _waiting_note(self) -> str:
         """Which model's pending job requests wait, and how to drop them (for not_ready_reason)."""
@@ -112,6 +119,7 @@ class ChainUpkeep:
         epoch = secrets.randbits(62) + 1
         # a tier only when every stage has one (a block's K/V live on every stage)
         tier = 0 if self.cfg.kv_tier_policy == "off" else min(w.tier_capacity_blocks(self.block_size) for w in stages)
+        tier = min(tier, 2**31 - 1)          # InitCacheRequest.tier_blocks is an int32
         if tier and not load_beats_recompute(stages, self.block_size):
             log.info("chain %s: no KV tier: loading a block over the host link would take longer than "
                      "recomputing it", " -> ".join(w.address for w in stages))
@@ -130,7 +138,12 @@ class ChainUpkeep:
         except grpc.RpcError as e:
             log.warning("InitCache on chain %s failed: %s %s", label, e.code().name, e.details())
             self.registry.drop([w.worker_id for w in stages if not self._alive(w)])
+            key = tuple(w.worker_id for w in stages)
+            delay = min(30.0, 2 * self._init_failures.get(key, (0, 0.5, ""))[1])   # 1, 2, 4 .. 30 s
+            self._init_failures[key] = (time.monotonic() + delay, delay,
+                                        f"InitCache on chain {label} failed: {e.code().name}: {e.details()}")
             return
+        self._init_failures.pop(tuple(w.worker_id for w in stages), None)
         self._adopt_model(stages)
         self.max_pool_blocks = max(cap, self.max_pool_blocks if self.chains else 0)
         chain = ChainRunner(next(self._chain_ids), stages, cap, epoch, self.cfg, self, stages[0].info.replica_group)

@@ -71,7 +71,7 @@ class Engine(SequenceRouting, ChainUpkeep, ServedModel):
         self.model_known = threading.Event()       # a chain registered once: tokenizer and limits known
         self.ready_event = threading.Event()       # some chain is ready now
         self.unready_since = time.monotonic()
-        self.not_ready_reason = "no worker has registered"
+        self.not_ready_reason = "no worker is registered"
         self.tokenizer = ByteTokenizer()
         self.model_name = ""
         self.model_fingerprint = ""                # of the last chain; kept while it is down
@@ -86,6 +86,7 @@ class Engine(SequenceRouting, ChainUpkeep, ServedModel):
         self.backlog = lambda: []                  # () -> [Backlog]: unfinished job work (JobManager's)
         self.cancel_command = CANCEL_COMMAND       # how a user drops it (main() adds --address)
         self._backlog_note = (0.0, "")             # (when, text): recomputed at most once a second
+        self._init_failures: dict = {}             # chain's worker ids -> (retry after, delay, why): backs off
         self.registry.refusal_hint = lambda: refusal_hint(next(iter(self.backlog()), None), self.cancel_command)
         self.eos_ids: set[int] = set()
         self.retired: Counter = Counter()          # lost chains' counts (COUNTERS), kept in Stats' totals

@@ -154,10 +154,12 @@ def _check_beams(req: metadata_pb2.GenerateRequest, engine) -> None:
                                 f"({K}), got {req.n}")
     if req.best_of:
         raise RequestError(bad, "best_of does not combine with beam search (the beams are the candidates)")
-    if req.temperature > 0 or (req.HasField("top_p") and req.top_p < 1) or req.top_k > 0 or req.min_p > 0:
-        raise RequestError(bad, f"beam search is deterministic: temperature must be 0 and top_p / top_k / min_p "
-                                f"unset (got temperature {req.temperature}, top_p {req.top_p}, top_k {req.top_k}, "
-                                f"min_p {req.min_p})")
+    sampling = [f"{name} {value:.6g}" for name, value, on in (
+        ("temperature", req.temperature, req.temperature > 0), ("top_p", req.top_p, req.HasField("top_p") and req.top_p < 1),
+        ("top_k", req.top_k, req.top_k > 0), ("min_p", req.min_p, req.min_p > 0)) if on]
+    if sampling:    # name only what was set (float32 on the wire: shown rounded)
+        raise RequestError(bad, f"beam search is deterministic: it takes no {', '.join(sampling)} "
+                                f"(temperature must be 0 and top_p / top_k / min_p unset)")
     others = [name for name, on in (("stop strings", bool(req.stop)), ("min_new_tokens", req.min_new_tokens > 0),
                                     ("repetition_penalty", req.repetition_penalty not in (0, 1)),
                                     ("presence_penalty", req.presence_penalty != 0),

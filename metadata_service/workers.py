@@ -101,7 +101,7 @@ class WorkerRegistry:
         # the model while requests admitted for it are still pending (their token ids are its)
         self.pinned = lambda: None
         self.refusal_hint = lambda: ""                # what a refused worker's operator should do
-        self.last_refusal = ""                        # for "no worker has registered" (not_ready_reason)
+        self.last_refusal = ""                        # for "no worker is registered" (not_ready_reason)
         self.lock = threading.Lock()
         self.workers: dict[str, WorkerHandle] = {}   # by worker_id
         # worker_id -> why: stages of a chain that missed its step deadline; none joins a chain until
@@ -202,7 +202,7 @@ class WorkerRegistry:
         with self.lock:
             free = [w for w in self.workers.values() if w.worker_id not in busy]
         if not self.workers:
-            return "no worker has registered" + (f" ({self.last_refusal})" if self.last_refusal else "")
+            return "no worker is registered" + (f" ({self.last_refusal})" if self.last_refusal else "")
         held = [f"{w.address} ({self.quarantined[w.worker_id]})" for w in self.workers.values()
                 if w.worker_id in self.quarantined]
         held_s = f"; held out until idle after a missed step deadline: {', '.join(held)}" if held else ""
@@ -249,6 +249,12 @@ def coverage_gaps(workers: list[WorkerHandle]) -> str:
                 reach.add(w.info.layer_end)
                 frontier.append(w.info.layer_end)
     r = max(reach)
+    if r >= num_layers:       # the layers are covered, but not by workers that may form one chain
+        each = ", ".join(f"{w.info.layer_start}:{w.info.layer_end} {w.role}"
+                         + (f" group {w.info.replica_group!r}" if w.info.replica_group else "") + f" at {w.address}"
+                         for w in workers)
+        return (f"no chain forms: its stages must share one --role and --replica-group, and no such set of free "
+                f"workers covers layers 0:{num_layers} ({each})")
     starts = sorted({w.info.layer_start for w in workers if w.info.layer_start > r})
     gap_end = starts[0] if starts else num_layers
     parts = [f"layers {r}:{gap_end} have no worker"]

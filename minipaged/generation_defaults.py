@@ -108,8 +108,9 @@ def load(source: str, model: str | None, override: dict | None = None) -> dict:
     else:
         raise ValueError(f"--generation-config {source!r}: expected auto, vllm or a directory holding "
                          f"generation_config.json")
-    raw = {**raw, **(override or {})}
-    return _checked(raw, where)
+    override = override or {}       # checked on its own: its errors are the flag's, not the file's
+    mine = _checked({k: v for k, v in raw.items() if k not in override}, where)
+    return {**mine, **_checked(override, "--override-generation-config")}
 
 
 def describe(defaults: dict, source: str) -> str:

@@ -165,11 +165,14 @@ def test_bad_beam_requests_are_rejected_and_change_nothing_and_http_beams(ckpt):
             with pytest.raises(InvalidArgument) as e:
                 cl.generate(**args)
             assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and why in str(e.value), (kw, str(e.value))
-        with pytest.raises(InvalidArgument, match="apply to beam search only"):
-            cl.generate(prompt_token_ids=p, max_new_tokens=4, length_penalty=2.0)
+        for kw in (dict(length_penalty=2.0), dict(early_stopping=True), dict(early_stopping="never")):
+            with pytest.raises(InvalidArgument, match="apply to beam search only"):
+                cl.generate(prompt_token_ids=p, max_new_tokens=4, **kw)
         url = c.http_url + "/v1/completions"
         r = httpx.post(url, json={"prompt": p, "max_tokens": 5, "use_beam_search": True, "n": 3, "temperature": 0.8})
-        assert r.status_code == 400 and "temperature must be 0" in r.text
+        assert r.status_code == 400 and "takes no temperature 0.8" in r.text and r.json()["error"]["param"] == "temperature"
+        r = httpx.post(url, json={"prompt": p, "max_tokens": 5, "use_beam_search": True, "n": 2, "top_p": 0.9})
+        assert r.status_code == 400 and "takes no top_p 0.9 " in r.text and r.json()["error"]["param"] == "top_p"
         after = settle(cl)
         assert after.steps == before.steps and after.prompt_tokens == before.prompt_tokens
 

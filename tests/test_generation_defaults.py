@@ -72,6 +72,11 @@ def test_override_and_source_errors(tmp_path):
             gd.parse_override(bad)
     with pytest.raises(ValueError, match="expected auto, vllm or a directory"):
         gd.load("greedy", None)
+    # a bad override is the flag's error, not the checkpoint file's; the file's fields it names give way
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.6, "top_p": 0.9}')
+    with pytest.raises(ValueError, match=r"^--override-generation-config: temperature -1.0 is out of range"):
+        gd.load("auto", str(tmp_path), {"temperature": -1})
+    assert gd.load("auto", str(tmp_path), {"temperature": 0.2}) == {"temperature": 0.2, "top_p": 0.9}
     (tmp_path / "generation_config.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         gd.load("auto", str(tmp_path))

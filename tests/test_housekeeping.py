@@ -146,7 +146,7 @@ def test_a_worker_stopped_cleanly_deregisters_at_once(tmp_path):
         assert w.wait(60) == 0
         wait_for(lambda: not c.stats().ready, timeout=30, what="the chain to go")
         st = c.stats()
-        assert st.num_workers == 0 and not st.ready and st.not_ready_reason == "no worker has registered"
+        assert st.num_workers == 0 and not st.ready and st.not_ready_reason == "no worker is registered"
         c.close()
     finally:
         stop(w, meta)
@@ -164,7 +164,7 @@ def told_waiting(*service_args) -> str:
         wait_for(lambda: answers(mp), what="the service")
         r = cli("generate", "--address", f"127.0.0.1:{mp}", "--prompt", "hi")
         assert r.returncode == 1 and "UNAVAILABLE" in r.stderr
-        assert "waiting for a worker to register (up to 2s): no worker has registered" in r.stderr, r.stderr
+        assert "waiting for a worker to register (up to 2s): no worker is registered" in r.stderr, r.stderr
     finally:
         stop(meta)
     return output_of(meta)

@@ -102,6 +102,16 @@ def test_kustomization_lists_every_manifest():
     files = {os.path.basename(p) for p in glob.glob(os.path.join(K8S, "*.yaml"))} - {"kustomization.yaml"}
     assert set(k["resources"]) == files
     assert {d["metadata"].get("namespace") for _, d in DOCS if d["kind"] != "Namespace"} == {"minipaged"}
+    # kustomize's `images` match by name whatever the tag: a newTag would give an image used with two
+    # tags (cpu for the service, cuda for the workers) one tag, GPU workers the CPU image
+    tags: dict[str, set] = {}
+    for _, d in DOCS:
+        for c in (d.get("spec", {}).get("template", {}).get("spec", {}).get("containers") or []):
+            name, _, tag = c["image"].partition(":")
+            tags.setdefault(name, set()).add(tag)
+    assert tags["minipaged-qwen"] == {"cpu", "cuda"}
+    for entry in k.get("images") or []:
+        assert "newTag" not in entry or len(tags.get(entry["name"], ())) <= 1, entry
 
 
 # ------------------------------------------------------------------ wiring

@@ -88,7 +88,7 @@ def test_liveness_is_not_readiness_and_early_requests_wait(tmp_path):
         wait_for(lambda: health(mp) == SERVING, what="liveness")
         assert health(mp, "minipaged.v1.MetadataService") == NOT_SERVING
         c = Client(f"127.0.0.1:{mp}")
-        assert c.stats().not_ready_reason == "no worker has registered"
+        assert c.stats().not_ready_reason == "no worker is registered"
 
         # a request before any chain: it waits (up to its deadline) instead of failing at once
         result = {}
@@ -154,3 +154,18 @@ def test_local_cluster_restarts_a_worker_whose_port_was_taken(monkeypatch):
             assert len(c.client.generate(prompt_token_ids=[1, 2, 3], max_new_tokens=3).token_ids) == 3
     finally:
         taken.close()
+
+
+def test_the_reason_names_roles_when_the_layers_are_covered():
+    """Workers that cover every layer but may not form one chain (a prefill and a decode stage) are
+    told apart by role, not reported as an empty gap ("layers 3:3 have no worker")."""
+    from types import SimpleNamespace as NS
+
+    from metadata_service.workers import coverage_gaps
+
+    def worker(a, b, role):
+        return NS(info=NS(layer_start=a, layer_end=b, num_layers=3, replica_group=""), role=role, address=f"w{a}")
+    why = coverage_gaps([worker(0, 2, "prefill"), worker(2, 3, "decode")])
+    assert why.startswith("no chain forms: its stages must share one --role") and "3:3" not in why
+    assert "0:2 prefill at w0" in why and "2:3 decode at w2" in why
+    assert coverage_gaps([worker(0, 2, "both")]).startswith("layers 2:3 have no worker")

@@ -163,6 +163,13 @@ def test_an_eos_byte_ends_the_text_and_is_not_in_it(tmp_path):
         r = c.client.generate(prompt_token_ids=[5, 6, 7, 8], max_new_tokens=40, stop_token_ids=[1],
                               ignore_eos=False)
         assert "\x01" not in r.text
+        # a grammar that needs that byte has no token to go on with: the request's error, not a worker's
+        before = c.client.stats()
+        for kw in (dict(choice=["a\x01b"]), dict(regex="x\x01")):
+            with pytest.raises(InvalidArgument, match="allows no token of this model's vocabulary"):
+                c.client.generate(prompt_token_ids=[5, 6, 7], max_new_tokens=8, **kw)
+        after = c.client.stats()
+        assert after.invariants_ok and (after.used_blocks, after.running) == (before.used_blocks, 0)
 
 
 @pytest.mark.parametrize("workers", [1, 2])

@@ -144,6 +144,9 @@ def resolve_args(argv=None) -> argparse.Namespace:
         parser.error("--kv-memory-fraction must be in (0, 1): activations need room beyond the cache")
     if args.kv_tier_bytes < 0:
         parser.error("--kv-tier-bytes must be >= 0")
+    ram = _physical_memory()
+    if args.kv_tier_bytes > ram and not args.simulate:    # host RAM holds the tier, on CPU and GPU workers
+        parser.error(f"--kv-tier-bytes {args.kv_tier_bytes} is more than this machine's memory ({ram} bytes)")
     if args.kv_cache_bytes is not None and args.kv_cache_bytes <= 0:
         parser.error("--kv-cache-bytes must be > 0")
     if not 0 <= args.port < 65536:
@@ -157,3 +160,10 @@ def resolve_args(argv=None) -> argparse.Namespace:
         if not args.worker_token:  # an empty secret file would silently mean "no token"
             parser.error(f"--worker-token-file {args.worker_token_file} is empty")
     return args
+
+
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):   # no sysconf: no check
+        return 1 << 62

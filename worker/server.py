@@ -141,14 +141,16 @@ class WorkerServicer(StepExecution, StepRpcs, pb_grpc.WorkerServiceServicer):
             # not ready while the old cache is dropped and the new one allocated
             self.epoch, self.num_blocks, self.block_size = 0, 0, 0
             self.store.clear()
+            what = f"allocating {nb} blocks of {bs}"
             try:
                 # frees the old cache before allocating the new one; on a thread of its own, which
                 # takes its OpenMP pool with it when done (worker/omp_pool.py)
                 in_own_thread(self.runner.init_cache, nb, bs)
                 if request.tier_blocks:
+                    what = f"allocating the KV tier's {request.tier_blocks} blocks (--kv-tier-bytes {self.kv_tier_bytes})"
                     in_own_thread(self.runner.kv_cache.attach_tier, request.tier_blocks)
             except (RuntimeError, MemoryError) as e:  # CPU OOM is a RuntimeError (torch's OOM is one too)
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"allocating {nb} blocks of {bs}: {e}")
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{what}: {e}")
             self.next_stage.connect(request.next_stage_address, request.next_stage_token, request.cache_epoch,
                                     request.next_stage_data_address, self.channel_factory)
             self.first_stage.connect(request.first_stage_address, request.next_stage_token, self.channel_factory,

@@ -107,6 +107,10 @@ class ChainRunner(ChainStats, KvMoves):
     def abort(self, seq: Sequence) -> None:
         self.events.put(("abort", seq))
 
+    def release(self, count: int) -> None:
+        """Hand up to `count` never-started waiting sequences back to be routed again (a chain joined)."""
+        self.events.put(("release", count))
+
     def stop(self, why: str) -> None:
         """Lost from outside (a stage's lease ran out): end the stream, hand the sequences back."""
         self.events.put(("lost", why))
@@ -166,6 +170,11 @@ class ChainRunner(ChainStats, KvMoves):
                 with self.lock:
                     self.scheduler.remove(item)
                 self.engine.finish(item, "cancelled")
+        elif kind == "release":
+            with self.lock:
+                seqs = self.scheduler.release_waiting(item)
+            if seqs:
+                self.engine.reroute(seqs)
         elif kind == "move_in":
             self._move_in(item)
         elif kind == "unhold":

@@ -90,6 +90,20 @@ class ChainUpkeep:
         self._refresh_ready()
         self._fail_streams_if_waited_too_long()
 
+    def _rebalance(self, new) -> None:
+        """A chain that joins takes its share of the others' backlog: requests are routed once, on
+        admission, so without this the ones queued before it formed would wait on their chains while
+        it idles. Each busier chain hands back its newest never-started requests beyond the share,
+        and the router places them again (reads of queue lengths are hints, as load() is)."""
+        if new.role == "decode":                  # decode chains take moved-in requests only
+            return
+        peers = [c for c in list(self.chains.values()) if c.alive and c is not new and c.role != "decode"]
+        waiting = {c: len(c.scheduler.waiting) for c in peers}
+        share = sum(waiting.values()) // (len(peers) + 1)
+        for c, n in waiting.items():
+            if n > share:
+                c.release(n - share)
+
     def _unready_reason(self) -> str:
         """Why no chain serves ("" while one does); upkeep and a lost chain both set it from here."""
         chains = [c for c in list(self.chains.values()) if c.alive]
@@ -155,6 +169,7 @@ class ChainUpkeep:
             self.router.add_chain(chain.chain_id, cap + tier, self.cfg.max_num_seqs * chain.micro_batches,
                                   chain.manager.cached_hashes())
         chain.start()
+        self._rebalance(chain)
         for cb in self.on_chain_started:
             cb(chain)
         kv_bytes = cap * sum(w.block_bytes(self.block_size) for w in stages)

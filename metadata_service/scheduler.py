@@ -83,6 +83,21 @@ class Scheduler(DecodePicking, BatchPacking):
         self._forget(seq)
         seq.status = SeqStatus.FINISHED
 
+    def release_waiting(self, count: int) -> list[Sequence]:
+        """Up to `count` of the newest waiting sequences that hold nothing here (never started: no
+        blocks, no tokens, not one of a group), for a chain that joined to take."""
+        out: list[Sequence] = []
+        for s in reversed(self.waiting):
+            if len(out) >= count:
+                break
+            if s.group is None and not s.output_token_ids and s.seq_id not in self.manager.sequences \
+                    and not (s.blocks_sent or s.inflight or s.deferred or s.handed_off):
+                out.append(s)
+        if out:
+            gone = {id(s) for s in out}
+            self.waiting = deque(s for s in self.waiting if id(s) not in gone)
+        return out
+
     def requeue_all(self) -> None:
         """The data plane lost its cache: every running sequence recomputes from its tokens."""
         for seq in reversed(self.running):

@@ -90,6 +90,25 @@ def test_worker_kill9_mid_job_recovers_with_identical_tokens(ckpt, greedy):
         assert st.steps > before.steps and st.generated_tokens >= sum(len(r.token_ids) for r in results)
 
 
+def test_a_replica_that_joins_takes_its_share_of_the_queue(ckpt, greedy):
+    """Requests are routed on admission; a replica that joins while they queue on another takes the
+    newest never-started ones (they were waiting there, all on one chain, before this)."""
+    batch = prompts(16, 4, 30, seed=23)
+    with LocalCluster(model=ckpt, replicas=2, dtype="float64", extra_service_args=["--max-num-seqs", "1"]) as c:
+        c.kill_worker(1, signal.SIGTERM)                   # deregisters: one chain left
+        wait_until(lambda: c.client.stats().num_chains == 1, what="one chain")
+        job = c.client.submit(job_requests(batch, 400))
+        wait_until(lambda: c.client.stats().steps > 2, what="some steps")
+        c.restart_worker(1)
+        assert c.client.stats().waiting > 4                # (the queue is still long when it joins)
+        results = c.client.wait(job, timeout=300)
+        for p, r in zip(batch, results):
+            assert r.token_ids == greedy(p, 400)
+        st = settle(c.client)
+        assert st.num_chains == 2 and all(int(ch["steps"]) > 0 for ch in st.chains), st.chains
+        assert st.invariants_ok and st.free_blocks == st.num_blocks
+
+
 def _process_serving(cluster, address):
     port = address.rsplit(":", 1)[1]
     return next(p.popen for p in cluster._procs if "--port" in p.cmd and p.cmd[p.cmd.index("--port") + 1] == port)

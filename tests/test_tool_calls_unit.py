@@ -116,7 +116,7 @@ def test_forced_choices_stream_and_whole_agree():
     text = '{"city": "Paris", "unit": "c"}'
     for pieces in cuts(text):
         delta, finish = stream(named, pieces)
-        assert finish == "tool_calls"
+        assert finish == "stop"             # a named function: "stop", as OpenAI's API and vLLM say
         calls = delta["tool_calls"]
         assert calls[0]["function"]["name"] == "get_weather" and calls[0]["index"] == 0
         assert "".join(c["function"]["arguments"] for c in calls) == text
@@ -171,7 +171,9 @@ def test_auto_stream_equals_whole_for_every_cut(text, think):
     want_calls = [c["function"] for c in msg.get("tool_calls", [])]
     for pieces in cuts(text):
         delta, finish = stream(opts, pieces)
-        assert delta.get("content") == msg["content"], pieces
+        # the whole answer says null for blank content around calls (as vLLM); the stream sent the blanks
+        blank_around_calls = want_calls and msg["content"] is None and not (delta.get("content") or "").strip()
+        assert blank_around_calls or delta.get("content") == msg["content"], pieces
         assert delta.get("reasoning") == msg.get("reasoning") == delta.get("reasoning_content")
         assert [c["function"] for c in delta.get("tool_calls", [])] == want_calls
         assert [c["index"] for c in delta.get("tool_calls", [])] == list(range(len(want_calls)))

@@ -185,8 +185,11 @@ def test_errors_roles_and_logprob_bytes_over_http(cluster, oai, ckpt):
     assert info.value.body["param"] == "max_tokens" and "max_tokens must be >= 1" in info.value.body["message"]
     assert "max_new_tokens" not in info.value.body["message"]
     with pytest.raises(openai.BadRequestError) as info:                      # the service's check, not ours
-        oai.completions.create(model=ckpt, prompt="hello", max_tokens=2, extra_body={"top_k": -5, "n": 17})
+        oai.completions.create(model=ckpt, prompt="hello", max_tokens=2, extra_body={"top_k": -1, "n": 17})
     assert info.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError) as info:                      # vLLM's rule: -1 is off, -5 nothing
+        oai.completions.create(model=ckpt, prompt="hello", max_tokens=2, extra_body={"top_k": -5})
+    assert info.value.body["param"] == "top_k"
     with pytest.raises(openai.BadRequestError, match="role 'wizard' is not one of") as info:
         oai.chat.completions.create(model=ckpt, messages=[{"role": "wizard", "content": "hi"}], max_tokens=2)
     assert info.value.body["param"] == "messages"

@@ -99,12 +99,10 @@ def build_generate_request(prompt: str | None = None, prompt_token_ids: Sequence
         ("best_of", best_of), ("min_new_tokens", min_new_tokens), ("beam_width", beam_width)))
     _check_numbers(("temperature", temperature), ("repetition_penalty", repetition_penalty),
                    ("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty),
-                   ("top_p", top_p, None), ("length_penalty", length_penalty, None))
+                   ("min_p", min_p), ("top_p", top_p, None), ("length_penalty", length_penalty, None))
     if top_p is not None and not 0 < float(top_p) <= 1:  # also catches NaN
         raise InvalidArgument(f"top_p must be in (0, 1], got {top_p}")
     _check_wire_zeros(n, best_of, repetition_penalty)
-    if isinstance(min_p, bool) or not isinstance(min_p, numbers.Real):
-        raise TypeError(f"min_p must be a number, got {min_p!r}")
     if not 0 <= float(min_p) <= 1:   # (also catches NaN)
         raise InvalidArgument(f"min_p must be in [0, 1] (0 = off), got {min_p}")
     stops = [stop] if isinstance(stop, str) else [] if stop is None else \

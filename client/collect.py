@@ -24,7 +24,7 @@ class _ChoiceAssembler:
         self.index = index
         self.token_ids, self.text, self.logprobs, self.top = [], [], [], []
         self.finish_reason, self.usage = "", Usage()
-        self.cumulative, self.beam_score = None, None
+        self.cumulative, self.beam_score, self.stop_reason = None, None, None
 
     def add(self, c: StreamChunk) -> None:
         if c.beam_score is not None:
@@ -35,13 +35,15 @@ class _ChoiceAssembler:
         self.top += c.top_logprobs or []
         self.finish_reason = c.finish_reason or self.finish_reason
         self.usage = c.usage or self.usage
+        if c.stop_reason is not None:
+            self.stop_reason = c.stop_reason
 
     def result(self) -> GenerateResult:
         return GenerateResult(self.token_ids, "".join(self.text), self.finish_reason, self.usage,
                               self.logprobs or None, top_logprobs=self.top or None, choice=self.index,
                               cumulative_logprob=self.cumulative if self.beam_score is not None
                               else float(sum(self.logprobs)) if self.logprobs else None,
-                              beam_score=self.beam_score)
+                              beam_score=self.beam_score, stop_reason=self.stop_reason)
 
 
 class ResultAssembler:

@@ -41,13 +41,19 @@ def _prompt_logprobs(msg) -> tuple[list | None, list | None]:
     return own, [None] + [dict(zip(a, b)) for a, b in rows]
 
 
+def _stop_reason(msg) -> str | int | None:
+    if msg.stop_str:
+        return msg.stop_str
+    return msg.stop_token_id if msg.HasField("stop_token_id") else None
+
+
 def result_from_proto(r: pb.GenerationResult) -> GenerateResult:
     ids = wire.unpack(r.token_ids, name="token_ids").tolist()
     out = GenerateResult(token_ids=ids, text=r.text, finish_reason=r.finish_reason,
                          usage=Usage.from_proto(r.usage), logprobs=_floats(r.logprobs), index=r.index,
                          error=r.error or None, top_logprobs=_top(r.top_logprob_ids, r.top_logprobs, len(ids)),
                          choice=r.choice, cumulative_logprob=r.cumulative_logprob if (r.logprobs or r.cumulative_logprob) else None,
-                         beam_score=r.beam_score if r.beam_score else None)
+                         beam_score=r.beam_score if r.beam_score else None, stop_reason=_stop_reason(r))
     out.prompt_logprobs, out.prompt_top_logprobs = _prompt_logprobs(r)
     if r.choices:
         out.choices = [result_from_proto(c) for c in r.choices]
@@ -66,7 +72,8 @@ def chunk_from_proto(c: pb.GenerateChunk) -> StreamChunk:
                        top_logprobs=_top(c.top_logprob_ids, c.top_logprobs, len(ids)),
                        cumulative_logprob=c.cumulative_logprob if c.beam_score else None,
                        beam_score=c.beam_score if c.beam_score else None,
-                       prompt_logprobs=own, prompt_top_logprobs=top, decode_seconds=c.decode_seconds)
+                       prompt_logprobs=own, prompt_top_logprobs=top, decode_seconds=c.decode_seconds,
+                       stop_reason=_stop_reason(c))
 
 
 def job_from_proto(j) -> JobStatus:

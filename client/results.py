@@ -42,6 +42,9 @@ class GenerateResult:
     # first token), and with k > 0 its k best alternatives {token_id: logprob} (None first)
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[dict[int, float] | None] | None = None
+    # vLLM's stop_reason, when it ended "stop": the stop string that matched or the stop token id
+    # (None for the tokenizer's EOS)
+    stop_reason: str | int | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -61,6 +64,7 @@ class StreamChunk:
     prompt_logprobs: list[float | None] | None = None          # on the first chunk (prompt_logprobs=k)
     prompt_top_logprobs: list[dict[int, float] | None] | None = None
     decode_seconds: float = 0.0       # final_only chunks: the choice's first token to its last
+    stop_reason: str | int | None = None   # on the last chunk of a choice, as GenerateResult's
 
 
 @dataclass

@@ -21,6 +21,7 @@ class Choice:
     logprobs: list[float] = field(default_factory=list)
     top: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # vLLM's: the stop string / stop token id that ended it
     usage: Usage | None = None
     prompt_logprobs: list | None = None   # echo + logprobs: [None, lp_1, ...] (the request's first chunk)
     prompt_top: list | None = None
@@ -34,6 +35,7 @@ class Choice:
         self.top += c.top_logprobs or []
         if c.finish_reason:
             self.finish_reason = FINISH_REASONS.get(c.finish_reason, c.finish_reason)
+            self.stop_reason = c.stop_reason
         if c.usage is not None:
             self.usage = c.usage
 
@@ -151,7 +153,7 @@ def completion_response(rid: str, model: str, choices: list[Choice], per_prompt:
             if own is not None:
                 lp = join_logprobs(echo_logprobs(prompt_ids[ch.index // n], own, top, token_text), lp)
         out.append({"index": ch.index, "text": prefix + "".join(ch.text), "logprobs": lp,
-                    "finish_reason": ch.finish_reason})
+                    "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason})
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": out, "usage": total_usage(per_prompt)}
 
@@ -166,21 +168,26 @@ def chat_response(rid: str, model: str, choices: list[Choice], token_text, outpu
             message = parsed.message("".join(ch.text))
             finish = parsed.finish_reason(finish)
         out.append({"index": ch.index, "message": message, "logprobs": chat_logprobs(ch, token_text),
-                    "finish_reason": finish})
+                    "finish_reason": finish, "stop_reason": ch.stop_reason})
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": out, "usage": total_usage([choices])}
 
 
 def completion_chunk(rid: str, created: int, model: str, index: int, text: str, logprobs: dict | None,
-                     finish_reason: str | None) -> dict:
+                     finish_reason: str | None, stop_reason: str | int | None = None) -> dict:
+    """vLLM's completion chunks carry stop_reason on every chunk (null until the last)."""
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+                         "stop_reason": stop_reason}]}
 
 
 def chat_chunk(rid: str, created: int, model: str, index: int, delta: dict, logprobs: dict | None,
-               finish_reason: str | None) -> dict:
-    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+               finish_reason: str | None, stop_reason: str | int | None = None) -> dict:
+    """vLLM's chat chunks carry stop_reason on a choice's last chunk only."""
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    if finish_reason is not None:
+        choice["stop_reason"] = stop_reason
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
 
 
 def usage_chunk(rid: str, created: int, model: str, obj: Literal["text_completion", "chat.completion.chunk"],

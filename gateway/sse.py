@@ -123,7 +123,8 @@ async def _completion_events(gw: Gateway, rid: str, req: oa.CompletionRequest, s
             finish = ch.finish_reason if chunk.finish_reason else None
             if chunk.text or finish or lp or not started:
                 started = True
-                yield _sse(oa.completion_chunk(rid, created, model, idx, chunk.text, lp, finish))
+                yield _sse(oa.completion_chunk(rid, created, model, idx, chunk.text, lp, finish,
+                                               ch.stop_reason if finish else None))
         if include_usage:
             per_prompt = [[c for c in choices.values() if c.index // n == p] for p in range(num_prompts)]
             yield _sse(oa.usage_chunk(rid, created, model, "text_completion", oa.total_usage(per_prompt)))
@@ -161,7 +162,7 @@ async def _chat_events(gw: Gateway, rid: str, req: oa.ChatCompletionRequest, str
                 delta = merge_deltas(delta, parsed[idx].finish())
                 finish = parsed[idx].finish_reason(finish)
             if delta or finish or lp:
-                yield _sse(oa.chat_chunk(rid, created, model, idx, delta, lp, finish))
+                yield _sse(oa.chat_chunk(rid, created, model, idx, delta, lp, finish, ch.stop_reason))
         if include_usage:
             yield _sse(oa.usage_chunk(rid, created, model, "chat.completion.chunk", oa.total_usage([list(choices.values())])))
         yield "data: [DONE]\n\n"

@@ -23,7 +23,7 @@ from .block_api import BlockApi
 from .block_manager import KVBlockManager
 from .job_api import JobRpcs
 from .jobs import JobManager
-from .requests import RequestError, final_text, normalize, to_sequence, usage
+from .requests import RequestError, final_text, normalize, set_stop_reason, to_sequence, usage
 from .workers import WorkerRejected
 
 log = logging.getLogger("metadata_service.api")
@@ -132,6 +132,7 @@ class MetadataServicer(JobRpcs, metadata_pb2_grpc.MetadataServiceServicer):
                 if ev.finished:
                     chunk.text, chunk.finish_reason = final_text(s, self.engine)[sent:], ev.finish_reason
                     chunk.usage.CopyFrom(usage(s))
+                    set_stop_reason(chunk, s, self.engine, ev.finish_reason)
                     if request.final_only and s.first_token_at:
                         chunk.decode_seconds = max(0.0, time.monotonic() - s.first_token_at)
                     yield chunk
@@ -157,6 +158,7 @@ class MetadataServicer(JobRpcs, metadata_pb2_grpc.MetadataServiceServicer):
             if m.output_top:
                 chunk.top_logprob_ids = pack(np.concatenate([t[0] for t in m.output_top]))
                 chunk.top_logprobs = pack(np.concatenate([t[1] for t in m.output_top]), FLOAT32)
+            set_stop_reason(chunk, m, self.engine, chunk.finish_reason)
             prompt_logprobs.attach_once(chunk, seq.prompt_lp)   # the request's: on the first winner
             yield chunk
 

@@ -258,6 +258,24 @@ def final_text(seq: Sequence, engine) -> str:
     return text[:checker.end if keep else checker.cut]
 
 
+def set_stop_reason(msg, seq: Sequence, engine, finish_reason: str) -> None:
+    """vLLM's stop_reason on a GenerateChunk / GenerationResult that ended "stop": the stop string
+    that matched, or the token id when a stop token ended it. vLLM's rule: the tokenizer's own EOS
+    gives none; generation_config.json's other EOS ids count as stop tokens, so they give their id."""
+    if finish_reason != "stop":
+        return
+    checker = seq.stop_checker
+    if checker is not None and checker.matched is not None:
+        msg.stop_str = checker.matched
+        return
+    if not seq.output_token_ids:
+        return
+    last, p = seq.output_token_ids[-1], seq.params
+    own_eos = last in getattr(engine.tokenizer, "eos_token_ids", ()) and not p.ignore_eos
+    if not own_eos and (last in p.stop_token_ids or (last in engine.eos_ids and not p.ignore_eos)):
+        msg.stop_token_id = last
+
+
 def usage(seq: Sequence) -> metadata_pb2.Usage:
     return metadata_pb2.Usage(prompt_tokens=seq.num_prompt_tokens, completion_tokens=len(seq.output_token_ids),
                               cached_tokens=seq.num_cached_tokens, preemptions=seq.preemptions)
@@ -290,6 +308,7 @@ def _choice(seq: Sequence, engine, finish_reason: str) -> metadata_pb2.Generatio
         token_ids=pack(seq.output_token_ids, INT32), text=final_text(seq, engine), finish_reason=finish_reason,
         usage=usage(seq), cumulative_logprob=float(sum(seq.output_logprobs)),
         logprobs=pack(seq.output_logprobs, FLOAT32) if seq.params.show_logprobs else b"")
+    set_stop_reason(r, seq, engine, finish_reason)
     if seq.output_top:
         r.top_logprob_ids = pack(np.concatenate([t[0] for t in seq.output_top]))
         r.top_logprobs = pack(np.concatenate([t[1] for t in seq.output_top]), FLOAT32)

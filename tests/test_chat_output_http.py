@@ -25,6 +25,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 class FakeClient:
     """AsyncClient's stream() / chunks() and stats(), replaying ANSWER for each of the n choices."""
     seen: list[dict] = []
+    stop_reason = None     # what the last chunk carries (vLLM's stop_reason)
 
     def __init__(self, *a, **kw):
         pass
@@ -39,7 +40,8 @@ class FakeClient:
             for i in range(n):
                 last = k == len(ANSWER) - 1
                 yield StreamChunk(token_ids=[k], text=text, index=i, finish_reason="stop" if last else None,
-                                  usage=Usage(10, len(ANSWER)) if last else None)
+                                  usage=Usage(10, len(ANSWER)) if last else None,
+                                  stop_reason=FakeClient.stop_reason if last else None)
                 await asyncio.sleep(0)
 
     chunks = stream   # the gateway's path (AsyncClient.chunks: best_of > n whole at the end)
@@ -48,19 +50,19 @@ class FakeClient:
         pass
 
 
-async def _post(config: GatewayConfig, body: dict):
+async def _post(config: GatewayConfig, body: dict, path: str = "/v1/chat/completions"):
     app = create_app(config)
     inner = app.app  # the FastAPI app under the counting middleware: its lifespan builds the client
     async with inner.router.lifespan_context(inner):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as h:
-            r = await h.post("/v1/chat/completions", json=body)
+            r = await h.post(path, json=body)
             return r.status_code, r.text
 
 
-def post(monkeypatch, body: dict, **config) -> tuple[int, str]:
+def post(monkeypatch, body: dict, path: str = "/v1/chat/completions", **config) -> tuple[int, str]:
     monkeypatch.setattr(app_module, "AsyncClient", FakeClient)
     cfg = GatewayConfig(metadata="127.0.0.1:1", model=qwen3_tokenizer_dir(), **config)
-    return asyncio.run(_post(cfg, body))
+    return asyncio.run(_post(cfg, body, path))
 
 
 def sse(text: str) -> list[dict]:
@@ -100,6 +102,25 @@ def test_reasoning_parser_none_and_tool_choice_none(monkeypatch):
     msg = json.loads(text)["choices"][0]
     assert status == 200 and msg["finish_reason"] == "stop"
     assert msg["message"] == {"role": "assistant", "content": "".join(ANSWER)}
+
+
+@pytest.mark.parametrize("reason", [None, 151643, "</tool_call>"])
+def test_stop_reason_where_vllm_puts_it(monkeypatch, reason):
+    """vLLM's stop_reason: in every whole choice; in chat streams on the last chunk of a choice only;
+    in completion streams on every chunk (null until the last)."""
+    monkeypatch.setattr(FakeClient, "stop_reason", reason)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 20}
+    for path, body in (("/v1/chat/completions", chat), ("/v1/completions", {"prompt": "hi", "max_tokens": 20})):
+        status, text = post(monkeypatch, body, path, reasoning_parser="none")
+        [choice] = json.loads(text)["choices"]
+        assert status == 200 and choice["finish_reason"] == "stop" and choice["stop_reason"] == reason
+        status, text = post(monkeypatch, {**body, "stream": True}, path, reasoning_parser="none")
+        rows = [c["choices"][0] for c in sse(text) if c["choices"]]
+        assert rows[-1]["finish_reason"] == "stop" and rows[-1]["stop_reason"] == reason
+        if path == "/v1/completions":
+            assert all("stop_reason" in r and r["stop_reason"] is None for r in rows[:-1])
+        else:
+            assert not any("stop_reason" in r for r in rows[:-1])
 
 
 @pytest.mark.parametrize("body,needle", [

@@ -227,6 +227,10 @@ def test_features_end_to_end_against_transformers(ckpt):
         text_of = lambda n: cl.generate(prompt_token_ids=p, max_new_tokens=n, ignore_eos=True).text  # noqa: E731
         r = cl.generate(prompt_token_ids=p, max_new_tokens=8, ignore_eos=True, stop_token_ids=[full.token_ids[3]])
         assert r.token_ids == full.token_ids[:k + 1] and r.finish_reason == "stop" and r.text == text_of(k)
+        assert r.stop_reason == full.token_ids[3] and full.stop_reason is None   # vLLM's stop_reason
+        job = cl.wait(cl.submit([dict(prompt_token_ids=p, max_new_tokens=8, ignore_eos=True,
+                                      stop_token_ids=[full.token_ids[3]])]))[0]
+        assert job.stop_reason == full.token_ids[3]
         r = cl.generate(prompt_token_ids=p, max_new_tokens=8, ignore_eos=True, stop_token_ids=[full.token_ids[3]],
                         include_stop_str_in_output=True)
         assert r.text == text_of(k + 1)
@@ -236,6 +240,9 @@ def test_features_end_to_end_against_transformers(ckpt):
             r = cl.generate(prompt_token_ids=p, max_new_tokens=8, ignore_eos=True, stop=[stop],
                             include_stop_str_in_output=keep)
             assert r.finish_reason == "stop" and r.text == full.text[:at + (len(stop) if keep else 0)]
+            assert r.stop_reason == stop
+        last = list(cl.stream(prompt_token_ids=p, max_new_tokens=8, ignore_eos=True, stop=[stop]))[-1]
+        assert last.finish_reason == "stop" and last.stop_reason == stop
         # no stop string matches before min_new_tokens tokens exist (vLLM's rule)
         r = cl.generate(prompt_token_ids=p, max_new_tokens=8, ignore_eos=True, stop=[stop], min_new_tokens=8)
         assert r.finish_reason == "length" and r.token_ids == full.token_ids and r.text == full.text

@@ -177,6 +177,10 @@ def check_tool_call_and_reasoning(oai, tok, script, d):
                                     temperature=0, max_tokens=40)
     assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "stop"
     assert r.choices[0].message.content == "\n\n<tool_call>" + CALL_JSON + "</tool_call>"
+    assert r.choices[0].model_extra["stop_reason"] is None         # the tokenizer's own EOS (vLLM's rule)
+    r = oai.chat.completions.create(model="qwen3-test", messages=USER, tools=TOOLS, tool_choice="none",
+                                    temperature=0, max_tokens=40, stop=["get_weather"])
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["stop_reason"] == "get_weather"
 
 
 def check_tool_turns_and_choices(oai, tok):

@@ -191,3 +191,31 @@ def test_local_cluster_keeps_the_logs_of_a_failed_run(tmp_path, capsys):
     assert os.path.isfile(os.path.join(cluster.log_dir, "metadata_service.log")), os.listdir(cluster.log_dir)
     assert f"logs of this failed run are kept in {cluster.log_dir}" in capsys.readouterr().err
     shutil.rmtree(cluster.log_dir)
+
+
+def test_stop_reason_follows_vllm():
+    """The stop string, the stop token id, or an EOS id of generation_config.json other than the
+    tokenizer's own (vLLM folds those into stop_token_ids); nothing for the tokenizer's EOS."""
+    from types import SimpleNamespace
+
+    from metadata_service.requests import set_stop_reason
+    from metadata_service.stop import StopChecker
+    from minipaged.v1 import metadata_pb2
+
+    engine = SimpleNamespace(tokenizer=SimpleNamespace(eos_token_ids=[7]), eos_ids={7, 9})
+
+    def reason(out, finish="stop", stop_ids=(), ignore_eos=False, checker=None):
+        seq = SimpleNamespace(output_token_ids=out, stop_checker=checker,
+                              params=SimpleNamespace(stop_token_ids=stop_ids, ignore_eos=ignore_eos))
+        msg = metadata_pb2.GenerationResult()
+        set_stop_reason(msg, seq, engine, finish)
+        return msg.stop_str or (msg.stop_token_id if msg.HasField("stop_token_id") else None)
+
+    assert reason([1, 7]) is None                      # the tokenizer's EOS
+    assert reason([1, 7], stop_ids=(7,)) is None       # ... even when listed as a stop token too
+    assert reason([1, 9]) == 9                         # generation_config's other EOS
+    assert reason([1, 0], stop_ids=(0,)) == 0          # token 0 is an id like any other
+    assert reason([1, 9], finish="length") is None
+    checker = StopChecker(SimpleNamespace(decode=lambda ids: "".join(chr(97 + i) for i in ids)), ("cd", "zz"))
+    assert [checker.push(t) for t in (1, 2, 3)] == [False, False, True] and checker.matched == "cd"
+    assert reason([1, 2, 3], checker=checker) == "cd"

@@ -82,7 +82,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
-    __slots__ = ("token_ids", "text", "finish_reason", "usage", "logprobs", "index", "top_logprob_ids", "top_logprobs", "cumulative_logprob", "beam_score", "prompt_logprobs", "prompt_top_logprob_ids", "prompt_top_logprobs", "decode_seconds")
+    __slots__ = ("token_ids", "text", "finish_reason", "usage", "logprobs", "index", "top_logprob_ids", "top_logprobs", "cumulative_logprob", "beam_score", "prompt_logprobs", "prompt_top_logprob_ids", "prompt_top_logprobs", "decode_seconds", "stop_str", "stop_token_id")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,8 @@ class GenerateChunk(_message.Message):
     PROMPT_TOP_LOGPROB_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     DECODE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STOP_STR_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     token_ids: bytes
     text: str
     finish_reason: str
@@ -111,10 +113,12 @@ class GenerateChunk(_message.Message):
     prompt_top_logprob_ids: bytes
     prompt_top_logprobs: bytes
     decode_seconds: float
-    def __init__(self, token_ids: _Optional[bytes] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., logprobs: _Optional[bytes] = ..., index: _Optional[int] = ..., top_logprob_ids: _Optional[bytes] = ..., top_logprobs: _Optional[bytes] = ..., cumulative_logprob: _Optional[float] = ..., beam_score: _Optional[float] = ..., prompt_logprobs: _Optional[bytes] = ..., prompt_top_logprob_ids: _Optional[bytes] = ..., prompt_top_logprobs: _Optional[bytes] = ..., decode_seconds: _Optional[float] = ...) -> None: ...
+    stop_str: str
+    stop_token_id: int
+    def __init__(self, token_ids: _Optional[bytes] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., logprobs: _Optional[bytes] = ..., index: _Optional[int] = ..., top_logprob_ids: _Optional[bytes] = ..., top_logprobs: _Optional[bytes] = ..., cumulative_logprob: _Optional[float] = ..., beam_score: _Optional[float] = ..., prompt_logprobs: _Optional[bytes] = ..., prompt_top_logprob_ids: _Optional[bytes] = ..., prompt_top_logprobs: _Optional[bytes] = ..., decode_seconds: _Optional[float] = ..., stop_str: _Optional[str] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
 
 class GenerationResult(_message.Message):
-    __slots__ = ("index", "token_ids", "text", "finish_reason", "usage", "error", "logprobs", "choices", "top_logprob_ids", "top_logprobs", "choice", "cumulative_logprob", "beam_score", "prompt_logprobs", "prompt_top_logprob_ids", "prompt_top_logprobs")
+    __slots__ = ("index", "token_ids", "text", "finish_reason", "usage", "error", "logprobs", "choices", "top_logprob_ids", "top_logprobs", "choice", "cumulative_logprob", "beam_score", "prompt_logprobs", "prompt_top_logprob_ids", "prompt_top_logprobs", "stop_str", "stop_token_id")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +135,8 @@ class GenerationResult(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOP_LOGPROB_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STOP_STR_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     index: int
     token_ids: bytes
     text: str
@@ -147,7 +153,9 @@ class GenerationResult(_message.Message):
     prompt_logprobs: bytes
     prompt_top_logprob_ids: bytes
     prompt_top_logprobs: bytes
-    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., error: _Optional[str] = ..., logprobs: _Optional[bytes] = ..., choices: _Optional[_Iterable[_Union[GenerationResult, _Mapping]]] = ..., top_logprob_ids: _Optional[bytes] = ..., top_logprobs: _Optional[bytes] = ..., choice: _Optional[int] = ..., cumulative_logprob: _Optional[float] = ..., beam_score: _Optional[float] = ..., prompt_logprobs: _Optional[bytes] = ..., prompt_top_logprob_ids: _Optional[bytes] = ..., prompt_top_logprobs: _Optional[bytes] = ...) -> None: ...
+    stop_str: str
+    stop_token_id: int
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., error: _Optional[str] = ..., logprobs: _Optional[bytes] = ..., choices: _Optional[_Iterable[_Union[GenerationResult, _Mapping]]] = ..., top_logprob_ids: _Optional[bytes] = ..., top_logprobs: _Optional[bytes] = ..., choice: _Optional[int] = ..., cumulative_logprob: _Optional[float] = ..., beam_score: _Optional[float] = ..., prompt_logprobs: _Optional[bytes] = ..., prompt_top_logprob_ids: _Optional[bytes] = ..., prompt_top_logprobs: _Optional[bytes] = ..., stop_str: _Optional[str] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
 
 class SubmitJobRequest(_message.Message):
     __slots__ = ("requests", "job_id")

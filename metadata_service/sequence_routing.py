@@ -11,6 +11,7 @@ exactly once, from whichever thread ends it, and tells its sink. With prefill an
 Threading: `route_lock` guards `chains`, the router and `parked`; sinks are told outside it."""
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,8 @@ from .step_channel import data_address
 
 if TYPE_CHECKING:
     from .chain import ChainRunner
+
+log = logging.getLogger("metadata_service.engine")
 
 
 class SequenceRouting:
@@ -92,11 +95,26 @@ class SequenceRouting:
         pool holds `need_blocks` (a request larger than every decode pool decodes where it prefilled,
         rather than wait forever for room that will never exist)."""
         split = [(w.info.layer_start, w.info.layer_end) for w in src.stages]
-        if not all(data_address(w) for w in src.stages):
+        decode = [c for c in list(self.chains.values()) if c.alive and c.role == "decode"]
+        linked = all(data_address(w) for w in src.stages)
+        fit = [c for c in decode if [(w.info.layer_start, w.info.layer_end) for w in c.stages] == split]
+        if decode and (not fit or not linked):
+            self._warn_unpaired(src, split, decode, linked)
+        if not linked:
             return []
-        return [c for c in list(self.chains.values()) if c.alive and c.role == "decode"
-                and c.manager.pool.num_blocks >= need_blocks
-                and [(w.info.layer_start, w.info.layer_end) for w in c.stages] == split]
+        return [c for c in fit if c.manager.pool.num_blocks >= need_blocks]
+
+    def _warn_unpaired(self, src, split, decode, linked: bool) -> None:
+        """Once per prefill chain: decode chains are up but its requests cannot move to any, so they
+        decode where they prefilled. Said in the log, since nothing else fails."""
+        warned = self.__dict__.setdefault("_unpaired_warned", set())
+        if src.chain_id in warned:
+            return
+        warned.add(src.chain_id)
+        why = ("a prefill stage offers no data link (worker --data-port -1)" if not linked else
+               f"no decode chain has its layer split {split} (theirs: "
+               f"{sorted({str([(w.info.layer_start, w.info.layer_end) for w in c.stages]) for c in decode})})")
+        log.warning("prefill chain %s: its requests decode where they prefilled: %s", src.chain_id, why)
 
     def route_to_decode(self, seq: Sequence, src: ChainRunner, need_blocks: int = 0) -> ChainRunner | None:
         """The decode chain a prefilled request moves to (routed like a new request among them: the

@@ -63,3 +63,25 @@ def test_a_request_larger_than_every_decode_pool_decodes_where_it_prefilled():
     assert SequenceRouting.decode_chains_for(engine, src, 11) == []      # stays on the prefill chain
     engine.chains[3] = big
     assert SequenceRouting.decode_chains_for(engine, src, 11) == [big]
+
+
+def test_decode_chains_of_another_layer_split_are_named_in_the_log_once(caplog):
+    """A move pairs stages of equal layer ranges: decode chains split otherwise never take a request.
+    Nothing fails, so the service says it (once per prefill chain) rather than stay silent."""
+    from metadata_service.sequence_routing import SequenceRouting
+
+    def chain(cid, role, splits):
+        stages = [SimpleNamespace(info=SimpleNamespace(layer_start=a, layer_end=b, data_port=9000 + cid),
+                                  address=f"127.0.0.1:{8000 + cid}") for a, b in splits]
+        return SimpleNamespace(chain_id=cid, alive=True, role=role, stages=stages,
+                               manager=SimpleNamespace(pool=SimpleNamespace(num_blocks=64)))
+
+    class Engine(SequenceRouting):
+        pass
+    engine = Engine()
+    engine.chains = {1: chain(1, "prefill", [(0, 4)]), 2: chain(2, "decode", [(0, 2), (2, 4)])}
+    with caplog.at_level("WARNING", logger="metadata_service.engine"):
+        assert engine.decode_chains_for(engine.chains[1]) == []
+        assert engine.decode_chains_for(engine.chains[1]) == []
+    [record] = [r for r in caplog.records if "decode where they prefilled" in r.getMessage()]
+    assert "layer split [(0, 4)]" in record.getMessage() and "(2, 4)" in record.getMessage()

@@ -17,7 +17,7 @@ S = grpc.StatusCode
 GRPC_TO_HTTP: dict[grpc.StatusCode, tuple[int, str, int | None]] = {
     S.INVALID_ARGUMENT: (400, "invalid_request_error", None),
     S.OUT_OF_RANGE: (400, "invalid_request_error", None),
-    S.UNAUTHENTICATED: (401, "authentication_error", None),
+    S.UNAUTHENTICATED: (401, "authentication_error", None),   # (from upstream: 502, from_sdk_error)
     S.PERMISSION_DENIED: (403, "permission_error", None),
     S.NOT_FOUND: (404, "not_found_error", None),
     S.ALREADY_EXISTS: (409, "conflict_error", None),
@@ -74,6 +74,11 @@ def openai_wording(message: str) -> tuple[str, str | None]:
 
 
 def from_sdk_error(e: MiniPagedError) -> GatewayError:
+    if e.code == S.UNAUTHENTICATED:
+        # the gateway checks its clients' token itself: UNAUTHENTICATED from upstream is about the
+        # gateway's own token, which no client can fix (a 401 would tell them their key is wrong)
+        return GatewayError(502, "the metadata service refused this gateway's token (gateway --metadata-token, "
+                                 f"or --token when that is unset): {e.details}", "server_error", code="bad_gateway")
     status, type_, retry = GRPC_TO_HTTP.get(e.code, (500, "server_error", None))
     if e.code == S.RESOURCE_EXHAUSTED and NEVER_FITS in e.details:
         status, type_, retry = 400, "invalid_request_error", None

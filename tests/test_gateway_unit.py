@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("code,status", [
-    (grpc.StatusCode.INVALID_ARGUMENT, 400), (grpc.StatusCode.UNAUTHENTICATED, 401),
+    (grpc.StatusCode.INVALID_ARGUMENT, 400),
     (grpc.StatusCode.PERMISSION_DENIED, 403), (grpc.StatusCode.NOT_FOUND, 404),
     (grpc.StatusCode.RESOURCE_EXHAUSTED, 429), (grpc.StatusCode.UNAVAILABLE, 503),
     (grpc.StatusCode.DEADLINE_EXCEEDED, 504), (grpc.StatusCode.INTERNAL, 500),
@@ -31,6 +31,13 @@ def test_error_table(code, status):
     assert g.status == status and g.body()["error"]["message"] == "what was wrong"
     assert g.body()["error"]["code"] == code.name.lower()
     assert (g.retry_after is not None) == (status in (429, 503))
+
+
+def test_the_services_refusal_of_the_gateways_own_token_is_502_not_401():
+    """A client's key is checked by the gateway (401 there); upstream UNAUTHENTICATED is about the
+    gateway's --metadata-token, which no client can fix."""
+    g = as_gateway_error(error_for(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong client token"))
+    assert g.status == 502 and "refused this gateway's token" in g.message and g.retry_after is None
 
 
 def test_error_table_covers_every_code_and_never_fits_is_400():

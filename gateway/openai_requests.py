@@ -139,6 +139,9 @@ def sampling_kwargs(req: _Sampling, max_tokens: int | None, default_max_tokens: 
               frequency_penalty=pick("frequency_penalty", 0.0),
               repetition_penalty=pick("repetition_penalty", 1.0), min_p=pick("min_p", 0.0),
               include_stop_str_in_output=req.include_stop_str_in_output)
+    if req.n > 1 and not req.use_beam_search and kw["temperature"] < 1e-5:
+        # vLLM's server refuses it (n identical greedy choices are a mistake, not a request)
+        raise bad_request(f"n must be 1 when using greedy sampling, got {req.n}", "n")
     top_p = pick("top_p", None)
     if top_p is not None:
         kw["top_p"] = top_p  # the SDK refuses 0 (400) as the server does

@@ -53,11 +53,11 @@ def test_completion_mapping():
     req = oa.CompletionRequest(prompt="hi")
     kw = oa.completion_kwargs(req)
     assert kw["max_new_tokens"] == 16 and kw["temperature"] == 1.0 and "top_p" not in kw  # OpenAI's defaults
-    req = oa.CompletionRequest(prompt=[[1, 2], [3]], max_tokens=4, temperature=0, top_p=0.9, top_k=-1, stop="x",
+    req = oa.CompletionRequest(prompt=[[1, 2], [3]], max_tokens=4, temperature=0.5, top_p=0.9, top_k=-1, stop="x",
                                n=2, best_of=3, logprobs=2, presence_penalty=0.5, frequency_penalty=0.25,
                                repetition_penalty=1.2, min_tokens=1, seed=3, stop_token_ids=[9])
     kw = oa.completion_kwargs(req)
-    assert kw == dict(max_new_tokens=4, temperature=0, top_k=0, seed=3, stop=["x"], ignore_eos=False, n=2,
+    assert kw == dict(max_new_tokens=4, temperature=0.5, top_k=0, seed=3, stop=["x"], ignore_eos=False, n=2,
                       best_of=3, min_new_tokens=1, presence_penalty=0.5, frequency_penalty=0.25,
                       repetition_penalty=1.2, min_p=0.0, include_stop_str_in_output=False, top_p=0.9,
                       stop_token_ids=[9], logprobs=2)
@@ -65,7 +65,7 @@ def test_completion_mapping():
     assert oa.completion_prompts(oa.CompletionRequest(prompt=[5, 6])) == [{"prompt_token_ids": [5, 6]}]
     assert oa.completion_prompts(oa.CompletionRequest(prompt=["a", "b"])) == [{"prompt": "a"}, {"prompt": "b"}]
     for bad in (dict(prompt=[]), dict(prompt=[[1], []]), dict(prompt="x", logprobs=21), dict(prompt="x", n=0),
-                dict(prompt="x", n=2, best_of=1), dict(prompt="x", suffix="y"),
+                dict(prompt="x", n=2, best_of=1), dict(prompt="x", suffix="y"), dict(prompt="x", n=2, temperature=0),
                 dict(prompt="x", stream=True, n=1, best_of=2),
                 # vLLM fields that would change the answer are refused by name, not ignored
                 dict(prompt="x", prompt_logprobs=1), dict(prompt="x", skip_special_tokens=False),

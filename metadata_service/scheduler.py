@@ -68,11 +68,21 @@ class Scheduler(DecodePicking, BatchPacking):
     def _forget(self, seq: Sequence) -> None:
         """Its blocks go back to the pool and the workers may drop what they remember of it."""
         if seq.seq_id in self.manager.sequences:
+            if self.copies:      # a fork's pending copy into its own blocks is void: they may be reused
+                self._drop_copies_into(self.manager.sequences[seq.seq_id].block_table)
             self.manager.release_sequence(seq.seq_id)
         if seq.blocks_sent or seq.inflight or seq.deferred:
             self.released.append(seq.seq_id)
         seq.gen += 1
         seq.inflight, seq.deferred, seq.blocks_sent = 0, False, 0
+
+    def _drop_copies_into(self, table) -> None:
+        """Forget pending copy-on-write copies whose destination is one of `table`'s blocks. A
+        fork's destination is a fresh block of the child alone: once the child's blocks go back
+        (a beam group preempted in the reply that forked it), the block may be a copy's
+        destination again in the same step, and the stale copy would race the new one."""
+        mine = set(table)
+        self.copies = [c for c in self.copies if c[1] not in mine]
 
     def remove(self, seq: Sequence) -> None:
         """Drop a sequence wherever it is (finished or aborted) and free its blocks."""

@@ -282,3 +282,22 @@ def test_a_short_micro_batch_preempts_the_newest_sequence_of_any_micro_batch():
     assert old.preemptions == 0 and 1 <= new.preemptions <= 2
     assert len(old.output_token_ids) == len(new.output_token_ids) == 14
     assert m.num_free_blocks == 6 and m.invariants_ok()
+
+
+def test_a_preempted_forks_pending_copy_is_dropped_with_its_blocks():
+    """A beam fork queues a copy-on-write into the child's fresh block; if the group is preempted
+    in the same reply (a later fork found no block), that block goes back and may be a copy's
+    destination again before the next step: the stale copy must go with it (found by probing:
+    24 concurrent beam searches on 48 blocks sent a step with one destination twice)."""
+    m, sch = make(num_blocks=16, block_size=4, budget=64, max_seqs=4)
+    p = seq(6, max_new=8)
+    sch.add(p)
+    run_step(m, sch)                              # 6 prompt tokens: the last block is partial
+    c = Sequence(p.prompt_token_ids, p.params)
+    c.output_token_ids, c.num_tokens = list(p.output_token_ids), p.num_tokens
+    sch.copies += m.fork(p.seq_id, c.seq_id)
+    [(src, dst)] = sch.copies
+    c.num_computed_tokens = p.num_computed_tokens
+    sch._admit_running(c, p.slot)
+    sch.preempt_beams([c])
+    assert sch.copies == [] and dst in m.pool.free_blocks() and m.invariants_ok()

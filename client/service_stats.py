@@ -54,6 +54,7 @@ class Stats:
     kv_moves: int = 0                  # prefill -> decode moves (worker --role), every chain,
     kv_moved_blocks: int = 0           # the blocks they moved,
     kv_move_failures: int = 0          # and moves that failed (those prompts recomputed)
+    max_waiting: int = 0               # --max-waiting: a call with more requests is refused
 
     @classmethod
     def from_proto(cls, r: pb.StatsReply) -> "Stats":

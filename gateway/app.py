@@ -192,6 +192,10 @@ async def _completions(gw: Gateway, request: Request):
     t0, req = await _accept(gw, request, oa.CompletionRequest)
     kw = oa.completion_kwargs(req, gw.sampling_defaults)
     prompts = oa.completion_prompts(req)
+    limit = gw.last_stats.max_waiting if gw.last_stats is not None else 0
+    if limit and len(prompts) > limit:  # each prompt is a request: more than the queue holds never fit
+        raise bad_request(f"{len(prompts)} prompts in one request; the service admits at most {limit} at a time "
+                          f"(its --max-waiting): send them in parts", "prompt")
     echo = prompt_ids = None
     if req.echo:
         echo = [p.get("prompt") if "prompt" in p else _decode_or_fail(gw, p["prompt_token_ids"]) for p in prompts]

@@ -67,6 +67,10 @@ class MetadataServicer(JobRpcs, metadata_pb2_grpc.MetadataServiceServicer):
             normed = [normalize(r, self.engine) for r in reqs]
         except RequestError as e:
             context.abort(e.code, e.message)
+        if len(normed) > self.max_waiting:   # no retry could admit it: say so, not "queue full"
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"{len(normed)} requests in one call; the service admits at most {self.max_waiting} "
+                          f"at a time (--max-waiting): submit them in parts")
         with self._pending_lock:
             if self._pending + len(normed) > self.max_waiting:
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -193,7 +197,7 @@ class MetadataServicer(JobRpcs, metadata_pb2_grpc.MetadataServiceServicer):
             chains=chains, num_chains=st["num_chains"], standby_workers=st["standby_workers"],
             metadata_cpu_seconds=time.process_time(), model=self.engine.model_name,
             max_model_len=self.engine.max_model_len, model_fingerprint=self.engine.model_fingerprint,
-            model_shape=self.engine.model_shape, tier_block_bytes=st["tier_block_bytes"],
+            model_shape=self.engine.model_shape, tier_block_bytes=st["tier_block_bytes"], max_waiting=self.max_waiting,
             **{k: st[k] for k in ("tier_blocks", "tier_used_blocks", "tier_queries", "tier_hits",
                                   "tier_saved_blocks", "tier_loaded_blocks", "kv_moves", "kv_moved_blocks",
                                   "kv_move_failures")})

@@ -24,7 +24,7 @@ SUMMED = ("num_blocks", "used_blocks", "free_blocks", "cached_blocks", "internal
           "generated_tokens", "prompt_tokens", "tokens_per_second", "num_workers", "live_sequences",
           "shared_blocks", "num_chains", "standby_workers", "metadata_cpu_seconds", "tier_blocks",
           "tier_used_blocks", "tier_queries", "tier_hits", "tier_saved_blocks", "tier_loaded_blocks",
-          "kv_moves", "kv_moved_blocks", "kv_move_failures")
+          "kv_moves", "kv_moved_blocks", "kv_move_failures", "max_waiting")
 FIRST = ("block_size", "model", "max_model_len", "model_fingerprint", "model_shape", "tier_block_bytes")
 
 

@@ -15,7 +15,7 @@ import openai
 import pytest
 import torch
 
-from client import LocalCluster
+from client import InvalidArgument, LocalCluster
 from client.cluster import free_port
 from tests.checkpoints import load_oracle, make_checkpoint
 from tests.freeze import FREEZE_SERVICE_ARGS, frozen
@@ -438,6 +438,12 @@ def test_token_and_queue_full(guarded):
                 with pytest.raises(openai.RateLimitError, match="queue full") as info:
                     good.completions.create(model="tiny", prompt="hi", max_tokens=2)
                 assert info.value.response.headers["retry-after"] == "1"
+        # more prompts (a job: more requests) than the queue ever holds is a 400, not "retry"
+        with pytest.raises(openai.BadRequestError, match="admits at most 1 at a time"):
+            good.completions.create(model="tiny", prompt=["a", "b"], max_tokens=2)
+    with pytest.raises(InvalidArgument, match="2 requests in one call"):
+        guarded.client.submit([{"prompt": "a", "max_new_tokens": 2}] * 2)
+    assert guarded.client.stats().max_waiting == 1
     settle(guarded.client)
 
 

@@ -233,7 +233,10 @@ async def _chat_completions(gw: Gateway, request: Request):
     kw = oa.chat_kwargs(req, _default_max_tokens(gw, prompt, req.use_beam_search), gw.sampling_defaults)
     kw.update(_forced_tool_kwargs(tools, kw))
     output = OutputOptions(reasoning=gw.config.reasoning_parser == "qwen3" and gw.template.thinks,
-                           reasoning_open=rs.prompt_opens_reasoning(prompt), tools=tools)
+                           reasoning_open=rs.prompt_opens_reasoning(prompt), tools=tools,
+                           include_reasoning=req.include_reasoning, think_ids=rs.tag_ids(gw.tokenizer))
+    if output.reasoning and not req.include_reasoning:
+        kw.pop("logprobs", None)      # vLLM's rule: hidden reasoning must not leak through the logprobs
     rid = oa.new_id("chatcmpl")
     stream = gw.generate_stream([{**kw, "prompt": prompt}], req.n, t0, whole=not req.stream)
     echo = _chat_echo(req, messages)
@@ -289,7 +292,10 @@ def _decode_or_fail(gw: Gateway, ids: list[int]) -> str:
 
 def _forced_tool_kwargs(tools: tc.ToolPlan, kw: dict) -> dict:
     """tool_choice "required" or a named function: the SDK's JSON-schema constraint forces a call."""
-    schema = tc.forced_schema(tools)
+    try:
+        schema = tc.forced_schema(tools)
+    except ValueError as e:
+        raise bad_request(str(e), "tools") from None
     if schema is None:
         return {}
     if any(kw.get(k) not in (None, False) for k in ("json_schema", "regex", "choice", "json_object")):

@@ -22,6 +22,14 @@ class OutputOptions:
     reasoning: bool = False          # split <think>...</think> out
     reasoning_open: bool = False     # the prompt left <think> open
     tools: tc.ToolPlan | None = None
+    include_reasoning: bool = True   # vLLM's include_reasoning: false drops the reasoning (and logprobs)
+    think_ids: tuple = (None, None)  # the ids of <think> and </think> (usage's reasoning_tokens)
+
+    def reasoning_tokens(self, token_ids) -> int | None:
+        """vLLM's completion_tokens_details.reasoning_tokens (None when no reasoning parser runs)."""
+        if not self.reasoning:
+            return None
+        return rs.count_reasoning_tokens(token_ids, *self.think_ids, open_=self.reasoning_open)
 
     def new(self) -> "ChatOutput":
         return ChatOutput(self)
@@ -40,6 +48,7 @@ class ChatOutput:
         self.mode = opts.tools.mode if opts.tools else "none"
         self.plan = opts.tools
         self.reasoning = rs.Reasoning(opts.reasoning_open) if opts.reasoning and self.mode in ("none", "auto") else None
+        self.include_reasoning = opts.include_reasoning
         self.hermes = tc.HermesParser() if self.mode == "auto" else None
         self.text = ""               # everything generated (forced modes parse it at the end)
         self.calls = 0               # tool calls sent so far (their stream indices)
@@ -73,7 +82,7 @@ class ChatOutput:
         return "tool_calls" if self.calls and reason == "stop" and self.mode != "named" else reason
 
     def _reasoning_delta(self, r: str) -> dict:
-        return {k: r for k in REASONING_FIELDS} if r else {}
+        return {k: r for k in REASONING_FIELDS} if r and self.include_reasoning else {}
 
     def _content_delta(self, c: str, final: bool) -> dict:
         if self.hermes is None:
@@ -85,6 +94,8 @@ class ChatOutput:
         return merge(delta, self._calls_delta(calls)) if calls else delta
 
     def _calls_delta(self, calls: list[dict]) -> dict:
+        if self.plan is not None and not self.plan.parallel:
+            calls = calls[:max(0, 1 - self.calls)]   # parallel_tool_calls false: the first call only (vLLM's)
         out = []
         for call in calls:
             out.append({"index": self.calls, **call})

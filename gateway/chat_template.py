@@ -61,12 +61,14 @@ class ChatTemplate:
         self._jinja = None
         self.source = SIMPLE_TEMPLATE
         self.thinks = False  # the template knows Qwen3's <think> (the reasoning parser applies)
+        self.knows_developer = True   # a template that never names the role drops such messages
         if not model or model == "tiny" or not os.path.isdir(model):
             return
         template = _template_in(model)
         if template is None:
             return
         self.thinks = "<think>" in template
+        self.knows_developer = "developer" in template
         try:
             from transformers import AutoTokenizer
             tok = AutoTokenizer.from_pretrained(model)
@@ -102,7 +104,11 @@ class ChatTemplate:
                **template_kwargs) -> str:
         """Raises ValueError when the template refuses the conversation (e.g. roles out of order).
         continue_final (vLLM's continue_final_message): the text ends where the last message's
-        content does, open for the model to go on (transformers' rule)."""
+        content does, open for the model to go on (transformers' rule). A `developer` message is a
+        `system` one for a template that does not name the role (Qwen3's would drop it), as vLLM
+        renders it."""
+        if not self.knows_developer:
+            messages = [dict(m, role="system") if m.get("role") == "developer" else m for m in messages]
         if self._tokenizer is not None:
             try:
                 return self._tokenizer.apply_chat_template(messages, tokenize=False,

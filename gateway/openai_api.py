@@ -7,12 +7,13 @@ from __future__ import annotations
 from .openai_requests import (CHAT_ROLES, DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, ChatMessage,
                               CompletionRequest, StreamOptions, chat_kwargs, chat_messages, completion_kwargs,
                               completion_prompts, sampling_kwargs)
-from .openai_responses import (FINISH_REASONS, Choice, chat_chunk, chat_logprobs, chat_response, completion_chunk,
+from .openai_responses import (FINISH_REASONS, Choice, chat_chunk, chat_logprobs, chat_response, chat_usage,
+                               completion_chunk,
                                completion_logprobs, completion_response, echo_logprobs, join_logprobs, new_id,
                                prompt_logprobs_of, total_usage, usage_chunk, usage_dict)
 
 __all__ = ["CHAT_ROLES", "DEFAULT_COMPLETION_MAX_TOKENS", "ChatCompletionRequest", "ChatMessage", "CompletionRequest",
            "StreamOptions", "chat_kwargs", "chat_messages", "completion_kwargs", "completion_prompts",
-           "sampling_kwargs", "FINISH_REASONS", "Choice", "chat_chunk", "chat_logprobs", "chat_response",
+           "sampling_kwargs", "FINISH_REASONS", "Choice", "chat_chunk", "chat_logprobs", "chat_response", "chat_usage",
            "completion_chunk", "completion_logprobs", "completion_response", "echo_logprobs", "join_logprobs",
            "new_id", "prompt_logprobs_of", "total_usage", "usage_chunk", "usage_dict"]

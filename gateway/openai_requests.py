@@ -5,6 +5,7 @@ stop_token_ids, ignore_eos, chat_template_kwargs, guided_json / guided_regex / g
 structured_outputs). A value the API cannot take is a 400 naming the field (errors.bad_request)."""
 from __future__ import annotations
 
+import json
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -97,6 +98,7 @@ class ChatCompletionRequest(_Sampling):
     continue_final_message: bool = False        # vLLM extension: the last (assistant) message is continued
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension (e.g. enable_thinking)
     echo: bool = False      # vLLM extension: the last message's content before the answer, when its role answers
+    include_reasoning: bool = True   # vLLM extension: false drops the reasoning (and, as vLLM, the logprobs)
 
 
 def _check_common(req: _Sampling) -> None:
@@ -217,8 +219,24 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
             content = "\n".join(texts)      # as vLLM joins text parts
         d = {k: v for k, v in (m.model_extra or {}).items()}
         d.update(role=m.role, content=content if content is not None else "")
+        if m.role == "assistant" and isinstance(d.get("tool_calls"), list):
+            d["tool_calls"] = [_parsed_arguments(c) for c in d["tool_calls"]]
         out.append(d)
     return out
+
+
+def _parsed_arguments(call):
+    """An earlier call's JSON `arguments` string as an object, as vLLM hands it to the template
+    (Qwen3's writes objects with `tojson`, strings verbatim: the same call, other spacing)."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    args = fn.get("arguments") if isinstance(fn, dict) else None
+    if isinstance(args, str):
+        try:
+            parsed = json.loads(args) if args.strip() else {}
+        except ValueError:
+            return call              # not JSON: the template gets the text as it was
+        return {**call, "function": {**fn, "arguments": parsed}}
+    return call
 
 
 def chat_kwargs(req: ChatCompletionRequest, default_max_tokens: int, defaults: dict | None = None) -> dict:

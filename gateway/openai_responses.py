@@ -158,6 +158,15 @@ def completion_response(rid: str, model: str, choices: list[Choice], per_prompt:
             "choices": out, "usage": total_usage(per_prompt)}
 
 
+def chat_usage(choices: list[Choice], output=None) -> dict:
+    """Usage of a chat answer; with a reasoning parser, vLLM's completion_tokens_details too."""
+    usage = total_usage([choices])
+    if output is not None and output.reasoning:
+        usage["completion_tokens_details"] = {
+            "reasoning_tokens": sum(output.reasoning_tokens(ch.token_ids) or 0 for ch in choices)}
+    return usage
+
+
 def chat_response(rid: str, model: str, choices: list[Choice], token_text, output=None) -> dict:
     """`output`: gateway.chat_output.OutputOptions (reasoning and tool calls parsed out)."""
     out = []
@@ -170,7 +179,7 @@ def chat_response(rid: str, model: str, choices: list[Choice], token_text, outpu
         out.append({"index": ch.index, "message": message, "logprobs": chat_logprobs(ch, token_text),
                     "finish_reason": finish, "stop_reason": ch.stop_reason})
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": out, "usage": total_usage([choices])}
+            "choices": out, "usage": chat_usage(choices, output)}
 
 
 def completion_chunk(rid: str, created: int, model: str, index: int, text: str, logprobs: dict | None,

@@ -22,9 +22,43 @@ PARSERS = ("qwen3", "none")
 DEFAULT_PARSER = "qwen3"
 
 
+TURN = "<|im_start|>"
+
+
 def prompt_opens_reasoning(prompt: str) -> bool:
-    """True when the rendered prompt ends inside a `<think>` block the template opened."""
-    return prompt.rfind(START) > prompt.rfind(END)
+    """True when the rendered prompt ends inside a `<think>` block the template opened. Only the
+    last turn counts (the generation prompt, or the assistant message being continued): a user or
+    system message that merely mentions `<think>` opens nothing."""
+    tail = prompt[prompt.rfind(TURN) + len(TURN):] if TURN in prompt else prompt
+    return tail.rfind(START) > tail.rfind(END)
+
+
+def tag_ids(tokenizer) -> tuple:
+    """(id of `<think>`, id of `</think>`) in this tokenizer, None where a tag is not one token."""
+    out = []
+    for tag in (START, END):
+        try:
+            ids = tokenizer.encode(tag) if tokenizer is not None else []
+        except Exception:  # noqa: BLE001 - a tokenizer that cannot: no count, not an error
+            ids = []
+        out.append(ids[0] if len(ids) == 1 else None)
+    return tuple(out)
+
+
+def count_reasoning_tokens(token_ids, start_id: int | None, end_id: int | None, open_: bool = False) -> int:
+    """vLLM's usage.completion_tokens_details.reasoning_tokens: the tokens between `<think>` and
+    `</think>` (the tags not counted; from the start when the prompt left `<think>` open)."""
+    if end_id is None:
+        return 0
+    depth, count = int(open_), 0
+    for t in token_ids:
+        if t == start_id:
+            depth += 1
+        elif t == end_id:
+            depth = max(0, depth - 1)
+        elif depth:
+            count += 1
+    return count
 
 
 def _partial_tail(text: str, tag: str) -> int:

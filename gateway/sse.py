@@ -164,7 +164,8 @@ async def _chat_events(gw: Gateway, rid: str, req: oa.ChatCompletionRequest, str
             if delta or finish or lp:
                 yield _sse(oa.chat_chunk(rid, created, model, idx, delta, lp, finish, ch.stop_reason))
         if include_usage:
-            yield _sse(oa.usage_chunk(rid, created, model, "chat.completion.chunk", oa.total_usage([list(choices.values())])))
+            yield _sse(oa.usage_chunk(rid, created, model, "chat.completion.chunk",
+                                      oa.chat_usage(list(choices.values()), output)))
         yield "data: [DONE]\n\n"
     except MiniPagedError as e:
         if not started:

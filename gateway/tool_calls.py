@@ -121,8 +121,12 @@ def forced_schema(p: ToolPlan) -> dict | None:
     for name, fn in p.functions.items():
         params = dict(_params(fn))
         for key in ("$defs", "definitions"):
-            if key in params:
-                defs.setdefault(key, {}).update(params.pop(key))
+            found = params.pop(key, None)
+            for dname, dschema in (found.items() if isinstance(found, dict) else ()):
+                have = defs.setdefault(key, {})
+                if dname in have and have[dname] != dschema:   # one root for all: they would clash
+                    raise ValueError(f"Tool definition {dname!r} has multiple schemas, which is not supported.")
+                have[dname] = dschema
         options.append({"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
                                                          "parameters": params},
                         "required": ["name", "parameters"]})
@@ -154,9 +158,9 @@ def parse_block(block: str) -> dict | None:
         obj = json.loads(block.strip())
     except ValueError:
         return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", {})
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or "arguments" not in obj:
+        return None      # (vLLM's hermes parser reads obj["arguments"]: without it the text stays content)
+    args = obj["arguments"]
     return tool_call(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
 
 

@@ -260,3 +260,62 @@ def test_a_forced_tool_choice_does_not_mix_with_another_constraint():
         with pytest.raises(GatewayError) as e:
             _forced_tool_kwargs(tc.plan([WEATHER], "required"), other)
         assert e.value.status == 400 and "cannot be combined with response_format" in e.value.message
+
+
+# ---------------------------------------------------------------- as vLLM's server answers (probe V)
+
+def test_a_message_that_mentions_think_opens_no_reasoning():
+    """Only the last turn (the generation prompt, or the message being continued) can leave
+    <think> open: a user or system message quoting the tag does not."""
+    assert not rs.prompt_opens_reasoning("<|im_start|>user\nWhat does <think> do?<|im_end|>\n<|im_start|>assistant\n")
+    assert rs.prompt_opens_reasoning("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\nso")
+
+
+def test_a_call_without_arguments_stays_content():
+    """vLLM's hermes parser reads obj["arguments"]: a block that says "parameters" is no call."""
+    text = '<tool_call>{"name": "get_weather", "parameters": {"city": "Paris"}}</tool_call>'
+    assert tc.parse(text) == (text, [])
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    text = AUTO_TEXTS[2]                  # two calls
+    opts = OutputOptions(tools=tc.plan([WEATHER], "auto", parallel_tool_calls=False))
+    assert [c["function"]["name"] for c in opts.new().message(text)["tool_calls"]] == ["a"]
+    for pieces in cuts(text):
+        delta, finish = stream(opts, pieces)
+        assert [c["index"] for c in delta["tool_calls"]] == [0] and finish == "tool_calls"
+
+
+def test_include_reasoning_false_and_reasoning_tokens():
+    text = "<think>\nhmm\n</think>\n\nanswer"
+    opts = OutputOptions(reasoning=True, include_reasoning=False)
+    msg = opts.new().message(text)
+    assert msg == {"role": "assistant", "content": "\n\nanswer"}
+    assert "reasoning" not in stream(opts, list(text))[0]
+    assert rs.count_reasoning_tokens([5, 1, 2, 3, 6, 9], 5, 6) == 3
+    assert rs.count_reasoning_tokens([1, 2, 6, 9], 5, 6, open_=True) == 2      # the prompt opened it
+    assert OutputOptions(reasoning=False).reasoning_tokens([5, 1, 6]) is None  # no parser: no details
+
+
+def test_same_named_defs_of_two_tools_are_refused():
+    other = {"type": "function", "function": {"name": "get_date", "parameters": {
+        "type": "object", "properties": {"zone": {"$ref": "#/$defs/zone"}},
+        "$defs": {"zone": {"type": "integer"}}}}}
+    with pytest.raises(ValueError, match="'zone' has multiple schemas"):
+        tc.forced_schema(tc.plan([TIME, other], "required"))
+    same = json.loads(json.dumps(TIME))
+    same["function"]["name"] = "get_time2"
+    assert tc.forced_schema(tc.plan([TIME, same], "required"))["$defs"] == TIME["function"]["parameters"]["$defs"]
+
+
+def test_developer_messages_and_string_arguments_render_as_vllm(qwen3_templates):
+    from gateway import openai_api as oa
+    tok, with_tok, bare = qwen3_templates
+    assert not with_tok.knows_developer
+    dev = with_tok.render([{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}])
+    assert dev == with_tok.render([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}])
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}
+    req = oa.ChatCompletionRequest(messages=[{"role": "user", "content": "hi"},
+                                             {"role": "assistant", "content": "", "tool_calls": [call]}])
+    [_, assistant] = oa.chat_messages(req)
+    assert assistant["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}

@@ -133,11 +133,13 @@ class SequenceRouting:
             live = [c for c in self.chains.values() if c.alive]
             # prompts go to chains that prefill (decode chains only get moved-in requests) when any is up
             live = [c for c in live if c.role != "decode"] or live
+            never: list[Sequence] = []
             if not live:
                 self.parked.extend(s for s in seqs if not s.abort_requested)
                 cancelled = [s for s in seqs if s.abort_requested]
             else:
                 cancelled = []
+                seqs, never = self._fitting(seqs, live)
                 ids = [c.chain_id for c in live]
                 beam_chain: dict[int, int] = {}   # a beam group's beams stay on one chain (beam.py forks)
                 for s in seqs:
@@ -152,6 +154,24 @@ class SequenceRouting:
                     s.chain.add(s)
         for s in cancelled:
             self.finish(s, "cancelled")
+        for s, need, pool in never:
+            self.finish(s, "error", code="RESOURCE_EXHAUSTED",
+                        error=f"this request needs {need} blocks of {self.block_size} tokens but the largest pool "
+                              f"now holds {pool}: it could never run (the pools shrank since it was admitted)")
+
+    def _fitting(self, seqs: list[Sequence], live: list) -> tuple[list, list]:
+        """Admission checked a request against the pools of its time; one restored from the job
+        store, or rerouted after its chain was lost, may meet smaller ones, where it would wait
+        forever. (those that fit, [(those that never can, blocks needed, largest pool)])"""
+        pool = max(c.manager.pool.num_blocks for c in live)
+        bs, fit, never = self.block_size, [], []
+        for s in seqs:
+            need = -(-(s.num_prompt_tokens + s.params.max_new_tokens) // bs)
+            if need <= pool or s.abort_requested:
+                fit.append(s)
+            else:
+                never.append((s, need, pool))
+        return fit, never
 
     def on_chain_lost(self, chain: ChainRunner, seqs: list[Sequence], why: str) -> None:
         """From the chain's thread: its sequences recompute elsewhere; upkeep re-forms chains."""

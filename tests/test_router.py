@@ -106,3 +106,21 @@ def test_a_prompt_block_to_compute_weighs_more_than_a_block_of_queue():
             router.add_chain(cid, 1000, 64, cached=pool)
         router.choose([2], list(range(9000, 9960)), 0)                       # 60 blocks queued on chain 2
         assert router.choose([1, 2], prompt + [1], 0)[0] == want
+
+
+def test_a_request_the_pools_outgrew_ends_with_an_error_instead_of_waiting_forever():
+    """Admission checks a request against the pools of its time. One restored from the job store,
+    or rerouted after its chain was lost, may find only smaller pools (a worker replaced by one with
+    --num-blocks 3): it ends RESOURCE_EXHAUSTED rather than wait forever (found by probing)."""
+    from types import SimpleNamespace
+
+    from metadata_service.sequence import SamplingParams, Sequence
+    from metadata_service.sequence_routing import SequenceRouting
+
+    class Engine(SequenceRouting):
+        block_size = 16
+    chain = SimpleNamespace(manager=SimpleNamespace(pool=SimpleNamespace(num_blocks=3)))
+    small = Sequence([1] * 4, SamplingParams(max_new_tokens=40))      # 44 tokens: 3 blocks
+    large = Sequence([1] * 4, SamplingParams(max_new_tokens=60))      # 64 tokens: 4 blocks
+    fit, never = Engine()._fitting([small, large], [chain])
+    assert fit == [small] and never == [(large, 4, 3)]

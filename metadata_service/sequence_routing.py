@@ -140,13 +140,15 @@ class SequenceRouting:
             else:
                 cancelled = []
                 seqs, never = self._fitting(seqs, live)
-                ids = [c.chain_id for c in live]
+                pools = [(c.manager.pool.num_blocks, c.chain_id) for c in live]
                 beam_chain: dict[int, int] = {}   # a beam group's beams stay on one chain (beam.py forks)
                 for s in seqs:
                     g = s.group if s.group is not None and s.group.beam else None
                     if g is not None and id(g) in beam_chain:
                         cid, route = beam_chain[id(g)], None
-                    else:
+                    else:    # only a chain whose pool can hold it (replicas of different pool sizes)
+                        need = -(-(s.num_prompt_tokens + s.params.max_new_tokens) // self.block_size)
+                        ids = [cid for blocks, cid in pools if blocks >= need] or [cid for _, cid in pools]
                         cid, route = self.router.choose(ids, s.all_token_ids, s.params.max_new_tokens)
                         if g is not None:
                             beam_chain[id(g)] = cid

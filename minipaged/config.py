@@ -69,7 +69,7 @@ class ModelConfig:
             intermediate_size=cfg["intermediate_size"],
             num_hidden_layers=cfg["num_hidden_layers"],
             num_attention_heads=heads,
-            num_key_value_heads=cfg.get("num_key_value_heads", heads),
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,   # null too, as transformers
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             max_position_embeddings=cfg.get("max_position_embeddings", 32768),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
@@ -113,7 +113,7 @@ def rope_field(cfg: dict) -> tuple[str, object]:
 def rope_theta(cfg: dict) -> float:
     """RoPE's base, in transformers' order: the RoPE dict's, then config.json's top level, then 10000."""
     rope = rope_field(cfg)[1]
-    return (rope.get("rope_theta") if isinstance(rope, dict) else None) or cfg.get("rope_theta", 10000.0)
+    return (rope.get("rope_theta") if isinstance(rope, dict) else None) or cfg.get("rope_theta") or 10000.0
 
 
 def parse_rope_scaling(text: str) -> dict:
@@ -176,6 +176,8 @@ def rope_scaling(rope: dict, max_positions: int, source: str, top_original=None)
 REQUIRED_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "max_position_embeddings")
 OPTIONAL_FLOATS = ("rms_norm_eps", "rope_theta")
+NOT_NULL = ("max_position_embeddings", "rms_norm_eps", "vocab_size", "hidden_size", "intermediate_size",
+            "num_hidden_layers", "num_attention_heads")    # (num_key_value_heads, head_dim: null = derived)
 
 
 def _is_int(v) -> bool:
@@ -194,6 +196,12 @@ def check_fields(cfg, source: str) -> None:
         v = cfg.get(key)
         if (key in REQUIRED_INTS or v is not None) and not (_is_int(v) and v > 0):
             raise ValueError(f"{source}: field {key!r} must be a positive integer, got {v!r}")
+    for key in NOT_NULL:            # present as null: transformers refuses these too
+        if key in cfg and cfg[key] is None:
+            raise ValueError(f"{source}: field {key!r} is null; give a number or leave the field out")
+    rope = rope_field(cfg)[1]
+    if cfg.get("rope_theta", 1) is None and not (isinstance(rope, dict) and rope.get("rope_theta")):
+        raise ValueError(f"{source}: field 'rope_theta' is null and no rope_parameters give it")
     for key in OPTIONAL_FLOATS:
         v = cfg.get(key)
         if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0):

@@ -124,3 +124,32 @@ def test_a_request_the_pools_outgrew_ends_with_an_error_instead_of_waiting_forev
     large = Sequence([1] * 4, SamplingParams(max_new_tokens=60))      # 64 tokens: 4 blocks
     fit, never = Engine()._fitting([small, large], [chain])
     assert fit == [small] and never == [(large, 4, 3)]
+
+
+def test_a_request_goes_only_to_a_replica_whose_pool_can_hold_it():
+    """Replicas with pools of 100 and 10 blocks: a 15-block request on the small one was preempted
+    and requeued forever while the large one idled (found by probing)."""
+    import threading
+    from types import SimpleNamespace
+
+    from metadata_service.sequence import SamplingParams, Sequence
+    from metadata_service.sequence_routing import SequenceRouting
+
+    got: dict[int, list] = {1: [], 2: []}
+
+    def chain(cid, blocks):
+        return SimpleNamespace(chain_id=cid, alive=True, role="both", add=got[cid].append,
+                               manager=SimpleNamespace(pool=SimpleNamespace(num_blocks=blocks)))
+
+    class Engine(SequenceRouting):
+        block_size = 4
+    engine = Engine()
+    engine.route_lock, engine.parked = threading.Lock(), []
+    engine.chains = {1: chain(1, 100), 2: chain(2, 10)}
+    engine.router = Router("exact", block_size=4)
+    for cid, blocks in ((1, 100), (2, 10)):
+        engine.router.add_chain(cid, num_blocks=blocks, max_sequences=64)
+    engine._route([Sequence([7, i] * 15, SamplingParams(max_new_tokens=30)) for i in range(6)])   # 15 blocks
+    assert len(got[1]) == 6 and got[2] == []
+    engine._route([Sequence([9, i], SamplingParams(max_new_tokens=6)) for i in range(6)])          # 2 blocks
+    assert got[2]                                                   # small ones may still go there

@@ -196,6 +196,10 @@ def check_fields(cfg, source: str) -> None:
         v = cfg.get(key)
         if (key in REQUIRED_INTS or v is not None) and not (_is_int(v) and v > 0):
             raise ValueError(f"{source}: field {key!r} must be a positive integer, got {v!r}")
+    if quant := cfg.get("quantization_config"):
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+        raise ValueError(f"{source}: a quantized checkpoint ({method}) is not supported: its weights are "
+                         f"integer codes this engine does not compute with; serve the unquantized weights")
     for key in NOT_NULL:            # present as null: transformers refuses these too
         if key in cfg and cfg[key] is None:
             raise ValueError(f"{source}: field {key!r} is null; give a number or leave the field out")

@@ -53,6 +53,12 @@ def _ckpt(tmp_path, cfg) -> str:
     (dict(GOOD, use_sliding_window=True, sliding_window=64, layer_types=["full_attention", "sliding_attention"]),
      "sliding-window attention"),
     (dict(GOOD, rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "rope type 'dynamic' is not supported"),
+    # present as null (transformers refuses these too; a null num_key_value_heads / head_dim is derived)
+    (dict(GOOD, rms_norm_eps=None), "field 'rms_norm_eps' is null"),
+    (dict(GOOD, max_position_embeddings=None), "field 'max_position_embeddings' is null"),
+    (dict(GOOD, rope_theta=None), "field 'rope_theta' is null and no rope_parameters give it"),
+    (dict(GOOD, quantization_config={"quant_method": "bitsandbytes", "load_in_8bit": True}),
+     "quantized checkpoint \\(bitsandbytes\\)"),
 ])
 def test_bad_config_names_the_file_and_field(tmp_path, cfg, match):
     d = _ckpt(tmp_path, cfg)
@@ -61,6 +67,10 @@ def test_bad_config_names_the_file_and_field(tmp_path, cfg, match):
     r = subprocess.run([sys.executable, "-m", "worker", "--model", d, "--standalone"], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and os.path.join(d, "config.json") in r.stderr, r.stderr
+
+
+def test_a_null_num_key_value_heads_is_the_head_count_as_in_transformers(tmp_path):
+    assert load_model_config(_ckpt(tmp_path, dict(GOOD, num_key_value_heads=None, head_dim=None))).num_key_value_heads == 2
 
 
 def test_a_checkpoint_without_weights_is_one_line(tmp_path):
@@ -219,3 +229,25 @@ def test_stop_reason_follows_vllm():
     checker = StopChecker(SimpleNamespace(decode=lambda ids: "".join(chr(97 + i) for i in ids)), ("cd", "zz"))
     assert [checker.push(t) for t in (1, 2, 3)] == [False, False, True] and checker.matched == "cd"
     assert reason([1, 2, 3], checker=checker) == "cd"
+
+
+def test_a_base_model_export_without_the_model_prefix_loads_the_same_weights(tmp_path):
+    """AutoModel / sentence-transformers exports name tensors `layers.0...`, `embed_tokens.weight`
+    (no "model."): transformers loads them, and so does the worker (found by probing)."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.checkpoints import make_checkpoint
+    from worker.weights import load_state_dict, tensor_names
+    d = make_checkpoint(num_layers=2, tie=True, directory=str(tmp_path / "full"))
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in os.listdir(d):
+        if f != "model.safetensors":
+            os.link(os.path.join(d, f), bare / f)
+    state = load_file(os.path.join(d, "model.safetensors"))
+    save_file({k.removeprefix("model."): v.contiguous() for k, v in state.items()}, str(bare / "model.safetensors"))
+    cfg = load_model_config(d)
+    want = load_state_dict(d, cfg, 0, 2)
+    got = load_state_dict(str(bare), cfg, 0, 2)
+    assert sorted(got) == sorted(want) and all(bool((got[k] == want[k]).all()) for k in want)
+    assert "model.embed_tokens.weight" in tensor_names(str(bare))

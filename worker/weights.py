@@ -62,6 +62,15 @@ def tiny_state_dict(config: ModelConfig) -> dict[str, torch.Tensor]:
     return out
 
 
+_BASE_MODEL_NAMES = ("embed_tokens.", "layers.", "norm.")
+
+
+def hf_name(name: str) -> str:
+    """A bare Qwen3Model export (AutoModel / sentence-transformers save_pretrained) names its
+    tensors without the causal LM's "model." prefix; transformers loads both, and so do we."""
+    return "model." + name if name.startswith(_BASE_MODEL_NAMES) else name
+
+
 def stage_needs(name: str, config: ModelConfig, layer_start: int, layer_end: int) -> bool:
     """Is this checkpoint tensor used by the stage serving layers [layer_start, layer_end)?"""
     last = layer_end == config.num_hidden_layers
@@ -159,7 +168,7 @@ def tensor_names(path: str) -> set[str]:
         if fname.endswith(".safetensors"):
             full = os.path.join(path, fname)
             with open(full, "rb") as f:
-                names.update(_header(f, full)[1])
+                names.update(hf_name(n) for n in _header(f, full)[1])
     return names
 
 
@@ -169,13 +178,15 @@ def iter_tensors(path: str, want, log_every_s: float = 5.0):
     progress (bytes read) every log_every_s seconds and the total at the end: a large checkpoint
     takes minutes, and a silent worker looks hung."""
     files = _checkpoint_files(path)
+    wanted = want
+    want = lambda raw: wanted(hf_name(raw))  # noqa: E731  (the names yielded are hf_name's too)
     total = sum(os.path.getsize(os.path.join(path, f)) for f in files)
     done, t0, last = 0, time.monotonic(), time.monotonic()
     for i, fname in enumerate(files):
         full = os.path.join(path, fname)
         if fname.endswith(".safetensors"):
             for name, t in _safetensors_tensors(full, want):
-                yield name, t
+                yield hf_name(name), t
                 done += t.numel() * t.element_size()
                 if time.monotonic() - last >= log_every_s:
                     last = time.monotonic()
@@ -186,7 +197,7 @@ def iter_tensors(path: str, want, log_every_s: float = 5.0):
             sd = torch.load(full, map_location="cpu", weights_only=True, mmap=True)
             for name in [k for k in sd if want(k)]:
                 t = sd.pop(name)
-                yield name, t
+                yield hf_name(name), t
                 done += t.numel() * t.element_size()
             del sd
     log.info("weights loaded: %.0f MB of tensors from %d file(s) in %.1f s", done / 1e6, len(files),

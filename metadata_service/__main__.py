@@ -185,6 +185,8 @@ def _check_numbers(parser, args) -> None:
     for flag, value in (("--block-size", args.block_size), ("--max-num-seqs", args.max_num_seqs)):
         if value < 1:                   # no token / no sequence per step: nothing would ever run
             parser.error(f"{flag} must be >= 1, got {value}")
+    if args.num_blocks < 0:
+        parser.error(f"--num-blocks must be >= 0 (0: the workers' pools), got {args.num_blocks}")
     for flag, value in (("--step-timeout", args.step_timeout), ("--worker-wait", args.worker_wait),
                         ("--grace", args.grace), ("--router-overlap-weight", args.router_overlap_weight)):
         if not value >= 0:

@@ -13,7 +13,8 @@ USAGE = "`python -m metadata_service --port 50051 [--host 127.0.0.1] [--block-si
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog_name("metadata_service"), description=USAGE,
+    # no abbreviations: a sharded front hands its flags on to the shards by their full names
+    p = argparse.ArgumentParser(prog=prog_name("metadata_service"), description=USAGE, allow_abbrev=False,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=DEFAULT_METADATA_PORT, help="0 picks a free port")

@@ -52,6 +52,14 @@ def merge_stats(parts: list[metadata_pb2.StatsReply], front_cpu_s: float) -> met
     return out
 
 
+# gRPC's own words for a connection that went (a shard's status never says these)
+_TRANSPORT = ("Socket closed", "Stream removed", "Connection reset", "failed to connect", "Broken pipe")
+
+
+def _transport_lost(details: str) -> bool:
+    return any(t in details for t in _TRANSPORT)
+
+
 class FrontServicer(FrontJobRpcs, metadata_pb2_grpc.MetadataServiceServicer):
     def __init__(self, shards: ShardSet):
         self.shards = shards
@@ -102,6 +110,10 @@ class FrontServicer(FrontJobRpcs, metadata_pb2_grpc.MetadataServiceServicer):
                 context.send_initial_metadata(((WAITING_KEY, note),))
             yield from stream
         except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNAVAILABLE and _transport_lost(e.details() or ""):
+                # the shard itself went (a transport error, not its own status): say so
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"metadata shard {k} was lost while this request ran "
+                                                           f"({e.details()}); the front restarts it: retry the request")
             if e.code() != grpc.StatusCode.CANCELLED or context.is_active():
                 context.abort(e.code(), e.details())
 

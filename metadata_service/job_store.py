@@ -5,8 +5,10 @@ the prompt, so GetJob/WatchJob work across restarts and every result is stored e
 
 Durability is asked for (`--db PATH`); without it the store lives in memory and dies with the
 process, so unrelated runs never adopt each other's pending work. A file store belongs to one
-process at a time: an exclusive flock on `PATH.lock`, held for the process's life (the kernel drops
-it when the process dies, even by kill -9), names its holder for whoever comes second."""
+process at a time: exclusive flocks on the database file (whatever link names it) and on
+`REALPATH.lock`, held for the process's life (the kernel drops them when the process dies, even by
+kill -9); the lock file names its holder for whoever comes second. Another application's SQLite
+file is refused untouched; a request row that no longer parses ends with an error result."""
 from __future__ import annotations
 
 import contextlib
@@ -16,9 +18,12 @@ import os
 import socket
 import sqlite3
 import threading
+import logging
 import time
 
 from minipaged.v1 import metadata_pb2
+
+log = logging.getLogger("metadata_service.job_store")
 
 MEMORY = ":memory:"
 _SCHEMA = """
@@ -39,23 +44,40 @@ class JobStoreError(Exception):
     """The store cannot be opened: one line that names the file and says what to do."""
 
 
-def _lock(path: str, owner: str):
-    """Take PATH.lock for this process's life, or raise naming the process that holds it."""
-    lock_path = path + ".lock"
-    f = open(lock_path, "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.seek(0)
-        holder = f.read().strip() or "another process"
-        f.close()
-        raise JobStoreError(f"job store {path} is in use by {holder} (lock {lock_path}); stop that service, "
-                            f"or give this one another --db (or none: an in-memory store)") from None
+def _in_use(path: str, holder: str, lock_path: str) -> JobStoreError:
+    return JobStoreError(f"job store {path} is in use by {holder} (lock {lock_path}); stop that service, "
+                         f"or give this one another --db (or none: an in-memory store)")
+
+
+def _lock(path: str, owner: str) -> tuple:
+    """Take the store for this process's life, or raise naming the process that holds it: an
+    exclusive flock on the database file itself (one inode, whatever name a symlink or hard link
+    gives it) and on REALPATH.lock, which holds the owner's words for whoever comes second."""
+    real = os.path.realpath(path)
+    lock_path = real + ".lock"
+    handles = []
+    for name, mode in ((lock_path, "a+"), (real, "ab")):   # (an empty file: SQLite makes a new store of it)
+        try:
+            handles.append(open(name, mode))
+        except OSError as e:
+            for h in handles:
+                h.close()
+            raise JobStoreError(f"--db {path}: cannot open {name} ({e.strerror}); give a writable location") from None
+    f, db = handles
+    for handle in (f, db):
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.seek(0)
+            holder = f.read().strip() or "another process (through another name of the same file)"
+            f.close()
+            db.close()
+            raise _in_use(path, holder, lock_path) from None
     f.seek(0)
     f.truncate()
     f.write(owner)
     f.flush()
-    return f
+    return f, db
 
 
 class JobStore:
@@ -75,6 +97,7 @@ class JobStore:
             self._lockfile = _lock(self.path, owner or f"pid {os.getpid()} on {socket.gethostname()}")
         try:
             self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+            self._refuse_foreign()
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.executescript(_SCHEMA)
@@ -82,6 +105,14 @@ class JobStore:
         except sqlite3.Error as e:
             self._release()
             raise JobStoreError(f"--db {self.path} is not a usable SQLite job store ({e})") from None
+
+    def _refuse_foreign(self) -> None:
+        """Another application's SQLite database is left as it was (no WAL switch, no tables added)."""
+        tables = {row[0] for row in self._db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if tables - {"jobs", "meta", "requests"}:
+            self._db.close()
+            raise sqlite3.DatabaseError(f"a SQLite database of something else (tables: {', '.join(sorted(tables))}); "
+                                        f"nothing was changed: give a new path")
 
     def _migrate(self) -> None:
         cols = {row[1] for row in self._db.execute("PRAGMA table_info(jobs)")}
@@ -94,10 +125,11 @@ class JobStore:
     def set_owner(self, owner: str) -> None:
         """Rewrite the lock file's words (the port is known only once bound)."""
         if self._lockfile is not None:
-            self._lockfile.seek(0)
-            self._lockfile.truncate()
-            self._lockfile.write(owner)
-            self._lockfile.flush()
+            words = self._lockfile[0]
+            words.seek(0)
+            words.truncate()
+            words.write(owner)
+            words.flush()
 
     def create(self, job_id: str, requests: list[metadata_pb2.GenerateRequest], model_name: str = "",
                model_fingerprint: str = "") -> None:
@@ -213,8 +245,22 @@ class JobStore:
             for job_id, name, fp in jobs:
                 rows = self._db.execute("SELECT idx, request FROM requests WHERE job_id = ? AND result IS NULL "
                                         "ORDER BY idx", (job_id,)).fetchall()
-                out.append((job_id, name or default[0], fp or default[1],
-                            [(i, metadata_pb2.GenerateRequest.FromString(b)) for i, b in rows]))
+                out.append((job_id, name or default[0], fp or default[1], self._readable(job_id, rows)))
+        return out
+
+    def _readable(self, job_id: str, rows) -> list:
+        """[(idx, GenerateRequest)]; a row that no longer parses (a damaged file) gets its result at
+        once, an error, so its job can finish and the service start (caller holds the lock)."""
+        out = []
+        for i, blob in rows:
+            try:
+                out.append((i, metadata_pb2.GenerateRequest.FromString(blob)))
+            except Exception as e:  # noqa: BLE001 - protobuf's DecodeError and friends
+                log.warning("job %s request %d in %s is damaged (%s): it ends with an error", job_id, i, self.path, e)
+                bad = metadata_pb2.GenerationResult(index=i, finish_reason="error",
+                                                    error=f"this request was damaged in the job store ({e})")
+                self._db.execute("UPDATE requests SET result = ? WHERE job_id = ? AND idx = ?",
+                                 (bad.SerializeToString(), job_id, i))
         return out
 
     def get_meta(self, key: str) -> str | None:
@@ -228,7 +274,8 @@ class JobStore:
 
     def _release(self) -> None:
         if self._lockfile is not None:
-            self._lockfile.close()  # closing the descriptor drops the flock
+            for handle in self._lockfile:   # closing the descriptors drops the flocks
+                handle.close()
             self._lockfile = None
 
     def close(self) -> None:

@@ -30,7 +30,8 @@ def test_without_db_the_store_is_in_memory_and_writes_no_file(tmp_path, monkeypa
     assert parse_args([]).db == ""          # not a relative data/jobs.db that unrelated runs share
     # durations and weights out of range (NaN too) stop the start with one line, not a silent misbehaviour
     for bad in (["--worker-lease", "0"], ["--step-timeout", "nan"], ["--router-overlap-weight", "-1"],
-                ["--block-size", "0"], ["--max-num-seqs", "0"]):
+                ["--block-size", "0"], ["--max-num-seqs", "0"], ["--num-blocks", "-1"],
+                ["--po", "5"]):      # no abbreviations: a sharded front passes its flags on by full name
         with pytest.raises(SystemExit):
             parse_args(bad)
     store = JobStore(parse_args([]).db)
@@ -47,6 +48,46 @@ def test_a_file_store_has_one_owner_at_a_time(tmp_path):
         JobStore(path)
     first.close()                           # the lock goes with its owner
     JobStore(path).close()
+
+
+def test_another_name_of_the_same_store_is_refused_too(tmp_path):
+    """A symlink or a hard link to a store in use is the same store (found by probing: two services
+    resumed the same jobs through jobs.db and a link to it)."""
+    path = tmp_path / "jobs.db"
+    first = JobStore(str(path), owner="the first service")
+    (tmp_path / "alias.db").symlink_to(path)
+    os.link(path, tmp_path / "hard.db")
+    with pytest.raises(JobStoreError, match="in use by the first service"):
+        JobStore(str(tmp_path / "alias.db"))
+    with pytest.raises(JobStoreError, match="in use by another process"):
+        JobStore(str(tmp_path / "hard.db"))
+    first.close()
+    JobStore(str(tmp_path / "hard.db")).close()
+
+
+def test_another_applications_database_is_left_untouched(tmp_path):
+    path = str(tmp_path / "app.db")
+    with sqlite3.connect(path) as con:
+        con.execute("CREATE TABLE customers (id INTEGER)")
+    with pytest.raises(JobStoreError, match=r"a SQLite database of something else \(tables: customers\)"):
+        JobStore(path)
+    with sqlite3.connect(path) as con:
+        tables = [r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+        assert tables == ["customers"] and con.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
+
+
+def test_a_damaged_request_row_ends_with_an_error_and_the_rest_resume(tmp_path):
+    path = str(tmp_path / "jobs.db")
+    store = JobStore(path)
+    store.create("j", _req(3), "m", "f" * 16)
+    store._db.execute("UPDATE requests SET request = ? WHERE idx = 1", (b"\xff\xff\xff",))
+    store.close()
+    store = JobStore(path)
+    (job_id, _, _, pending), = store.unfinished()
+    assert [i for i, _ in pending] == [0, 2]
+    blob = store._db.execute("SELECT result FROM requests WHERE idx = 1").fetchone()[0]
+    assert "damaged in the job store" in metadata_pb2.GenerationResult.FromString(blob).error
+    store.close()
 
 
 def _service(*args):

@@ -124,6 +124,7 @@ class ShardSet:
         self.lock = threading.Lock()
         self.by_address: dict[str, int] = {}   # worker address -> shard
         self.by_group: dict[str, int] = {}     # replica group (or pipeline stages of the default group) -> shard
+        self._placed = [0] * len(addresses)    # workers sent to each shard since the last Stats poll
         self.on_ready_changed: list = []
         self._ready = False
         self._stop = threading.Event()
@@ -187,6 +188,7 @@ class ShardSet:
                 self.stats[k] = stub.Stats(metadata_pb2.StatsRequest(), timeout=2.0, metadata=self._md)
             except grpc.RpcError:
                 self.stats[k] = None
+            self._placed[k] = 0      # (a worker placed during the call may be counted twice: harmless)
             self.router.polled(k)
         ready = any(s is not None and s.ready for s in self.stats)
         if ready != self._ready:
@@ -203,6 +205,12 @@ class ShardSet:
         return up if any(up) else [1] * len(self.stubs)
 
     # ------------------------------------------------------------------ workers
+    def _workers(self, k: int) -> float:
+        """Shard k's workers as its last Stats counted them (those that left are gone from it),
+        plus those sent there since; a shard that does not answer comes last."""
+        st = self.stats[k]
+        return (float("inf") if st is None and any(self.stats) else (st.num_workers if st else 0)) + self._placed[k]
+
     def shard_for_worker(self, info) -> int:
         """A worker's shard. Stages of one chain must meet in one shard: a named replica group stays in
         one, and so do the default group's pipeline stages and prefill/decode workers (their K/V moves
@@ -215,10 +223,8 @@ class ShardSet:
             if key is not None and key in self.by_group:
                 k = self.by_group[key]
             else:
-                load = [0] * len(self.stubs)
-                for s in self.by_address.values():
-                    load[s] += 1
-                k = min(range(len(self.stubs)), key=lambda i: (load[i], i))
+                k = min(range(len(self.stubs)), key=lambda i: (self._workers(i), i))
+                self._placed[k] += 1
                 if key is not None:
                     self.by_group[key] = k
             self.by_address[info.address] = k

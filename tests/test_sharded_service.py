@@ -56,6 +56,7 @@ def test_stages_of_a_chain_meet_in_one_shard_and_whole_workers_spread():
     shards = ShardSet.__new__(ShardSet)
     shards.stubs, shards.lock = [None] * 3, __import__("threading").Lock()
     shards.by_address, shards.by_group = {}, {}
+    shards.stats, shards._placed = [None] * 3, [0] * 3
 
     def info(address, start, end, group="", role="both"):
         return SimpleNamespace(address=address, layer_start=start, layer_end=end, num_layers=4,
@@ -69,6 +70,11 @@ def test_stages_of_a_chain_meet_in_one_shard_and_whole_workers_spread():
     roles = {shards.shard_for_worker(info(f"p{r}", 0, 4, role=r)) for r in ("prefill", "decode")}
     assert roles == stages   # prefill and decode workers of the default group: one shard, K/V moves stay in it
     assert shards.shard_for_worker(info("w1", 0, 4)) == whole[1]   # registering again: the same shard
+    # the shards' own Stats count workers: one whose worker left takes the next one (found by
+    # probing: counts of every address ever placed sent it to a busy shard, the empty one's work waited)
+    shards.stats = [SimpleNamespace(num_workers=n) for n in (3, 0, 4)]
+    shards._placed = [0, 0, 0]
+    assert shards.shard_for_worker(info("new", 0, 4)) == 1
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ snapshots are the shards' merged; the block API is shard 0's. The front keeps no
 restart would lose: job ids say how they were split, worker ids say their shard."""
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -190,6 +191,22 @@ class FrontServicer(FrontJobRpcs, metadata_pb2_grpc.MetadataServiceServicer):
                              metadata_pb2.DeregisterWorkerRequest(worker_id=where[1]), context)
 
 
+def _shard_stores_problem(db: str, shards: int) -> str | None:
+    """Why the shards' job stores (--db PATH: PATH.shardK each) cannot open, in one line, or None.
+    Each is opened and closed here: a missing directory, a store in use, a foreign file."""
+    if not db:
+        return None
+    if os.path.isdir(db):
+        return f"--db {db} is a directory; give a file path, e.g. {db}/jobs.db (the shards use PATH.shardK)"
+    from .job_store import JobStore, JobStoreError
+    for k in range(shards):
+        try:
+            JobStore(f"{db}.shard{k}", owner="a sharded front checking its stores").close()
+        except JobStoreError as e:
+            return str(e)
+    return None
+
+
 def run_front(args, argv: list[str], serve, wait_for_signal, log) -> int:
     """main() of a sharded service: start (or reach) the shards, serve the one address, stop them."""
     from grpc_health.v1 import health_pb2
@@ -198,6 +215,10 @@ def run_front(args, argv: list[str], serve, wait_for_signal, log) -> int:
     from minipaged.rpc import DecodeGuardInterceptor
     procs, addresses = None, [a for a in args.shard_addresses.split(",") if a]
     if not addresses:
+        why = _shard_stores_problem(args.db, args.shards)
+        if why:      # each shard would fail on it, and be started again, for a minute
+            print(f"error: {why}", file=sys.stderr, flush=True)
+            return 1
         try:
             procs = ShardProcesses(args.shards, argv, args.db, metrics=args.metrics_port >= 0)
         except RuntimeError as e:

@@ -107,6 +107,11 @@ def test_a_bad_db_path_is_one_line_naming_the_file(tmp_path):
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and str(path) in lines[0] and words in lines[0], r.stderr
     assert not missing.parent.exists()      # nothing created on the way
+    # a sharded front checks its shards' stores first (each shard would fail, and restart, for a minute)
+    for path, words in ((missing, "does not exist"), (tmp_path, "is a directory")):
+        r = _service("--shards", "2", "--db", str(path))
+        assert r.returncode == 1 and "Traceback" not in r.stderr and words in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 def test_a_store_from_before_the_model_columns_is_upgraded(tmp_path):

@@ -78,6 +78,11 @@ def merge_jobs(job_id: str, parts: list[tuple[int, metadata_pb2.Job]], counts: l
                             results=results, created=min(p.created for _, p in parts))
 
 
+def _lost_part(job_id: str, k: int, counts: list[int]) -> str:
+    return (f"job {clip(job_id)}: its part on shard {k} ({counts[k]} requests) is gone: that shard restarted "
+            f"without a job store (--db); delete the job and submit again")
+
+
 class FrontJobRpcs:
     """SubmitJob .. WatchJob of FrontServicer; uses its `shards`, `_forward` and `_each`."""
 
@@ -106,10 +111,14 @@ class FrontJobRpcs:
             context.abort(grpc.StatusCode.NOT_FOUND, f"unknown job id {clip(job_id)}")
         answers = self._each({k: metadata_pb2.JobRequest(job_id=job_id) for k, n in enumerate(counts) if n},
                              method, context)
-        for a in answers.values():
-            if isinstance(a, grpc.RpcError):
+        lost = [k for k, a in answers.items() if isinstance(a, grpc.RpcError) and a.code() == grpc.StatusCode.NOT_FOUND]
+        if lost and len(lost) < len(answers) and method != "DeleteJob":
+            # a shard that restarted without --db forgot its part: the job is known, part of it is gone
+            context.abort(grpc.StatusCode.DATA_LOSS, _lost_part(job_id, lost[0], counts))
+        for k, a in answers.items():
+            if isinstance(a, grpc.RpcError) and not (method == "DeleteJob" and k in lost and len(lost) < len(answers)):
                 context.abort(a.code(), a.details())
-        return sorted(answers.items()), counts
+        return sorted((k, a) for k, a in answers.items() if not isinstance(a, grpc.RpcError)), counts
 
     def GetJob(self, request, context):
         return merge_jobs(request.job_id, *self._parts(request.job_id, "GetJob", context))
@@ -137,8 +146,10 @@ class FrontJobRpcs:
                 context.abort(a.code(), a.details())
             for j in a.jobs:
                 parts.setdefault(j.job_id, []).append((k, j))
+        # the total is the id's (a part a restarted shard forgot still counts: it will never complete)
         jobs = [metadata_pb2.Job(job_id=i, state=merged_state([j.state for _, j in ps]),
-                                 total=sum(j.total for _, j in ps), completed=sum(j.completed for _, j in ps),
+                                 total=sum(parse_job_id(i, len(self.shards)) or [j.total for _, j in ps]),
+                                 completed=sum(j.completed for _, j in ps),
                                  created=min(j.created for _, j in ps)) for i, ps in parts.items()]
         jobs = [j for j in jobs if not request.state or j.state == request.state]
         jobs.sort(key=lambda j: -j.created)
@@ -179,6 +190,8 @@ class FrontJobRpcs:
                     open_parts.discard(k)
                     continue
                 if isinstance(msg, grpc.RpcError):
+                    if msg.code() == grpc.StatusCode.NOT_FOUND and len(streams) > 1:
+                        context.abort(grpc.StatusCode.DATA_LOSS, _lost_part(request.job_id, k, counts))
                     context.abort(msg.code(), msg.details())
                 latest[k] = msg
                 states = [latest[i].state if i in latest else "queued" for i in streams]

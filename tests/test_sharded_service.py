@@ -309,3 +309,37 @@ def test_a_finished_stream_leaves_its_shards_load_at_once():
     r.finished(home, blocks)
     assert r.routed == [0.0, 0.0]
     assert r.choose(history, stats)[0] == home
+
+
+def test_a_part_forgotten_by_a_restarted_shard_is_data_loss_not_an_unknown_job():
+    """A shard restarted without --db forgets its part: GetJob said "unknown job id" for an id it
+    had just issued, and ListJobs showed a smaller total (found by probing)."""
+    from metadata_service.front_jobs import FrontJobRpcs
+    from minipaged.v1 import metadata_pb2
+
+    class Gone(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.NOT_FOUND
+
+        def details(self):
+            return "unknown job id"
+
+    class Aborted(Exception):
+        pass
+
+    class Context:
+        def abort(self, code, details):
+            raise Aborted(code, details)
+
+    job_id = "abc_2_2"
+    part = metadata_pb2.Job(job_id=job_id, state="done", total=2, completed=2, created=1.0)
+    front = FrontJobRpcs()
+    front.shards = [None, None]
+    front._each = lambda calls, method, context: {0: part, 1: Gone()} if method != "ListJobs" else \
+        {0: metadata_pb2.JobList(jobs=[part]), 1: metadata_pb2.JobList()}
+    with pytest.raises(Aborted) as e:
+        front.GetJob(metadata_pb2.JobRequest(job_id=job_id), Context())
+    assert e.value.args[0] == grpc.StatusCode.DATA_LOSS and "part on shard 1 (2 requests) is gone" in e.value.args[1]
+    front.DeleteJob(metadata_pb2.JobRequest(job_id=job_id), Context())          # the parts left go
+    [listed] = front.ListJobs(metadata_pb2.ListJobsRequest(), Context()).jobs
+    assert (listed.total, listed.completed) == (4, 2)

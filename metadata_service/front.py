@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 
 import grpc
@@ -19,6 +20,7 @@ from .front_jobs import FrontJobRpcs
 from .shards import ShardSet
 from .workers import clip
 
+RECENT_S = 5.0            # a registration counts this long before the shards' polled Stats show it
 CHAIN_ID_STRIDE = 1000   # shard k's chain c is chain k * 1000 + c in Stats and pool snapshots
 SUMMED = ("num_blocks", "used_blocks", "free_blocks", "cached_blocks", "internal_fragmentation_tokens",
           "running", "waiting", "preemptions", "prefix_cache_queries", "prefix_cache_hits", "steps",
@@ -64,6 +66,10 @@ def _transport_lost(details: str) -> bool:
 class FrontServicer(FrontJobRpcs, metadata_pb2_grpc.MetadataServiceServicer):
     def __init__(self, shards: ShardSet):
         self.shards = shards
+        # registrations are decided one at a time, and those the shards' Stats may not show yet are
+        # remembered a while: two workers of different models registering at once both got in
+        self._registering = threading.Lock()
+        self._recent: list[tuple[float, str, str]] = []    # (when, fingerprint, model) of accepted workers
 
     # ------------------------------------------------------------------ forwarding
     @staticmethod
@@ -161,14 +167,19 @@ class FrontServicer(FrontJobRpcs, metadata_pb2_grpc.MetadataServiceServicer):
     # ------------------------------------------------------------------ workers
     def RegisterWorker(self, request, context):
         info = request.info
-        for s in self.shards.stats:  # every shard serves one model: a worker of another is refused here
-            if s is not None and s.model_fingerprint and s.model_fingerprint != info.model_fingerprint:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"model mismatch: worker {clip(info.address)} serves {clip(info.model_name)} "
-                              f"(fingerprint {info.model_fingerprint[:12]}) but this service serves "
-                              f"{clip(s.model)} (fingerprint {s.model_fingerprint[:12]})")
-        k = self.shards.shard_for_worker(info)
-        reply = self._forward(k, "RegisterWorker", request, context)
+        with self._registering:
+            now = time.monotonic()
+            self._recent = [r for r in self._recent if now - r[0] < RECENT_S]
+            served = [(s.model_fingerprint, s.model) for s in self.shards.stats if s is not None and s.model_fingerprint]
+            for fp, model in served + [(fp, model) for _, fp, model in self._recent]:
+                if fp != info.model_fingerprint:   # every shard serves one model: a worker of another is refused
+                    context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"model mismatch: worker {clip(info.address)} serves {clip(info.model_name)} "
+                                  f"(fingerprint {info.model_fingerprint[:12]}) but this service serves "
+                                  f"{clip(model)} (fingerprint {fp[:12]})")
+            k = self.shards.shard_for_worker(info)
+            reply = self._forward(k, "RegisterWorker", request, context)
+            self._recent.append((now, info.model_fingerprint, info.model_name))
         reply.worker_id = f"{k}/{reply.worker_id}"
         return reply
 

@@ -343,3 +343,29 @@ def test_a_part_forgotten_by_a_restarted_shard_is_data_loss_not_an_unknown_job()
     front.DeleteJob(metadata_pb2.JobRequest(job_id=job_id), Context())          # the parts left go
     [listed] = front.ListJobs(metadata_pb2.ListJobsRequest(), Context()).jobs
     assert (listed.total, listed.completed) == (4, 2)
+
+
+def test_two_workers_of_different_models_registering_at_once_are_not_both_taken():
+    """The shards' Stats are polled every 0.5 s: a second model's worker registering before they
+    showed the first got in, and the front served two models (found by probing)."""
+    from metadata_service.front import FrontServicer
+    from minipaged.v1 import metadata_pb2, worker_pb2
+
+    class Refused(Exception):
+        pass
+
+    class Context:
+        def abort(self, code, details):
+            raise Refused(code, details)
+
+    shards = SimpleNamespace(stats=[None, None], shard_for_worker=lambda info: int(info.address[-1]) % 2)
+    front = FrontServicer(shards)
+    front._forward = lambda k, method, request, context: metadata_pb2.RegisterWorkerReply(worker_id="w")
+
+    def register(address, fp):
+        info = worker_pb2.WorkerInfo(address=address, model_name=fp, model_fingerprint=fp)
+        return front.RegisterWorker(metadata_pb2.RegisterWorkerRequest(info=info), Context())
+    assert register("h:1", "aaaa").worker_id == "1/w"
+    with pytest.raises(Refused, match="model mismatch"):
+        register("h:2", "bbbb")
+    assert register("h:4", "aaaa").worker_id == "0/w"

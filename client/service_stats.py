@@ -55,6 +55,8 @@ class Stats:
     kv_moved_blocks: int = 0           # the blocks they moved,
     kv_move_failures: int = 0          # and moves that failed (those prompts recomputed)
     max_waiting: int = 0               # --max-waiting: a call with more requests is refused
+    block_api_blocks: int = 0          # the block API's own pool,
+    block_api_used_blocks: int = 0     # and the blocks its callers hold
 
     @classmethod
     def from_proto(cls, r: pb.StatsReply) -> "Stats":

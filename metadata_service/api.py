@@ -198,6 +198,7 @@ class MetadataServicer(JobRpcs, metadata_pb2_grpc.MetadataServiceServicer):
             metadata_cpu_seconds=time.process_time(), model=self.engine.model_name,
             max_model_len=self.engine.max_model_len, model_fingerprint=self.engine.model_fingerprint,
             model_shape=self.engine.model_shape, tier_block_bytes=st["tier_block_bytes"], max_waiting=self.max_waiting,
+            block_api_blocks=st["block_api_blocks"], block_api_used_blocks=st["block_api_used_blocks"],
             **{k: st[k] for k in ("tier_blocks", "tier_used_blocks", "tier_queries", "tier_hits",
                                   "tier_saved_blocks", "tier_loaded_blocks", "kv_moves", "kv_moved_blocks",
                                   "kv_move_failures")})

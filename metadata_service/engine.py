@@ -135,6 +135,7 @@ class Engine(SequenceRouting, ChainUpkeep, ServedModel):
                 "kv_moved_blocks", "kv_move_failures")
         api = self.default_manager.stats()         # the block API's pool (the seed's API)
         st = {k: sum(c.get(k, 0) for c in chains) for k in keys}
+        st.update(block_api_blocks=api["num_blocks"], block_api_used_blocks=api["used_blocks"])
         if not chains:                             # the pool Stats shows until a chain forms
             st.update({k: v for k, v in api.items() if k in keys and k not in COUNTERS})
         else:

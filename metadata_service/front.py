@@ -39,6 +39,8 @@ def merge_stats(parts: list[metadata_pb2.StatsReply], front_cpu_s: float) -> met
     for name in FIRST:
         setattr(out, name, next((getattr(p, name) for p in ready if getattr(p, name)), getattr(out, name)))
     out.metadata_cpu_seconds += front_cpu_s
+    if parts:                                      # the block API is shard 0's
+        out.block_api_blocks, out.block_api_used_blocks = parts[0].block_api_blocks, parts[0].block_api_used_blocks
     out.ready = any(p.ready for p in parts)
     out.invariants_ok = all(p.invariants_ok for p in parts)
     out.cache_epoch = max((p.cache_epoch for p in parts), default=0)

@@ -188,6 +188,7 @@ def test_stats_count_block_api_sequences_once_and_its_counters_for_good():
     engine = Engine(block_size=4, default_num_blocks=64)
     servicer = MetadataServicer.__new__(MetadataServicer)          # only what Stats reads
     servicer.engine, servicer.block_api = engine, BlockApi(engine.default_manager, threading.Lock())
+    servicer.max_waiting = 4096
     for sid in (1, 2):
         engine.default_manager.create_and_append(sid, np.arange(1, 10, dtype=np.int32), 9)
     st = servicer.Stats(None, None)

@@ -190,7 +190,10 @@ def test_the_block_api_is_shard_zeros(sharded):
     stub = metadata_pb2_grpc.MetadataServiceStub(grpc.insecure_channel(sharded.address))
     got = stub.CreateSequence(metadata_pb2.CreateSequenceRequest(sequence_id=77, num_tokens=9))
     assert got.sequence_id == 77 and got.sequence_length == 9
+    st = sharded.client.stats()     # with chains up the pool figures are theirs: the block API's own
+    assert st.block_api_used_blocks == 3 and st.block_api_blocks >= 3 and st.num_chains == 2
     assert stub.ReleaseSequence(metadata_pb2.ReleaseSequenceRequest(sequence_id=77)).freed_blocks == 3
+    assert sharded.client.stats().block_api_used_blocks == 0
     settle(sharded.client)
 
 

@@ -101,7 +101,7 @@ def test_a_bad_db_path_is_one_line_naming_the_file(tmp_path):
     junk = tmp_path / "notes.txt"
     junk.write_text("not a database\n")
     for path, words in ((missing, "does not exist"), (junk, "not a usable SQLite job store"),
-                        (tmp_path, "is a directory")):
+                        (tmp_path, "is a directory"), ("/proc/minipaged-jobs.db", "cannot open")):   # unwritable
         r = _service("--db", str(path))
         assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
         lines = r.stderr.strip().splitlines()

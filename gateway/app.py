@@ -234,7 +234,7 @@ async def _chat_completions(gw: Gateway, request: Request):
     kw.update(_forced_tool_kwargs(tools, kw))
     output = OutputOptions(reasoning=gw.config.reasoning_parser == "qwen3" and gw.template.thinks,
                            reasoning_open=rs.prompt_opens_reasoning(prompt), tools=tools,
-                           include_reasoning=req.include_reasoning, think_ids=rs.tag_ids(gw.tokenizer))
+                           include_reasoning=req.include_reasoning, think_ids=gw.think_ids)
     if output.reasoning and not req.include_reasoning:
         kw.pop("logprobs", None)      # vLLM's rule: hidden reasoning must not leak through the logprobs
     rid = oa.new_id("chatcmpl")

@@ -115,6 +115,14 @@ class Gateway:
                                     f"`{self.model_name}` (GET /v1/models).", "invalid_request_error",
                                "model", "model_not_found")
 
+    @property
+    def think_ids(self) -> tuple:
+        """The tokenizer's ids of <think> / </think> (reasoning_tokens), found once per tokenizer."""
+        tok, known = self.tokenizer, getattr(self, "_think_ids", None)
+        if known is None or known[0] is not tok:
+            known = self._think_ids = (tok, rs.tag_ids(tok))
+        return known[1]
+
     def token_text_for(self, req) -> TokenStrings:
         as_ids = req.return_tokens_as_token_ids
         return TokenStrings(_token_id_text if as_ids else self.token_text, self.tokenizer, as_ids)

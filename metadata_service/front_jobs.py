@@ -112,11 +112,11 @@ class FrontJobRpcs:
         answers = self._each({k: metadata_pb2.JobRequest(job_id=job_id) for k, n in enumerate(counts) if n},
                              method, context)
         lost = [k for k, a in answers.items() if isinstance(a, grpc.RpcError) and a.code() == grpc.StatusCode.NOT_FOUND]
-        if lost and len(lost) < len(answers) and method != "DeleteJob":
-            # a shard that restarted without --db forgot its part: the job is known, part of it is gone
+        partial = 0 < len(lost) < len(answers)   # the job is known; a shard restarted without --db forgot a part
+        if partial and method != "DeleteJob":    # (deleting: the parts left go)
             context.abort(grpc.StatusCode.DATA_LOSS, _lost_part(job_id, lost[0], counts))
         for k, a in answers.items():
-            if isinstance(a, grpc.RpcError) and not (method == "DeleteJob" and k in lost and len(lost) < len(answers)):
+            if isinstance(a, grpc.RpcError) and not (partial and k in lost):
                 context.abort(a.code(), a.details())
         return sorted((k, a) for k, a in answers.items() if not isinstance(a, grpc.RpcError)), counts
 

@@ -44,11 +44,6 @@ class JobStoreError(Exception):
     """The store cannot be opened: one line that names the file and says what to do."""
 
 
-def _in_use(path: str, holder: str, lock_path: str) -> JobStoreError:
-    return JobStoreError(f"job store {path} is in use by {holder} (lock {lock_path}); stop that service, "
-                         f"or give this one another --db (or none: an in-memory store)")
-
-
 def _lock(path: str, owner: str) -> tuple:
     """Take the store for this process's life, or raise naming the process that holds it: an
     exclusive flock on the database file itself (one inode, whatever name a symlink or hard link
@@ -72,12 +67,17 @@ def _lock(path: str, owner: str) -> tuple:
             holder = f.read().strip() or "another process (through another name of the same file)"
             f.close()
             db.close()
-            raise _in_use(path, holder, lock_path) from None
+            raise JobStoreError(f"job store {path} is in use by {holder} (lock {lock_path}); stop that service, "
+                                f"or give this one another --db (or none: an in-memory store)") from None
+    _write_owner(f, owner)
+    return f, db
+
+
+def _write_owner(f, owner: str) -> None:
     f.seek(0)
     f.truncate()
     f.write(owner)
     f.flush()
-    return f, db
 
 
 class JobStore:
@@ -125,11 +125,7 @@ class JobStore:
     def set_owner(self, owner: str) -> None:
         """Rewrite the lock file's words (the port is known only once bound)."""
         if self._lockfile is not None:
-            words = self._lockfile[0]
-            words.seek(0)
-            words.truncate()
-            words.write(owner)
-            words.flush()
+            _write_owner(self._lockfile[0], owner)
 
     def create(self, job_id: str, requests: list[metadata_pb2.GenerateRequest], model_name: str = "",
                model_fingerprint: str = "") -> None:

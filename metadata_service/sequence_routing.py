@@ -15,6 +15,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from .block_append import blocks_for_tokens
 from .sequence import SeqEvent, Sequence, SeqStatus
 from .step_channel import data_address
 
@@ -139,15 +140,14 @@ class SequenceRouting:
                 cancelled = [s for s in seqs if s.abort_requested]
             else:
                 cancelled = []
-                seqs, never = self._fitting(seqs, live)
+                fit, never = self._fitting(seqs, live)
                 pools = [(c.manager.pool.num_blocks, c.chain_id) for c in live]
                 beam_chain: dict[int, int] = {}   # a beam group's beams stay on one chain (beam.py forks)
-                for s in seqs:
+                for s, need in fit:
                     g = s.group if s.group is not None and s.group.beam else None
                     if g is not None and id(g) in beam_chain:
                         cid, route = beam_chain[id(g)], None
-                    else:    # only a chain whose pool can hold it (replicas of different pool sizes)
-                        need = -(-(s.num_prompt_tokens + s.params.max_new_tokens) // self.block_size)
+                    else:    # only a chain whose pool can hold it (an aborted one that fits none: any)
                         ids = [cid for blocks, cid in pools if blocks >= need] or [cid for _, cid in pools]
                         cid, route = self.router.choose(ids, s.all_token_ids, s.params.max_new_tokens)
                         if g is not None:
@@ -164,13 +164,13 @@ class SequenceRouting:
     def _fitting(self, seqs: list[Sequence], live: list) -> tuple[list, list]:
         """Admission checked a request against the pools of its time; one restored from the job
         store, or rerouted after its chain was lost, may meet smaller ones, where it would wait
-        forever. (those that fit, [(those that never can, blocks needed, largest pool)])"""
+        forever. ([(those that fit, blocks needed)], [(those that never can, blocks needed, largest pool)])"""
         pool = max(c.manager.pool.num_blocks for c in live)
-        bs, fit, never = self.block_size, [], []
+        fit, never = [], []
         for s in seqs:
-            need = -(-(s.num_prompt_tokens + s.params.max_new_tokens) // bs)
+            need = blocks_for_tokens(s.num_prompt_tokens + s.params.max_new_tokens, self.block_size)
             if need <= pool or s.abort_requested:
-                fit.append(s)
+                fit.append((s, need))
             else:
                 never.append((s, need, pool))
         return fit, never

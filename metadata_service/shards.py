@@ -209,7 +209,9 @@ class ShardSet:
         """Shard k's workers as its last Stats counted them (those that left are gone from it),
         plus those sent there since; a shard that does not answer comes last."""
         st = self.stats[k]
-        return (float("inf") if st is None and any(self.stats) else (st.num_workers if st else 0)) + self._placed[k]
+        if st is None:
+            return float("inf") if any(self.stats) else self._placed[k]
+        return st.num_workers + self._placed[k]
 
     def shard_for_worker(self, info) -> int:
         """A worker's shard. Stages of one chain must meet in one shard: a named replica group stays in

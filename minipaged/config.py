@@ -176,8 +176,9 @@ def rope_scaling(rope: dict, max_positions: int, source: str, top_original=None)
 REQUIRED_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "max_position_embeddings")
 OPTIONAL_FLOATS = ("rms_norm_eps", "rope_theta")
-NOT_NULL = ("max_position_embeddings", "rms_norm_eps", "vocab_size", "hidden_size", "intermediate_size",
-            "num_hidden_layers", "num_attention_heads")    # (num_key_value_heads, head_dim: null = derived)
+# optional fields that may not be null (the required ones are checked as positive integers; a null
+# num_key_value_heads or head_dim is derived, as transformers derives it)
+NOT_NULL = ("max_position_embeddings", "rms_norm_eps")
 
 
 def _is_int(v) -> bool:

@@ -123,7 +123,7 @@ def test_a_request_the_pools_outgrew_ends_with_an_error_instead_of_waiting_forev
     small = Sequence([1] * 4, SamplingParams(max_new_tokens=40))      # 44 tokens: 3 blocks
     large = Sequence([1] * 4, SamplingParams(max_new_tokens=60))      # 64 tokens: 4 blocks
     fit, never = Engine()._fitting([small, large], [chain])
-    assert fit == [small] and never == [(large, 4, 3)]
+    assert fit == [(small, 3)] and never == [(large, 4, 3)]
 
 
 def test_a_request_goes_only_to_a_replica_whose_pool_can_hold_it():

@@ -206,7 +206,7 @@ async def _completions(gw: Gateway, request: Request):
     items = [{**kw, **p} for p in prompts]
     if req.max_tokens is None:    # OpenAI's default 16, within the context as vLLM keeps it
         for item in items:
-            item["max_new_tokens"] = _within_context(gw, item["max_new_tokens"], _prompt_len(gw, item))
+            item["max_new_tokens"] = _within_context(gw, item["max_new_tokens"], gw.prompt_len(item))
     rid = oa.new_id("cmpl")
     stream = gw.generate_stream(items, req.n, t0, whole=not req.stream)
     if req.stream:
@@ -327,14 +327,7 @@ def _default_max_tokens(gw: Gateway, prompt: str, beams: bool = False) -> int:
     limit = gw.config.default_max_tokens
     if limit is None:
         limit = DEFAULT_CHAT_MAX_TOKENS if beams else gw.sampling_defaults.get("max_tokens", DEFAULT_CHAT_MAX_TOKENS)
-    return _within_context(gw, limit, _prompt_len(gw, {"prompt": prompt}))
-
-
-def _prompt_len(gw: Gateway, item: dict) -> int | None:
-    """A prompt's length in tokens, when the gateway can know it (token ids, or text and a tokenizer)."""
-    if "prompt_token_ids" in item:
-        return len(item["prompt_token_ids"])
-    return len(gw.tokenizer.encode(item["prompt"])) if gw.tokenizer is not None else None
+    return _within_context(gw, limit, gw.prompt_len({"prompt": prompt}))
 
 
 def _within_context(gw: Gateway, limit: int, prompt_len: int | None) -> int:

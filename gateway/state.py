@@ -123,6 +123,12 @@ class Gateway:
             known = self._think_ids = (tok, rs.tag_ids(tok))
         return known[1]
 
+    def prompt_len(self, item: dict) -> int | None:
+        """A prompt's length in tokens, when the gateway can know it (token ids, or text and a tokenizer)."""
+        if "prompt_token_ids" in item:
+            return len(item["prompt_token_ids"])
+        return len(self.tokenizer.encode(item["prompt"])) if self.tokenizer is not None else None
+
     def token_text_for(self, req) -> TokenStrings:
         as_ids = req.return_tokens_as_token_ids
         return TokenStrings(_token_id_text if as_ids else self.token_text, self.tokenizer, as_ids)
@@ -216,7 +222,7 @@ class Gateway:
         end = object()
 
         async def pump(p: int, kw: dict) -> None:
-            obs = _Observed(self, t0, n)
+            obs = _Observed(self, t0, n, lambda: self.prompt_len(kw))
             agen = None
             try:  # (a failure to even start the stream must reach the consumer too, or it waits forever)
                 async with self.stream_slots:
@@ -260,8 +266,9 @@ def _token_id_text(token_id: int) -> str:
 class _Observed:
     """Per prompt: TTFT, inter-token latency, e2e latency, tokens and finish reasons."""
 
-    def __init__(self, gw: Gateway, t0: float, choices: int = 1):
+    def __init__(self, gw: Gateway, t0: float, choices: int = 1, prompt_len=lambda: None):
         self.gw, self.m, self.model, self.t0 = gw, gw.metrics, gw.model_name, t0
+        self.prompt_len = prompt_len   # for a stream left early, before the service's final usage
         self.first: float | None = None
         self.last: dict[int, float] = {}
         self.prompt_tokens = 0
@@ -305,7 +312,10 @@ class _Observed:
 
     def abort(self) -> None:
         """A prompt whose stream ended early (the client left, or an error): its tokens so far count,
-        and its unfinished choices as "abort", vLLM's reason for them."""
+        and its unfinished choices as "abort", vLLM's reason for them. Its prompt counts once its
+        first token came (as vLLM counts it): the final usage that would have said so never will."""
+        if not self.prompt_tokens and self.first is not None:
+            self.prompt_tokens = self.prompt_len() or 0
         self.finished += ["abort"] * (self.choices - len(self.finished))
         self.finish()
 

@@ -264,7 +264,7 @@ def gateway_counts(cluster) -> dict:
     text = httpx.get(cluster.http_url + "/metrics").text
     return {(s.name, s.labels.get("finished_reason", "")): s.value for f in text_string_to_metric_families(text)
             for s in f.samples if s.name in ("vllm:request_success_total", "vllm:generation_tokens_total",
-                                             "vllm:e2e_request_latency_seconds_count")}
+                                             "vllm:e2e_request_latency_seconds_count", "vllm:prompt_tokens_total")}
 
 
 def test_client_disconnect_frees_blocks(cluster, ckpt):
@@ -297,6 +297,8 @@ def test_client_disconnect_frees_blocks(cluster, ckpt):
     assert delta[("vllm:request_success_total", "abort")] == 2
     assert delta[("vllm:e2e_request_latency_seconds_count", "")] == 2
     assert delta[("vllm:generation_tokens_total", "")] > 0
+    # the stream's 4 prompt tokens count from its first token, as vLLM counts them (no final usage came)
+    assert delta[("vllm:prompt_tokens_total", "")] >= 4
 
 
 # ---------------------------------------------------------------- features waiting for the server

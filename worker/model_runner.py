@@ -66,6 +66,10 @@ class ModelRunner:
         # activations between them in float32 (dtype_choice.py says why); the stage computes in float32
         self.mixed_bf16 = (self.device.type == "cpu" and self.dtype == torch.bfloat16 and backend == "torch"
                            and cpu_bf16_mode())
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16 and not self.mixed_bf16:
+            log.warning("--dtype bfloat16 on a CPU without bfloat16 instructions (AVX512_BF16 / AMX) or the "
+                        "compiled kernels: torch's own bfloat16 kernels run, several times slower than float32 "
+                        "here (--dtype auto picks float32 on this CPU)")
         compute = torch.float32 if self.mixed_bf16 else self.dtype
         self.stage = Qwen3Stage(self.config, layer_start, layer_end, compute, self.device, backend,
                                 matrix_dtype=torch.bfloat16 if self.mixed_bf16 else None)

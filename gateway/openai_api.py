@@ -9,11 +9,11 @@ from .openai_requests import (CHAT_ROLES, DEFAULT_COMPLETION_MAX_TOKENS, ChatCom
                               completion_prompts, sampling_kwargs)
 from .openai_responses import (FINISH_REASONS, Choice, chat_chunk, chat_logprobs, chat_response, chat_usage,
                                completion_chunk,
-                               completion_logprobs, completion_response, echo_logprobs, join_logprobs, new_id,
+                               completion_logprobs, completion_response, echo_logprobs, join_logprobs, logprobs_end, new_id,
                                prompt_logprobs_of, total_usage, usage_chunk, usage_dict)
 
 __all__ = ["CHAT_ROLES", "DEFAULT_COMPLETION_MAX_TOKENS", "ChatCompletionRequest", "ChatMessage", "CompletionRequest",
            "StreamOptions", "chat_kwargs", "chat_messages", "completion_kwargs", "completion_prompts",
            "sampling_kwargs", "FINISH_REASONS", "Choice", "chat_chunk", "chat_logprobs", "chat_response", "chat_usage",
-           "completion_chunk", "completion_logprobs", "completion_response", "echo_logprobs", "join_logprobs",
+           "completion_chunk", "completion_logprobs", "completion_response", "echo_logprobs", "join_logprobs", "logprobs_end",
            "new_id", "prompt_logprobs_of", "total_usage", "usage_chunk", "usage_dict"]

@@ -61,49 +61,63 @@ def total_usage(per_prompt: list[list[Choice]]) -> dict:
 
 # ---------------------------------------------------------------- logprobs
 
-def completion_logprobs(choice: Choice, token_text, offset0: int = 0) -> dict | None:
-    """OpenAI legacy completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
+def completion_logprobs(choice: Choice, token_text, offset0: int = 0, context=()) -> dict | None:
+    """OpenAI legacy completions logprobs: tokens, token_logprobs, top_logprobs, text_offset.
+    `context`: the choice's tokens before these (a stream's earlier chunks). Offsets count the token
+    strings, as vLLM's do."""
     if not choice.logprobs:
         return None
-    tokens = [token_text(t) for t in choice.token_ids]
-    offsets, pos = [], offset0
-    for t in tokens:
-        offsets.append(pos)
-        pos += len(t)
-    top = [_top_row(t, lp, choice.top[k] if k < len(choice.top or ()) else {}, token_text)
+    ids = list(context) + list(choice.token_ids)
+    before = len(context)
+    tokens = [token_text(t, ids[:before + k]) for k, t in enumerate(choice.token_ids)]
+    top = [_top_row(t, lp, choice.top[k] if k < len(choice.top or ()) else {}, token_text, ids[:before + k])
            for k, (t, lp) in enumerate(zip(choice.token_ids, choice.logprobs))]
     return {"tokens": tokens, "token_logprobs": choice.logprobs[:len(tokens)], "top_logprobs": top,
-            "text_offset": offsets}
+            "text_offset": _offsets(tokens, offset0)}
+
+
+def _offsets(tokens: list[str], start: int = 0) -> list[int]:
+    out, pos = [], start
+    for t in tokens:
+        out.append(pos)
+        pos += len(t)
+    return out
+
+
+def logprobs_end(lp: dict) -> int:
+    """Where the next token's text_offset starts after these legacy logprobs."""
+    return lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"] else 0
 
 
 def echo_logprobs(prompt_ids: list[int], logprobs: list, top: list | None, token_text) -> dict:
     """The echoed prompt's part of the legacy logprobs: token_logprobs and top_logprobs are null
     for the first token (nothing comes before it), as OpenAI's are. Special tokens show their names,
-    as the echoed text does, so the offsets add up to it."""
-    tokens = [token_text(t) for t in prompt_ids]
-    offsets = [0]
-    for piece in tokens[:-1]:
-        offsets.append(offsets[-1] + len(piece))
-    alts = [None] + [_top_row(t, lp, (top[k] if top and k < len(top) else None) or {}, token_text)
+    as the echoed text does. A later token's context is the prompt after its first token (vLLM's:
+    the first position has no logprobs entry to read it from)."""
+    tokens = [token_text(t, None if k == 0 else prompt_ids[1:k]) for k, t in enumerate(prompt_ids)]
+    alts = [None] + [_top_row(t, lp, (top[k] if top and k < len(top) else None) or {}, token_text, prompt_ids[1:k])
                      for k, (t, lp) in enumerate(zip(prompt_ids, logprobs)) if k > 0]
-    return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": alts, "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": alts,
+            "text_offset": _offsets(tokens)}
 
 
-def _top_row(token: int, logprob: float, alts: dict, token_text) -> dict[str, float]:
+def _top_row(token: int, logprob: float, alts: dict, token_text, context=None) -> dict[str, float]:
     """One legacy top_logprobs row as vLLM writes it: the chosen token first, then the k best (so k + 1
     entries when the chosen one is not among them; logprobs 0: the chosen one alone); two ids of
     one text keep the first."""
-    row = {token_text(token): logprob}
+    row = {token_text(token, context): logprob}
     for t, lp in alts.items():
-        row.setdefault(token_text(t), lp)
+        row.setdefault(token_text(t, context), lp)
     return row
 
 
 def join_logprobs(prompt: dict | None, completion: dict | None) -> dict | None:
-    """Echoed prompt + completion logprobs as one legacy logprobs object."""
+    """Echoed prompt + completion logprobs as one legacy logprobs object (the completion's offsets
+    go on from the prompt's token strings, as vLLM's)."""
     if prompt is None or completion is None:
         return prompt or completion
-    out = {k: prompt[k] + completion[k] for k in ("tokens", "token_logprobs", "text_offset")}
+    out = {k: prompt[k] + completion[k] for k in ("tokens", "token_logprobs")}
+    out["text_offset"] = _offsets(out["tokens"])
     if prompt["top_logprobs"] is None and completion["top_logprobs"] is None:
         out["top_logprobs"] = None
     else:
@@ -120,17 +134,19 @@ def prompt_logprobs_of(choices: list[Choice], prompt_index: int, n: int) -> tupl
     return None, None
 
 
-def chat_logprobs(choice: Choice, token_text) -> dict | None:
+def chat_logprobs(choice: Choice, token_text, context=()) -> dict | None:
+    """`context`: the choice's tokens before these (a stream's earlier chunks)."""
     if not choice.logprobs:
         return None
     # the token's raw bytes where token_text knows them (gateway/token_bytes.py), else its text's
     raw = getattr(token_text, "raw_bytes", None) or (lambda t: list(token_text(t).encode("utf-8")))
+    ids, before = list(context) + list(choice.token_ids), len(context)
     content = []
     for k, (t, lp) in enumerate(zip(choice.token_ids, choice.logprobs)):
-        s = token_text(t)
+        ctx = ids[:before + k]
         alts = choice.top[k] if k < len(choice.top) else {}
-        content.append({"token": s, "logprob": lp, "bytes": raw(t),
-                        "top_logprobs": [{"token": token_text(a), "logprob": alp, "bytes": raw(a)}
+        content.append({"token": token_text(t, ctx), "logprob": lp, "bytes": raw(t),
+                        "top_logprobs": [{"token": token_text(a, ctx), "logprob": alp, "bytes": raw(a)}
                                          for a, alp in alts.items()]})
     return {"content": content}
 
@@ -171,7 +187,8 @@ def chat_response(rid: str, model: str, choices: list[Choice], token_text, outpu
     """`output`: gateway.chat_output.OutputOptions (reasoning and tool calls parsed out)."""
     out = []
     for ch in choices:
-        message, finish = {"role": "assistant", "content": "".join(ch.text)}, ch.finish_reason
+        message = {"role": output.role if output is not None else "assistant", "content": "".join(ch.text)}
+        finish = ch.finish_reason
         if output is not None:
             parsed = output.new()
             message = parsed.message("".join(ch.text))

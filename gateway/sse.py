@@ -115,11 +115,14 @@ async def _completion_events(gw: Gateway, rid: str, req: oa.CompletionRequest, s
                 elp = None
                 if prompt_ids is not None and idx // n in prompt_lp:
                     elp = oa.echo_logprobs(prompt_ids[idx // n], *prompt_lp[idx // n], gw.token_text_for(req))
+                    offsets[idx] = oa.logprobs_end(elp)   # offsets count token strings, as vLLM's
                 yield _sse(oa.completion_chunk(rid, created, model, idx, echo[idx // n], elp, None))
             part = oa.Choice(idx, token_ids=chunk.token_ids, logprobs=chunk.logprobs or [],
                              top=chunk.top_logprobs or [])
-            lp = oa.completion_logprobs(part, gw.token_text_for(req), offsets.get(idx, 0))
-            offsets[idx] = offsets.get(idx, 0) + len(chunk.text)
+            lp = oa.completion_logprobs(part, gw.token_text_for(req), offsets.get(idx, 0),
+                                        ch.token_ids[:len(ch.token_ids) - len(chunk.token_ids)])
+            if lp and lp["tokens"]:
+                offsets[idx] = oa.logprobs_end(lp)
             finish = ch.finish_reason if chunk.finish_reason else None
             if chunk.text or finish or lp or not started:
                 started = True
@@ -148,14 +151,14 @@ async def _chat_events(gw: Gateway, rid: str, req: oa.ChatCompletionRequest, str
                 choices[idx] = oa.Choice(idx)
                 parsed[idx] = output.new()
                 started = True
-                yield _sse(oa.chat_chunk(rid, created, model, idx, {"role": "assistant", "content": ""}, None, None))
+                yield _sse(oa.chat_chunk(rid, created, model, idx, {"role": output.role, "content": ""}, None, None))
                 if echo:
                     yield _sse(oa.chat_chunk(rid, created, model, idx, {"content": echo}, None, None))
             ch = choices[idx]
             ch.add(chunk)
             part = oa.Choice(idx, token_ids=chunk.token_ids, logprobs=chunk.logprobs or [],
                              top=chunk.top_logprobs or [])
-            lp = oa.chat_logprobs(part, gw.token_text_for(req))
+            lp = oa.chat_logprobs(part, gw.token_text_for(req), ch.token_ids[:len(ch.token_ids) - len(chunk.token_ids)])
             finish = ch.finish_reason if chunk.finish_reason else None
             delta = parsed[idx].feed(chunk.text) if chunk.text else {}
             if finish:

@@ -9,6 +9,7 @@ their text."""
 from __future__ import annotations
 
 import functools
+import os
 import re
 
 from minipaged.tokenizer import ByteTokenizer
@@ -59,8 +60,29 @@ class TokenStrings:
     def __init__(self, text_fn, tokenizer, as_ids: bool = False):
         self._text, self._tokenizer, self._as_ids = text_fn, tokenizer, as_ids
 
-    def __call__(self, token_id: int) -> str:
-        return self._text(token_id)
+    def __call__(self, token_id: int, context=None) -> str:
+        """The token's text; with `context` (the sequence's tokens before it), vLLM's rule for a token
+        that ends an unfinished character (U+FFFD): what it completes, read after up to 4 tokens of
+        context, or "" while the character is still unfinished (its bytes then show on the token
+        that completes it, so the strings add up to the text)."""
+        text = self._text(token_id)
+        if context is None or self._as_ids or self._tokenizer is None or not text.endswith("\ufffd"):
+            return text
+        return self._completed(int(token_id), [int(t) for t in context[-4:]])
+
+    def _completed(self, token_id: int, context: list[int]) -> str:
+        decode = self._tokenizer.decode
+        for n in range(1, len(context) + 1):
+            ctx = context[-n:]
+            full = decode(ctx + [token_id], skip_special_tokens=False)
+            if full.endswith("\ufffd"):
+                continue
+            clean = len(ctx)            # context tokens that are themselves bytes of this character
+            while clean and self._text(ctx[clean - 1]).endswith("\ufffd"):
+                clean -= 1
+            prefix = decode(ctx[:clean], skip_special_tokens=False) if clean else ""
+            return full[len(os.path.commonprefix([prefix, full])):]
+        return ""
 
     def raw_bytes(self, token_id: int) -> list[int]:
         raw = token_bytes(self._tokenizer, token_id)

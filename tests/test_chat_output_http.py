@@ -176,7 +176,7 @@ def test_legacy_logprobs_name_special_tokens_and_hold_the_chosen_one():
     from minipaged.tokenizer import HFTokenizer
 
     tok = HFTokenizer(qwen3_tokenizer_dir())
-    text = lambda t: tok.decode([t], skip_special_tokens=False)           # noqa: E731 (the gateway's rule)
+    text = lambda t, context=None: tok.decode([t], skip_special_tokens=False)  # noqa: E731 (the gateway's rule)
     hello = tok.encode("Hello")[0]
     ch = oa.Choice(0, token_ids=[hello, 151645], logprobs=[-0.5, -0.1],
                    top=[{151643: -0.2, 151644: -3.0}, {151645: -0.1}])

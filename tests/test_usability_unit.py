@@ -150,6 +150,15 @@ def test_logprob_bytes_are_the_tokens_raw_bytes(tmp_path):
     content = oa.chat_logprobs(choice, strings)["content"]
     assert bytes(b for c in content for b in c["bytes"]) == text.encode("utf-8")
     assert [c["top_logprobs"][0]["bytes"] for c in content] == [c["bytes"] for c in content]
+    # the token strings, as vLLM's: "" for a byte that leaves its character unfinished, the whole
+    # character on the byte that completes it, so they add up to the text (and text_offset with them)
+    assert [c["token"] for c in content] == ["", "é", "", "", "€"]
+    assert [c["top_logprobs"][0]["token"] for c in content] == ["", "é", "", "", "€"]
+    legacy = oa.completion_logprobs(choice, strings)
+    assert "".join(legacy["tokens"]) == text and legacy["text_offset"] == [0, 0, 1, 1, 1]
+    # a stream's later chunk reads its context from the chunks before it
+    tail = oa.Choice(0, token_ids=ids[3:], logprobs=[-0.5] * 2, top=[{}, {}])
+    assert oa.completion_logprobs(tail, strings, 1, context=ids[:3])["tokens"] == ["", "€"]
     assert list(token_bytes(ByteTokenizer(), 0xE9)) == [0xE9] and token_bytes(None, 5) is None
 
 

@@ -207,6 +207,8 @@ async def _completions(gw: Gateway, request: Request):
     if req.max_tokens is None:    # OpenAI's default 16, within the context as vLLM keeps it
         for item in items:
             item["max_new_tokens"] = _within_context(gw, item["max_new_tokens"], gw.prompt_len(item))
+    if req.logprobs is None:      # echo with max_tokens 0 asked the prompt's logprobs only to run
+        prompt_ids = None         # (the service wants them for no token): none are shown, as vLLM's
     rid = oa.new_id("cmpl")
     stream = gw.generate_stream(items, req.n, t0, whole=not req.stream)
     if req.stream:
@@ -234,7 +236,8 @@ async def _chat_completions(gw: Gateway, request: Request):
     kw.update(_forced_tool_kwargs(tools, kw))
     output = OutputOptions(reasoning=gw.config.reasoning_parser == "qwen3" and gw.template.thinks,
                            reasoning_open=rs.prompt_opens_reasoning(prompt), tools=tools,
-                           include_reasoning=req.include_reasoning, think_ids=gw.think_ids)
+                           include_reasoning=req.include_reasoning, think_ids=gw.think_ids,
+                           role="assistant" if req.add_generation_prompt else messages[-1]["role"])
     if output.reasoning and not req.include_reasoning:
         kw.pop("logprobs", None)      # vLLM's rule: hidden reasoning must not leak through the logprobs
     rid = oa.new_id("chatcmpl")

@@ -24,6 +24,7 @@ class OutputOptions:
     tools: tc.ToolPlan | None = None
     include_reasoning: bool = True   # vLLM's include_reasoning: false drops the reasoning (and logprobs)
     think_ids: tuple = (None, None)  # the ids of <think> and </think> (usage's reasoning_tokens)
+    role: str = "assistant"          # vLLM's: the last message's role when no generation prompt is added
 
     def reasoning_tokens(self, token_ids) -> int | None:
         """vLLM's completion_tokens_details.reasoning_tokens (None when no reasoning parser runs)."""
@@ -49,6 +50,7 @@ class ChatOutput:
         self.plan = opts.tools
         self.reasoning = rs.Reasoning(opts.reasoning_open) if opts.reasoning and self.mode in ("none", "auto") else None
         self.include_reasoning = opts.include_reasoning
+        self.role = opts.role
         self.hermes = tc.HermesParser() if self.mode == "auto" else None
         self.text = ""               # everything generated (forced modes parse it at the end)
         self.calls = 0               # tool calls sent so far (their stream indices)
@@ -116,7 +118,7 @@ class ChatOutput:
 
     def message(self, text: str) -> dict:
         """The whole message for a non-streamed choice (same parsers as the stream)."""
-        msg: dict = {"role": "assistant", "content": None}
+        msg: dict = {"role": self.role, "content": None}
         if self.mode in ("named", "required"):
             try:
                 calls = tc.forced_calls(self.plan, text)

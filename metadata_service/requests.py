@@ -95,8 +95,8 @@ def _check_sampling(req: metadata_pb2.GenerateRequest) -> None:
         raise RequestError(bad, f"temperature must be a finite number >= 0, got {req.temperature}")
     if req.HasField("top_p") and (not math.isfinite(req.top_p) or not 0 < req.top_p <= 1):
         raise RequestError(bad, f"top_p must be in (0, 1] (leave it unset for no nucleus filtering), got {req.top_p}")
-    if req.top_k < 0:
-        raise RequestError(bad, f"top_k must be >= 0, got {req.top_k}")
+    if req.top_k < -1:            # -1: off, as 0 (vLLM's spelling of it)
+        raise RequestError(bad, f"top_k must be -1 or 0 (off) or at least 1, got {req.top_k}")
     if not math.isfinite(req.min_p) or not 0 <= req.min_p <= 1:
         raise RequestError(bad, f"min_p must be in [0, 1] (0 = off), got {req.min_p}")
     n, best_of = max(1, req.n), req.best_of or max(1, req.n)
@@ -117,15 +117,20 @@ def _check_sampling(req: metadata_pb2.GenerateRequest) -> None:
         raise RequestError(bad, f"top_logprobs must be in [0, {OPENAI_MAX_TOP_LOGPROBS}], got {req.top_logprobs}")
     if len(req.stop) > 16 or any(len(s) > 256 for s in req.stop):
         raise RequestError(bad, "at most 16 stop strings of at most 256 characters each")
+    if "" in req.stop:            # vLLM's refusal: an empty stop string would match everywhere
+        raise RequestError(bad, "stop cannot contain an empty string.")
 
 
 def _check_fits(req: metadata_pb2.GenerateRequest, prompt_len: int, engine) -> None:
     """Within max_model_len, and no larger than the largest chain's pool (else it could never run)."""
     total = prompt_len + req.max_new_tokens
     if total > engine.max_model_len:
+        # vLLM's (and OpenAI's) words, which clients match to tell a context overflow apart
         raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
-                           f"prompt ({prompt_len} tokens) + max_new_tokens ({req.max_new_tokens}) = {total} "
-                           f"exceeds max_model_len {engine.max_model_len}")
+                           f"This model's maximum context length is {engine.max_model_len} tokens (max_model_len). "
+                           f"However, you requested {total} tokens ({prompt_len} in the prompt, "
+                           f"{req.max_new_tokens} in the completion). Please reduce the length of the prompt "
+                           f"or completion.")
     bs, best_of = engine.block_size, req.best_of or max(1, req.n)
     # K copies share the prompt's full blocks; at worst each holds its own rest. Choices fork after
     # all but the last prompt token (groups.py), beams after the whole prompt (beam.py).
@@ -149,6 +154,8 @@ def _check_beams(req: metadata_pb2.GenerateRequest, engine) -> None:
         return
     if not 1 <= K <= MAX_BEAM_WIDTH:
         raise RequestError(bad, f"beam_width must be in [1, {MAX_BEAM_WIDTH}] (0 = off), got {K}")
+    if engine.vocab_size and K > engine.vocab_size:   # fewer distinct first tokens than beams: not K choices
+        raise RequestError(bad, f"beam_width {K} is more than the model's {engine.vocab_size} tokens")
     if req.n not in (0, 1, K) or (req.n == 1 and K != 1):
         raise RequestError(bad, f"beam search returns its {K} beams: n must be unset or equal beam_width "
                                 f"({K}), got {req.n}")
@@ -189,7 +196,7 @@ def to_sequence(req: metadata_pb2.GenerateRequest, engine, sink=None, tag=None) 
     n = max(1, req.n)
     params = SamplingParams(
         max_new_tokens=req.max_new_tokens, temperature=req.temperature,
-        top_p=req.top_p if req.HasField("top_p") else 1.0, top_k=req.top_k, seed=req.seed & (2**63 - 1),
+        top_p=req.top_p if req.HasField("top_p") else 1.0, top_k=max(0, req.top_k), seed=req.seed & (2**63 - 1),
         stop=tuple(req.stop), stop_token_ids=tuple(unpack(req.stop_token_ids, INT32).tolist()),
         include_stop_str_in_output=req.include_stop_str_in_output,
         ignore_eos=req.ignore_eos, return_logprobs=req.return_logprobs or req.top_logprobs > 0,
@@ -248,10 +255,12 @@ def prepare(seq: Sequence, engine) -> None:
 
 def final_text(seq: Sequence, engine) -> str:
     """The output's text as vLLM returns it: without the stop token that ended it (EOS, a stop
-    token id) and cut before a matched stop string, unless include_stop_str_in_output."""
+    token id) and cut before a matched stop string, unless include_stop_str_in_output. The U+FFFD
+    that decode() ends with (a character left unfinished, or invalid bytes) is dropped: vLLM's
+    detokenizer never emits it, nor does a stream's (minipaged/tokenizer.py)."""
     keep = seq.params.include_stop_str_in_output
     ids = seq.output_token_ids[:-1] if seq.stopped_on_token and not keep else seq.output_token_ids
-    text = engine.decode(ids)
+    text = engine.decode(ids).rstrip("\ufffd")
     checker = seq.stop_checker
     if checker is None or checker.cut is None:
         return text

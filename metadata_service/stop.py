@@ -6,7 +6,7 @@ from minipaged.tokenizer import IncrementalDetokenizer
 
 class StopChecker:
     def __init__(self, tokenizer, stop: tuple[str, ...]):
-        self.stop = tuple(s for s in stop if s)
+        self.stop = tuple(stop)   # never empty: refused at the door (requests.py)
         self.detok = IncrementalDetokenizer(tokenizer)
         self.cut: int | None = None  # index in the output text where the first match starts
         self.end: int | None = None  # and where it ends (include_stop_str_in_output keeps it)

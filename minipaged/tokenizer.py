@@ -67,8 +67,10 @@ def byte_fallback_problem(model: str, vocab_size: int) -> str | None:
 
 
 class IncrementalDetokenizer:
-    """Text deltas for a growing token list. Holds back a trailing U+FFFD (an incomplete UTF-8
-    sequence) until the next token completes it, so streamed text concatenates to decode(all)."""
+    """Text deltas for a growing token list. Holds back trailing U+FFFD (an incomplete UTF-8
+    sequence, or invalid bytes) until a later token ends the text in a character, as vLLM's
+    detokenizer (tokenizers' DecodeStream) does; what is still held at the end is never text
+    (requests.final_text drops it too), so the deltas concatenate to the final text."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -77,16 +79,8 @@ class IncrementalDetokenizer:
 
     def push(self, new_ids) -> str:
         self.ids.extend(int(i) for i in new_ids)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):
-            text = text[:-1]
+        text = self.tokenizer.decode(self.ids).rstrip("\ufffd")
         if not text.startswith(self.emitted):  # a tokenizer that rewrote earlier text: emit nothing
             return ""
         delta, self.emitted = text[len(self.emitted):], text
-        return delta
-
-    def flush(self) -> str:
-        text = self.tokenizer.decode(self.ids)
-        delta = text[len(self.emitted):] if text.startswith(self.emitted) else ""
-        self.emitted = text
         return delta

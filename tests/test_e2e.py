@@ -221,6 +221,11 @@ def test_e2e_admission_errors_leave_nothing_behind(one_worker):
         c.generate(prompt="hi", max_new_tokens=2)                        # vocab 96, no tokenizer files
     with pytest.raises(InvalidArgument):
         c.submit([{"prompt_token_ids": [5], "max_new_tokens": 2}, {"prompt_token_ids": [5], "top_p": 2.0}])
+    with pytest.raises(InvalidArgument, match="top_k must be -1 or 0"):
+        c.generate(prompt_token_ids=[5], max_new_tokens=2, top_k=-2)
+    # top_k -1 is "off" (vLLM's spelling), as over HTTP: the same draws as 0
+    seeded = dict(prompt_token_ids=[5, 6], max_new_tokens=6, temperature=1.0, seed=3, ignore_eos=True)
+    assert c.generate(top_k=-1, **seeded).token_ids == c.generate(top_k=0, **seeded).token_ids
     # a batch: the first failure cancels the others' RPCs at once (it waited for their single final chunk)
     for batch in (c.generate, lambda items, **kw: asyncio.run(_agenerate(one_worker.address, items, **kw))):
         with pytest.raises(InvalidArgument, match=r"\[0, 96\)"):

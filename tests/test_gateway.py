@@ -272,8 +272,9 @@ def test_client_disconnect_frees_blocks(cluster, ckpt):
     before = settle(c)
     counts = gateway_counts(cluster)
     budget = 3000  # far more than the few chunks read below: only a cancel stops it early
+    # (logprobs: an event per token; the random model's text can be bytes that no event may show yet)
     body = {"model": ckpt, "prompt": [[9, 10, 11, 12]] , "max_tokens": budget, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+            "ignore_eos": True, "logprobs": 0}
     with httpx.Client(timeout=30) as h:
         with h.stream("POST", cluster.http_url + "/v1/completions", json=body) as r:
             assert r.status_code == 200

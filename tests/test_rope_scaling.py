@@ -175,7 +175,7 @@ def test_rope_scaling_flag_gives_the_config_it_names(yarn_checkpoint, tmp_path):
                       extra_worker_args=["--rope-scaling", json.dumps(YARN_QWEN)]) as c:
         assert c.client.generate(prompt_token_ids=p, max_new_tokens=10, ignore_eos=True).token_ids == want
         assert c.client.stats().max_model_len == 256   # a larger --max-model-len serves the model's context
-        with pytest.raises(InvalidArgument, match="exceeds max_model_len 256"):   # refused up front
+        with pytest.raises(InvalidArgument, match="maximum context length is 256 tokens"):   # refused up front
             c.client.generate(prompt_token_ids=[5] * 250, max_new_tokens=10)
 
 

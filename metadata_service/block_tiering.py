@@ -52,8 +52,10 @@ class TierMoves:
     def _tier_on_evict(self, block: int) -> None:
         """The pool is about to reuse a cached block (its hash still known): save it now if the
         policy keeps it and the tier lacks it."""
-        if self._tier_loads:          # a block loaded for a sequence that left before its step went out
-            self._tier_loads = [(s, b) for s, b in self._tier_loads if b != block]
+        if self._tier_loads:          # a block loaded for a sequence that left before its step went out:
+            kept = [(s, b) for s, b in self._tier_loads if b != block]
+            self.tier_hits -= len(self._tier_loads) - len(kept)   # not loaded after all (tier_hits counts loads)
+            self._tier_loads = kept
         for pending in (self._through_new, self._through_old):
             slot = pending.pop(block, None)
             if slot is not None:
@@ -100,18 +102,21 @@ class TierMoves:
 
     def cached_hashes(self):
         """The exact router's view: hashes this chain's pool or tier holds (read live)."""
-        return _Either(self.pool.cache.block_of, self.tier.slot_of) if self.tier else self.pool.cache.block_of
+        if self.tier is None:         # (not `if not self.tier`: an empty tier is falsy, and this
+            return self.pool.cache.block_of   # view is read once, when the chain starts)
+        return _Either(self.pool.cache.block_of, self.tier.slot_of)
 
     def reset_tier(self) -> None:
         """The workers' tier is gone with their cache (a new epoch, a failed step): never guess."""
         if self.tier is not None:
             self.tier.clear()
+            self.tier_hits -= len(self._tier_loads)   # counted, never to run: recomputed instead
             self._tier_saves, self._tier_loads = [], []
             self._through_new, self._through_old = {}, {}
 
     def tier_stats(self) -> dict:
-        t = self.tier
-        return dict(tier_blocks=t.num_blocks if t else 0, tier_used_blocks=t.num_used if t else 0,
+        t = self.tier                 # (an empty tier is falsy: it has a __len__)
+        return dict(tier_blocks=0 if t is None else t.num_blocks, tier_used_blocks=0 if t is None else t.num_used,
                     tier_queries=self.tier_queries, tier_hits=self.tier_hits,
                     tier_saved_blocks=self.tier_saved_blocks, tier_loaded_blocks=self.tier_loaded_blocks)
 

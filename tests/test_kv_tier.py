@@ -161,6 +161,36 @@ def test_tier_hit_counts_as_cached_and_the_router_view_includes_it(policy):
     assert np.all(np.asarray(m.sequences[3].block_table) >= 0)
 
 
+def test_an_empty_tier_is_still_a_tier_for_stats_and_the_router_view():
+    # the router reads cached_hashes() once, when the chain starts: its tier is empty then
+    m = _manager(blocks=3)
+    view = m.cached_hashes()
+    assert m.stats()["tier_blocks"] == 8 and m.stats()["tier_used_blocks"] == 0
+    m.create_and_append(1, list(range(9)), 9)
+    m.release_sequence(1)
+    m.create_and_append(2, [42] * 12, 12)                  # evicts the first prompt's blocks to the tier
+    m.take_tier_moves()
+    m.release_sequence(2)
+    first = m.tier.hash_of
+    assert first and all(h in view for h in first.values())  # the view the router kept sees the tier
+
+
+def test_a_load_dropped_before_its_step_is_no_tier_hit():
+    m = _manager(blocks=3)
+    m.create_and_append(1, list(range(9)), 9)
+    m.release_sequence(1)
+    m.create_and_append(2, [42] * 12, 12)
+    m.take_tier_moves()
+    m.release_sequence(2)
+    assert m.create_sequence(3, list(range(9))) == 8       # two blocks to load from the tier
+    assert m.stats()["tier_hits"] == 2
+    m.release_sequence(3)                                  # gone before its step went out
+    m.create_and_append(4, [7] * 12, 12)                   # the pool reuses the loaded blocks
+    saves, loads = m.take_tier_moves()
+    assert loads == [] and m.stats()["tier_hits"] == m.stats()["tier_loaded_blocks"] == 0
+    assert m.check_invariants() == []
+
+
 def _stage(layers, kv_heads, params, link, flops):
     return WorkerHandle("w", worker_pb2.WorkerInfo(layer_start=0, layer_end=layers, num_kv_heads=kv_heads, head_dim=128,
                                                    dtype_bytes=2, weight_bytes=int(2 * params),

@@ -52,8 +52,10 @@ def result_from_proto(r: pb.GenerationResult) -> GenerateResult:
     out = GenerateResult(token_ids=ids, text=r.text, finish_reason=r.finish_reason,
                          usage=Usage.from_proto(r.usage), logprobs=_floats(r.logprobs), index=r.index,
                          error=r.error or None, top_logprobs=_top(r.top_logprob_ids, r.top_logprobs, len(ids)),
-                         choice=r.choice, cumulative_logprob=r.cumulative_logprob if (r.logprobs or r.cumulative_logprob) else None,
-                         beam_score=r.beam_score if r.beam_score else None, stop_reason=_stop_reason(r))
+                         choice=r.choice, beam_score=r.beam_score if r.HasField("beam_score") else None,
+                         cumulative_logprob=r.cumulative_logprob
+                         if (r.logprobs or r.cumulative_logprob or r.HasField("beam_score")) else None,
+                         stop_reason=_stop_reason(r))
     out.prompt_logprobs, out.prompt_top_logprobs = _prompt_logprobs(r)
     if r.choices:
         out.choices = [result_from_proto(c) for c in r.choices]
@@ -70,8 +72,8 @@ def chunk_from_proto(c: pb.GenerateChunk) -> StreamChunk:
                        usage=Usage.from_proto(c.usage) if c.HasField("usage") else None,
                        logprobs=_floats(c.logprobs), index=c.index,
                        top_logprobs=_top(c.top_logprob_ids, c.top_logprobs, len(ids)),
-                       cumulative_logprob=c.cumulative_logprob if c.beam_score else None,
-                       beam_score=c.beam_score if c.beam_score else None,
+                       cumulative_logprob=c.cumulative_logprob if c.HasField("beam_score") else None,
+                       beam_score=c.beam_score if c.HasField("beam_score") else None,  # (0.0 is a score)
                        prompt_logprobs=own, prompt_top_logprobs=top, decode_seconds=c.decode_seconds,
                        stop_reason=_stop_reason(c))
 

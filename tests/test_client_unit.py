@@ -613,3 +613,17 @@ def test_cli_ctrl_c_and_broken_pipe(fake, tmp_path):
     err = p.stderr.read()
     p.wait(timeout=30)
     assert b"Broken pipe" not in err and b"Traceback" not in err and p.returncode == 141, err
+
+
+def test_a_beam_score_of_zero_is_a_score_not_unset():
+    # a near-certain beam (an EOS at p ~ 1) scores exactly 0.0: proto3 presence tells it from "no beam"
+    from client.decode import chunk_from_proto, result_from_proto
+    ids = wire.pack([7], wire.INT32)
+    beam = pb.GenerationResult(token_ids=ids, beam_score=0.0, cumulative_logprob=0.0)
+    r = result_from_proto(pb.GenerationResult(choices=[beam]))
+    assert r.choices[0].beam_score == 0.0 and r.choices[0].cumulative_logprob == 0.0
+    c = chunk_from_proto(pb.GenerateChunk(token_ids=ids, beam_score=0.0, cumulative_logprob=0.0))
+    assert c.beam_score == 0.0 and c.cumulative_logprob == 0.0
+    plain = chunk_from_proto(pb.GenerateChunk(token_ids=ids))
+    assert plain.beam_score is None and plain.cumulative_logprob is None
+    assert result_from_proto(pb.GenerationResult(token_ids=ids)).beam_score is None

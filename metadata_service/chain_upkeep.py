@@ -127,8 +127,16 @@ class ChainUpkeep:
         if self.num_blocks_cap:
             cap = min(cap, self.num_blocks_cap)
         label = " -> ".join(w.address for w in stages)
-        if cap < 1:
-            log.error("chain %s can hold no block of size %d", label, self.block_size)
+        if cap < 1:                   # said to clients too (not_ready_reason), not only to the log
+            key = tuple(w.worker_id for w in stages)
+            small = min(stages, key=lambda w: w.capacity_blocks(self.block_size))
+            why = (f"chain {label} can hold no block of {self.block_size} tokens: worker {small.address} has "
+                   f"{small.info.kv_cache_bytes} bytes for K/V and one block of its layers takes "
+                   f"{small.block_bytes(self.block_size)}; lower the service's --block-size or give the worker "
+                   f"more K/V memory (--kv-cache-bytes)")
+            if key not in self._init_failures:
+                log.error("%s", why)
+            self._init_failures[key] = (time.monotonic() + 30.0, 30.0, why)   # its budget is fixed: no hurry
             return
         epoch = secrets.randbits(62) + 1
         # a tier only when every stage has one (a block's K/V live on every stage)

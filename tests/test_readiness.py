@@ -119,6 +119,22 @@ def test_liveness_is_not_readiness_and_early_requests_wait(tmp_path):
         stop(*reversed(procs))
 
 
+def test_a_worker_that_holds_no_block_says_so_to_clients(tmp_path):
+    mp, wp = free_port(), free_port()
+    procs = [service(mp, tmp_path / "b.db")]
+    try:
+        wait_for(lambda: health(mp) == SERVING, what="liveness")
+        procs.append(start("worker", "--metadata", f"127.0.0.1:{mp}", "--port", wp, "--model", "tiny",
+                           "--kv-cache-bytes", 10 * 8192))      # 10 tokens of tiny's 4 layers: no block of 16
+        c = Client(f"127.0.0.1:{mp}")
+        wait_for(lambda: "can hold no block" in c.stats().not_ready_reason, what="the reason in Stats")
+        reason = c.stats().not_ready_reason
+        assert "--block-size" in reason and "--kv-cache-bytes" in reason and not c.stats().ready
+        c.close()
+    finally:
+        stop(*reversed(procs))
+
+
 def test_a_worker_with_a_wrong_token_exits_with_a_clear_error(tmp_path):
     mp = free_port()
     meta = service(mp, tmp_path / "t.db", "--worker-token", "right")

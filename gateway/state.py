@@ -75,7 +75,7 @@ class Gateway:
         self._adopted = ""                    # without --model: the served model taken from the service
         self._warned: set[str] = set()
         self.sampling_defaults = gd.load(config.generation_config, config.model, config.override_generation_config)
-        log.info("%s", gd.describe(self.sampling_defaults, config.generation_config))
+        log.info("%s", gd.describe(self.sampling_defaults, config.generation_config, config.override_generation_config))
 
     # ------------------------------------------------------------ model identity
 
@@ -190,9 +190,9 @@ class Gateway:
             self.sampling_defaults = gd.load("auto", model, c.override_generation_config)
         except ValueError as e:   # the workers serve it anyway
             self.sampling_defaults = gd.load("vllm", None, c.override_generation_config)
-            log.error("%s: %s", e, gd.describe(self.sampling_defaults, "vllm"))
+            log.error("%s: %s", e, gd.describe(self.sampling_defaults, "vllm", c.override_generation_config))
             return
-        log.info("%s", gd.describe(self.sampling_defaults, "auto"))
+        log.info("%s", gd.describe(self.sampling_defaults, "auto", c.override_generation_config))
 
     async def require_model(self) -> None:
         """Before a generation request: refuse one for a model the workers do not serve."""

@@ -113,11 +113,16 @@ def load(source: str, model: str | None, override: dict | None = None) -> dict:
     return {**mine, **_checked(override, "--override-generation-config")}
 
 
-def describe(defaults: dict, source: str) -> str:
-    """One log line: what unset request fields take."""
+def describe(defaults: dict, source: str, override: dict | None = None) -> str:
+    """One log line: what unset request fields take, and where each came from."""
     if not defaults:
         return "sampling defaults: OpenAI's (temperature 1, no top-p / top-k / penalties)"
-    what = ", ".join(f"{k} {v}" for k, v in defaults.items())
+    override = override or {}
     origin = "generation_config.json" if source == "auto" else source
-    return (f"sampling defaults for unset request fields: {what} (from {origin}; "
-            f"--generation-config vllm for OpenAI's)")
+    parts = []
+    for label, keys in ((origin, [k for k in defaults if k not in override]),
+                        ("--override-generation-config", [k for k in defaults if k in override])):
+        if keys:
+            parts.append(f"{', '.join(f'{k} {defaults[k]}' for k in keys)} (from {label})")
+    hint = "" if source == "vllm" else "; --generation-config vllm for OpenAI's"
+    return f"sampling defaults for unset request fields: {'; '.join(parts)}{hint}"

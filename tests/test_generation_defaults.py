@@ -209,7 +209,18 @@ def test_chat_default_max_tokens_precedence():
         def __init__(self, flag, defaults):
             self.config, self.sampling_defaults = GatewayConfig(metadata="x", default_max_tokens=flag), defaults
 
+        def prompt_len(self, item):
+            return None               # no tokenizer: the length is unknown
+
     assert _default_max_tokens(Gw(None, {"max_tokens": 50}), "p") == 50
     assert _default_max_tokens(Gw(None, {"max_tokens": 50}), "p", beams=True) == 256
     assert _default_max_tokens(Gw(None, {}), "p") == 256
     assert _default_max_tokens(Gw(77, {"max_tokens": 50}), "p") == 77
+
+
+def test_the_log_line_credits_each_default_to_where_it_came_from():
+    line = gd.describe({"top_p": 0.9, "temperature": 0.7}, "auto", {"temperature": 0.7})
+    assert "top_p 0.9 (from generation_config.json)" in line
+    assert "temperature 0.7 (from --override-generation-config)" in line
+    only = gd.describe({"temperature": 0.7}, "vllm", {"temperature": 0.7})
+    assert "from vllm" not in only and "--generation-config vllm" not in only   # that flag is already set

@@ -97,6 +97,12 @@ def _error_event(e: Exception) -> str:
     return _sse(as_gateway_error(e).body())
 
 
+def _before(ch: oa.Choice, chunk) -> list[int]:
+    """The last tokens of a choice before this chunk's: what a token string may read (token_bytes.py)."""
+    end = len(ch.token_ids) - len(chunk.token_ids)
+    return ch.token_ids[max(0, end - 4):end]
+
+
 async def _completion_events(gw: Gateway, rid: str, req: oa.CompletionRequest, stream, echo, include_usage: bool,
                              num_prompts: int, prompt_ids=None):
     created, model, n = int(time.time()), gw.model_name, req.n
@@ -119,8 +125,7 @@ async def _completion_events(gw: Gateway, rid: str, req: oa.CompletionRequest, s
                 yield _sse(oa.completion_chunk(rid, created, model, idx, echo[idx // n], elp, None))
             part = oa.Choice(idx, token_ids=chunk.token_ids, logprobs=chunk.logprobs or [],
                              top=chunk.top_logprobs or [])
-            lp = oa.completion_logprobs(part, gw.token_text_for(req), offsets.get(idx, 0),
-                                        ch.token_ids[:len(ch.token_ids) - len(chunk.token_ids)])
+            lp = oa.completion_logprobs(part, gw.token_text_for(req), offsets.get(idx, 0), _before(ch, chunk))
             if lp and lp["tokens"]:
                 offsets[idx] = oa.logprobs_end(lp)
             finish = ch.finish_reason if chunk.finish_reason else None
@@ -158,7 +163,7 @@ async def _chat_events(gw: Gateway, rid: str, req: oa.ChatCompletionRequest, str
             ch.add(chunk)
             part = oa.Choice(idx, token_ids=chunk.token_ids, logprobs=chunk.logprobs or [],
                              top=chunk.top_logprobs or [])
-            lp = oa.chat_logprobs(part, gw.token_text_for(req), ch.token_ids[:len(ch.token_ids) - len(chunk.token_ids)])
+            lp = oa.chat_logprobs(part, gw.token_text_for(req), _before(ch, chunk))
             finish = ch.finish_reason if chunk.finish_reason else None
             delta = parsed[idx].feed(chunk.text) if chunk.text else {}
             if finish:

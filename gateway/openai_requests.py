@@ -131,8 +131,6 @@ def sampling_kwargs(req: _Sampling, max_tokens: int | None, default_max_tokens: 
         return value if value is not None else d.get(name, neutral)
 
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if "" in stop:                # vLLM's 400: an empty stop string would match everywhere
-        raise bad_request("stop cannot contain an empty string.", "stop")
     top_k = pick("top_k", 0)
     if top_k < -1:
         raise bad_request(f"top_k must be -1 or 0 (off) or at least 1, got {top_k}", "top_k")

@@ -11,7 +11,6 @@ gateway/state.py (Gateway), the streamed responses in gateway/sse.py."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -31,55 +30,11 @@ from .chat_output import OutputOptions
 from .dashboard import dashboard_routes
 from .errors import GatewayError, bad_request, error_response
 from .metrics import GatewayMetrics
+from .request_body import json_of, parse_as, raw_body
 from .sse import _chat_events, _collect, _completion_events, _start_sse, _unless_disconnected
 from .state import DEFAULT_CHAT_MAX_TOKENS, MODEL_REFRESH_S, Gateway, GatewayConfig
 
 log = logging.getLogger("gateway")
-
-
-MAX_BODY_BYTES = 16 << 20   # a body past this is a 413: parsing 24 MB of JSON took 30 s of CPU
-
-
-async def _raw_body(request: Request) -> bytes:
-    size = request.headers.get("content-length", "")
-    if size.isdigit() and int(size) > MAX_BODY_BYTES:        # before reading it
-        raise GatewayError(413, f"the request body is {int(size)} bytes; this server takes at most "
-                                f"{MAX_BODY_BYTES} ({MAX_BODY_BYTES >> 20} MiB)", "invalid_request_error")
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:                            # (chunked: no length given)
-        raise GatewayError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes "
-                                f"({MAX_BODY_BYTES >> 20} MiB), the most this server takes", "invalid_request_error")
-    return raw
-
-
-def _json_of(raw: bytes) -> dict:
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise bad_request(f"the request body is not valid JSON: {e}") from None
-    except RecursionError:
-        raise bad_request("the request body is not valid JSON: nested too deeply") from None
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
-    try:      # JSON may escape a lone UTF-16 surrogate ("\udc00"): valid JSON, not text
-        json.dumps(body, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise bad_request(f"the request body holds a lone UTF-16 surrogate ({e.object[e.start:e.end]!r}), "
-                          f"which is not text") from None
-    return body
-
-
-def _parse(model, body: dict):
-    try:
-        return model.model_validate(body)
-    except Exception as e:  # pydantic.ValidationError: name the first field that failed
-        errors = getattr(e, "errors", lambda: [])()
-        if errors:
-            first = errors[0]
-            loc = first.get("loc", ())
-            where = ".".join(str(x) for x in loc)
-            raise bad_request(f"{where}: {first.get('msg')}", str(loc[0]) if loc else None) from None
-        raise bad_request(str(e)) from None
 
 
 # ---------------------------------------------------------------- the app
@@ -178,11 +133,11 @@ async def _model_card(gw: Gateway) -> dict:
 async def _accept(gw: Gateway, request: Request, model):
     """(arrival time, the parsed request) once its model is the served one."""
     t0 = time.monotonic()
-    raw = await _raw_body(request)
+    raw = await raw_body(request)
     if len(raw) > 1 << 20:    # a large body is parsed off the event loop: /health and streams go on
-        req = await asyncio.to_thread(lambda: _parse(model, _json_of(raw)))
+        req = await asyncio.to_thread(lambda: parse_as(model, json_of(raw)))
     else:
-        req = _parse(model, _json_of(raw))
+        req = parse_as(model, json_of(raw))
     await gw.require_model()  # first: without --model, the name to accept comes from the service
     gw.check_model(req.model)
     return t0, req

@@ -23,7 +23,8 @@ from .block_api import BlockApi
 from .block_manager import KVBlockManager
 from .job_api import JobRpcs
 from .jobs import JobManager
-from .requests import RequestError, final_text, normalize, set_stop_reason, to_sequence, usage
+from .requests import RequestError, normalize, to_sequence
+from .results import final_text, set_stop_reason, usage
 from .workers import WorkerRejected
 
 log = logging.getLogger("metadata_service.api")

@@ -184,7 +184,7 @@ class BeamGroup:
             else:
                 self.sink(self.head, ev)
             return
-        if self.tag is not None:         # a job: requests.result reads the hypotheses
+        if self.tag is not None:         # a job: results.result reads the hypotheses
             self.sink(self.head, SeqEvent([], [], finished=True, finish_reason=self.hypotheses[0].finish_reason))
             return
         show = self.head.params.show_logprobs

@@ -11,7 +11,7 @@ from minipaged.v1 import metadata_pb2
 
 from .backlog import Backlog, resumed_line
 from .job_store import JobStore
-from .requests import result as make_result
+from .results import result as make_result
 from .requests import to_sequence
 from .sequence import Sequence
 

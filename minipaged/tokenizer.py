@@ -70,7 +70,7 @@ class IncrementalDetokenizer:
     """Text deltas for a growing token list. Holds back trailing U+FFFD (an incomplete UTF-8
     sequence, or invalid bytes) until a later token ends the text in a character, as vLLM's
     detokenizer (tokenizers' DecodeStream) does; what is still held at the end is never text
-    (requests.final_text drops it too), so the deltas concatenate to the final text."""
+    (results.final_text drops it too), so the deltas concatenate to the final text."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer

@@ -217,7 +217,7 @@ def test_stop_reason_follows_vllm():
     tokenizer's own (vLLM folds those into stop_token_ids); nothing for the tokenizer's EOS."""
     from types import SimpleNamespace
 
-    from metadata_service.requests import set_stop_reason
+    from metadata_service.results import set_stop_reason
     from metadata_service.stop import StopChecker
     from minipaged.v1 import metadata_pb2
 

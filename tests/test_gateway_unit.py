@@ -174,10 +174,10 @@ def test_a_request_is_counted_when_its_last_choice_finishes():
     from types import SimpleNamespace
 
     from client.messages import StreamChunk, Usage
-    from gateway.state import _Observed
+    from gateway.request_metrics import Observed
     m = GatewayMetrics(lambda: "tiny")
     gw = SimpleNamespace(metrics=m, model_name="tiny", ttft_sum=0.0, ttft_count=0)
-    obs = _Observed(gw, 0.0, choices=2)
+    obs = Observed(gw, 0.0, choices=2)
 
     def count(name, **labels):
         return m.registry.get_sample_value(name, {"model_name": "tiny", **labels}) or 0

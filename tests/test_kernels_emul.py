@@ -270,6 +270,42 @@ def test_emul_input_handling(emul):
         emul.paged_decode(torch.randn(2, 3, 64), kc, vc, tables, lens, 1.0)
     with pytest.raises(ValueError):
         emul.paged_decode(torch.randn(2, 34, 64), kc, vc, tables, lens, 1.0)   # group 17 > 16
+    with pytest.raises(ValueError, match="query has 3 rows, seq_lens 2"):     # the grid is the query's:
+        emul.paged_decode(torch.randn(3, 4, 64), kc, vc, tables, lens, 1.0)   # row 2 read past seq_lens
+
+
+def test_emul_bad_schedule_fails_every_load(monkeypatch):
+    """(Before: the first load raised, and every later one ran the forward schedule quietly.)"""
+    kept = emulated._lib
+    monkeypatch.setenv("MINIPAGED_SIMT_SCHEDULE", "randon:7")
+    try:
+        emulated._lib = None
+        for _ in range(2):
+            with pytest.raises(ValueError, match="unknown SIMT schedule"):
+                EmulatedBackend()
+    finally:
+        emulated._lib = kept
+
+
+def test_shapes_the_kernels_cannot_run_are_refused_at_start(tmp_path, capsys):
+    """A checkpoint whose attention the CUDA kernels are not built for (head_dim 80, a group of
+    32): the GPU worker's default falls back to the torch backend with a warning, `--backend
+    pycuda` and the ModelRunner refuse it at start (before: accepted, then every step failed)."""
+    from tests.checkpoints import make_checkpoint
+    from worker.flags import resolve_args
+    from worker.model_runner import ModelRunner
+    assert launch.unsupported_shape(128, 32, 8) is None
+    for name, kw in {"d80": dict(hidden=160, heads=2, kv_heads=1, head_dim=80),
+                     "g32": dict(hidden=64, heads=32, kv_heads=1, head_dim=64)}.items():
+        path = make_checkpoint(num_layers=1, directory=str(tmp_path / name), **kw)
+        args = resolve_args(["--model", path, "--device", "cuda"])
+        assert args.backend == "torch" and "attention runs on the torch backend" in capsys.readouterr().err
+        with pytest.raises(SystemExit):
+            resolve_args(["--model", path, "--device", "cuda", "--backend", "pycuda"])
+        assert "cannot run this model" in capsys.readouterr().err
+        with pytest.raises(ValueError, match="the emulated backend cannot run this model"):
+            ModelRunner(path, dtype="float32", backend="emulated")
+    assert resolve_args(["--model", "tiny", "--device", "cuda"]).backend == "pycuda"
 
 
 def test_emul_via_get_backend():
@@ -293,8 +329,9 @@ __global__ void probe(int* out, int mode) {
         int c = __shfl_up_sync(0xffffffffu, t, 2, 16);
         int d = __shfl_sync(0xffffffffu, t, 7, 8);
         int e = __shfl_xor_sync(0xffffffffu, lane, 8, 16);
-        out[5 * t + 0] = a; out[5 * t + 1] = b; out[5 * t + 2] = c; out[5 * t + 3] = d;
-        out[5 * t + 4] = e;
+        int f = __shfl_xor_sync(0xffffffffu, lane, 16, 16);   // an earlier group: read; a later: own
+        out[6 * t + 0] = a; out[6 * t + 1] = b; out[6 * t + 2] = c; out[6 * t + 3] = d;
+        out[6 * t + 4] = e; out[6 * t + 5] = f;
     } else if (mode == 2) {          // half a warp in a barrier, half in a shuffle: reported
         if (lane < 16) __syncthreads();
         else (void)__shfl_xor_sync(0xffffffffu, t, 1);
@@ -328,18 +365,19 @@ def _simt_primitives(tmp_path):
     fn = lib.emu_probe
     fn.argtypes = [ctypes.c_uint] * 6 + [ctypes.c_void_p, ctypes.c_int]
     n = 96
-    out = torch.full((5 * n,), -1, dtype=torch.int32)
+    out = torch.full((6 * n,), -1, dtype=torch.int32)
     assert fn(2, 1, 1, n, 1, 1, out.data_ptr(), 0) == 0   # last block (x=1) wins
     t = torch.arange(n)
     assert torch.equal(out[:n], ((t + 37) % n) * 3 + 1000)
     assert fn(1, 1, 1, n, 1, 1, out.data_ptr(), 1) == 0
-    o = out.view(n, 5)
+    o = out.view(n, 6)
     lane, base = t % 32, t - t % 32
     assert torch.equal(o[:, 0], base + (lane ^ 5))
     assert torch.equal(o[:, 1], torch.where(lane + 3 < 32, t + 3, t))
     assert torch.equal(o[:, 2], torch.where(lane % 16 >= 2, t - 2, t))
     assert torch.equal(o[:, 3], base + (lane // 8) * 8 + 7)
     assert torch.equal(o[:, 4], lane ^ 8)
+    assert torch.equal(o[:, 5], torch.where(lane >= 16, lane - 16, lane))   # PTX shfl.bfly's rule
     assert fn(1, 1, 1, 64, 1, 1, out.data_ptr(), 2) == -1
     out.fill_(-1)
     assert fn(1, 1, 1, 64, 1, 1, out.data_ptr(), 3) == 0

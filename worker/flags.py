@@ -133,7 +133,7 @@ def resolve_args(argv=None) -> argparse.Namespace:
         parser.error("--dtype float16 needs --device cuda: on a CPU use float32, float64 or bfloat16")
     from worker.dtype_choice import resolve_dtype
     args.dtype = resolve_dtype(args.dtype, args.config, "cuda" if cuda else "cpu")
-    args.backend = args.backend or ("pycuda" if cuda else "torch")
+    args.backend = _choose_backend(parser, args, cuda)
     if args.threads < 0:
         parser.error(f"--threads must be >= 0 (0: torch's choice), got {args.threads}")
     if args.data_port < -1:
@@ -167,3 +167,21 @@ def _physical_memory() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):   # no sysconf: no check
         return 1 << 62
+
+
+def _choose_backend(parser, args, cuda: bool) -> str:
+    """--backend, or the device's default: the CUDA kernels on a GPU, unless the model's attention
+    shape is one they are not built for (then the torch backend, which runs any shape on the GPU
+    too, with a warning); asked for by name, such a shape is an error at start, not at every step."""
+    chosen = args.backend or ("pycuda" if cuda else "torch")
+    if chosen != "pycuda" or args.simulate:      # (a simulated worker runs no kernels)
+        return chosen
+    from worker.kernels.launch import unsupported_shape
+    c = args.config
+    why = unsupported_shape(c.head_dim, c.num_attention_heads, c.num_key_value_heads)
+    if why is None:
+        return "pycuda"
+    if args.backend == "pycuda":
+        parser.error(f"--backend pycuda cannot run this model: {why}; use --backend torch")
+    print(f"{parser.prog}: warning: {why}: attention runs on the torch backend", file=sys.stderr)
+    return "torch"

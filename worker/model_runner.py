@@ -61,6 +61,12 @@ class ModelRunner:
             raise ValueError(f"dtype {dtype} is not supported on CPU (use float32, float64 or bfloat16)")
         if self.device.type == "cuda" and self.dtype == torch.float64:
             raise ValueError("float64 is a CPU parity mode; use bfloat16/float16/float32 on CUDA")
+        if backend in ("pycuda", "emulated"):   # refused here, not at the first step after loading
+            from worker.kernels.launch import unsupported_shape
+            c = self.config
+            why = unsupported_shape(c.head_dim, c.num_attention_heads, c.num_key_value_heads)
+            if why is not None:
+                raise ValueError(f"the {backend} backend cannot run this model: {why}; use the torch backend")
         self.layer_start, self.layer_end = layer_start, layer_end
         # bfloat16 on a CPU with the compiled kernels: bfloat16 weights, GEMM inputs and K/V, the
         # activations between them in float32 (dtype_choice.py says why); the stage computes in float32

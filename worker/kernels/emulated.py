@@ -88,8 +88,11 @@ def load_library() -> ctypes.CDLL:
     global _lib
     with _lock:
         if _lib is None:
-            _lib = bind_library(build_library())
-            _apply_schedule(_lib, os.environ.get("MINIPAGED_SIMT_SCHEDULE") or _schedule)
+            lib = bind_library(build_library())
+            # kept only once the schedule is set: a bad MINIPAGED_SIMT_SCHEDULE fails every load,
+            # not the first alone (after which the kernels would run the forward schedule quietly)
+            _apply_schedule(lib, os.environ.get("MINIPAGED_SIMT_SCHEDULE") or _schedule)
+            _lib = lib
         return _lib
 
 

@@ -54,6 +54,18 @@ class Launch:
                              f"{MAX_BLOCK_THREADS} threads")
 
 
+def unsupported_shape(head_dim: int, num_heads: int, num_kv_heads: int) -> str | None:
+    """Why the kernels cannot run a model of this attention shape, or None when they can: they are
+    instantiated for HEAD_DIMS and hold a KV head's whole query group (<= MAX_GROUP) in shared memory.
+    Checked when a worker starts (flags.py, model_runner.py), not first at a step."""
+    if head_dim not in HEAD_DIMS:
+        return f"head_dim {head_dim} (the CUDA kernels are built for {HEAD_DIMS})"
+    if num_heads % num_kv_heads or num_heads // num_kv_heads > MAX_GROUP:
+        return (f"{num_heads} query heads over {num_kv_heads} KV heads (the CUDA kernels take a "
+                f"whole multiple, at most {MAX_GROUP} per KV head)")
+    return None
+
+
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int,
                       num_sms: int = DEFAULT_NUM_SMS) -> int:
     """Split-KV factor for decode: enough CTAs to fill the GPU (SPLIT_WAVES per SM) when the batch
@@ -182,6 +194,8 @@ class KernelBackendBase(abc.ABC):
         sfx, query, block_tables, seq_lens, (H, KVH, bs, D) = self._check_attention(
             query, key_cache, value_cache, block_tables, seq_lens)
         B = query.shape[0]
+        if B != seq_lens.shape[0]:      # the grid is the query's rows: each reads its seq_lens entry
+            raise ValueError(f"{self.name}: query has {B} rows, seq_lens {seq_lens.shape[0]}")
         out = self._empty(query)
         if B == 0:
             return out

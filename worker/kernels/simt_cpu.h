@@ -283,8 +283,10 @@ inline void __syncwarp(unsigned = 0xffffffffu) { ::simt::yield(::simt::WAIT_WARP
 template <typename T>
 inline T __shfl_xor_sync(unsigned, T v, int lane_mask, int width = 32) {
     const int lane = ::simt::lane_id();
-    int src = lane ^ lane_mask;
-    if ((src & ~(width - 1)) != (lane & ~(width - 1))) src = lane;
+    // PTX shfl.bfly: a source past the end of the lane's own group of `width` gives the lane's own
+    // value; one in an earlier group is read (CUDA's guide: "earlier groups" only)
+    int src = lane ^ (lane_mask & 31);
+    if (src > ((lane & ~(width - 1)) | (width - 1))) src = lane;
     return ::simt::exchange(v, src);
 }
 template <typename T>

@@ -11,7 +11,7 @@ from typing import AsyncIterator, Sequence
 import grpc
 import grpc.aio
 
-from minipaged.constants import DEFAULT_METADATA_ADDRESS
+from minipaged.constants import DEFAULT_METADATA_ADDRESS, WAITING_KEY
 from minipaged.tls import channel_credentials, make_channel
 from minipaged.v1 import metadata_pb2 as pb
 from minipaged.v1 import metadata_pb2_grpc as pb_grpc
@@ -21,7 +21,7 @@ from .messages import (CHANNEL_OPTIONS, TERMINAL_STATES, Deadline, GenerateResul
                        PoolSnapshot, ResultAssembler, Stats, StreamChunk, batch_items, build_generate_request,
                        build_submit_request, chunk_from_proto, final_only, job_from_proto, normalize_address,
                        pool_snapshot_from_proto, refuse_unstreamable)
-from .sdk import MAX_BATCH_CONCURRENCY
+from .sdk import MAX_BATCH_CONCURRENCY, log
 
 
 class AsyncClient:
@@ -38,6 +38,7 @@ class AsyncClient:
         self._channel = (grpc.aio.secure_channel(self.address, creds, options=CHANNEL_OPTIONS) if creds else
                          grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS))
         self._stub = pb_grpc.MetadataServiceStub(self._channel)
+        self._told_waiting = False     # "waiting for a worker to register" said once
 
     def _kw(self, timeout: float | None) -> dict:
         return {"timeout": self.timeout if timeout is None else timeout, "metadata": self._metadata}
@@ -104,6 +105,7 @@ class AsyncClient:
         await self._await_ready(timeout)
         call = self._stub.Generate(request, **self._kw(timeout))
         try:
+            await self._say_if_waiting(call)
             async for chunk in call:
                 yield chunk_from_proto(chunk)
         except grpc.RpcError as e:
@@ -149,7 +151,19 @@ class AsyncClient:
     async def submit(self, requests: Sequence[dict], *, timeout: float | None = None) -> str:
         request = build_submit_request(requests)
         await self._await_ready(timeout)
-        return (await self._unary(self._stub.SubmitJob, request, timeout)).job_id
+        call = self._stub.SubmitJob(request, **self._kw(timeout))
+        try:
+            await self._say_if_waiting(call)
+            return (await call).job_id
+        except grpc.RpcError as e:
+            raise (await self._error(e)) from None
+
+    async def _say_if_waiting(self, call) -> None:
+        """As Client's: the service's "waiting for a worker to register" note, logged once."""
+        note = dict(await call.initial_metadata() or ()).get(WAITING_KEY)
+        if note and not self._told_waiting:
+            self._told_waiting = True
+            log.warning("%s", note)
 
     async def list_jobs(self, limit: int = 100, state: str | None = None, *,
                         timeout: float | None = None) -> list[JobStatus]:

@@ -190,7 +190,12 @@ class Client:
     def submit(self, requests: Sequence[dict], *, timeout: float | None = None) -> str:
         request = build_submit_request(requests)
         self._await_ready(timeout)
-        return self._unary(self._stub.SubmitJob, request, timeout).job_id
+        try:    # a future: the "waiting for a worker" metadata comes before the reply
+            call = self._stub.SubmitJob.future(request, **self._kw(timeout))
+            _say_if_waiting(call, self._told_waiting)
+            return call.result().job_id
+        except grpc.RpcError as e:
+            raise self._error(e) from None
 
     def get_job(self, job_id: str, *, timeout: float | None = None) -> JobStatus:
         return job_from_proto(self._unary(self._stub.GetJob, pb.JobRequest(job_id=job_id), timeout))

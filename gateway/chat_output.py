@@ -117,8 +117,10 @@ class ChatOutput:
     # ------------------------------------------------------------ whole answers
 
     def message(self, text: str) -> dict:
-        """The whole message for a non-streamed choice (same parsers as the stream)."""
-        msg: dict = {"role": self.role, "content": None}
+        """The whole message for a non-streamed choice (same parsers as the stream). `reasoning` is
+        always there, null without any (vLLM's ChatMessage has the field: clients read
+        `message.reasoning`, and the openai SDK has no attribute for a key that never came)."""
+        msg: dict = {"role": self.role, "content": None, **dict.fromkeys(REASONING_FIELDS)}
         if self.mode in ("named", "required"):
             try:
                 calls = tc.forced_calls(self.plan, text)

@@ -69,6 +69,9 @@ def openai_wording(message: str) -> tuple[str, str | None]:
     """(message with OpenAI's field names, the request field it is about or None)."""
     for ours, theirs in OPENAI_NAMES.items():
         message = re.sub(rf"\b{ours}\b", theirs, message)
+    # the SDK's way to 0 new tokens is prompt_logprobs; over HTTP it is echo (this server refuses
+    # the prompt_logprobs field)
+    message = message.replace("(0 only with prompt_logprobs)", "(0 only with echo, on /v1/completions)")
     m = _PARAM_RE.search(message)
     return message, (m.group(1) if m else None)
 

@@ -22,7 +22,15 @@ class ByteTokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         if not skip_special_tokens:     # logprobs and echoes name special tokens, as transformers' do
-            return "".join(self.NAMES.get(int(i)) or self.decode([i]) for i in ids)
+            out, run = [], []           # (bytes between names decode together: a character's bytes
+            for i in ids:               # are one character, not one U+FFFD each)
+                name = self.NAMES.get(int(i))
+                if name:
+                    out += [self.decode(run), name]
+                    run = []
+                else:
+                    run.append(i)
+            return "".join(out) + self.decode(run)
         skip = self.special
         return bytes(int(i) for i in ids if 0 <= int(i) < 256 and int(i) not in skip).decode("utf-8", errors="replace")
 

@@ -101,7 +101,8 @@ def test_reasoning_parser_none_and_tool_choice_none(monkeypatch):
     status, text = post(monkeypatch, body, reasoning_parser="none")
     msg = json.loads(text)["choices"][0]
     assert status == 200 and msg["finish_reason"] == "stop"
-    assert msg["message"] == {"role": "assistant", "content": "".join(ANSWER)}
+    assert msg["message"] == {"role": "assistant", "content": "".join(ANSWER), "reasoning": None,
+                              "reasoning_content": None}   # null, as vLLM's ChatMessage has them
 
 
 @pytest.mark.parametrize("reason", [None, 151643, "</tool_call>"])

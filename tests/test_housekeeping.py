@@ -29,10 +29,10 @@ def worker(meta_port, model, *extra):
                  "--num-blocks", 64, "--threads", 1, *extra)
 
 
-def cli(*args):
+def cli(*args, input=None):
     env = {**os.environ, "PYTHONPATH": ROOT}
     return subprocess.run([sys.executable, "-m", "client", *map(str, args)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, input=input)
 
 
 def output_of(proc) -> str:
@@ -165,6 +165,10 @@ def told_waiting(*service_args) -> str:
         r = cli("generate", "--address", f"127.0.0.1:{mp}", "--prompt", "hi")
         assert r.returncode == 1 and "UNAVAILABLE" in r.stderr
         assert "waiting for a worker to register (up to 2s): no worker is registered" in r.stderr, r.stderr
+        # a job too (SubmitJob is unary: the SDK reads the note before the reply; before, silence)
+        r = cli("submit", "--address", f"127.0.0.1:{mp}", "--file", "-", input='{"prompt": "hi"}\n')
+        assert r.returncode == 1 and "UNAVAILABLE" in r.stderr
+        assert "waiting for a worker to register (up to 2s): no worker is registered" in r.stderr, r.stderr
     finally:
         stop(meta)
     return output_of(meta)
@@ -172,3 +176,29 @@ def told_waiting(*service_args) -> str:
 
 def test_a_client_waiting_for_the_first_worker_is_told_so():
     assert "a request is waiting for a worker to register" in told_waiting()
+
+
+def test_the_async_client_is_told_so_too(caplog):
+    """AsyncClient (the gateway's) logs the service's note once, for a job and for a stream."""
+    import asyncio
+
+    from client import AsyncClient
+    from client.errors import MiniPagedError
+    mp = free_port()
+    meta = start("metadata_service", "--port", mp, "--worker-wait", 1)
+
+    async def calls():
+        c = AsyncClient(f"127.0.0.1:{mp}")
+        try:
+            for call in (c.submit([{"prompt": "hi"}]), c.generate("hi")):
+                with pytest.raises(MiniPagedError, match="no worker chain is ready"):
+                    await call
+        finally:
+            await c.close()
+    try:
+        wait_for(lambda: answers(mp), what="the service")
+        asyncio.run(calls())
+    finally:
+        stop(meta)
+    told = [r for r in caplog.records if "waiting for a worker to register (up to 1s)" in r.getMessage()]
+    assert len(told) == 1 and told[0].levelname == "WARNING"

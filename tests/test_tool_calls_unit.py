@@ -209,8 +209,8 @@ def test_prompt_opens_reasoning():
 
 def test_reasoning_off_keeps_everything_in_content():
     msg = OutputOptions(reasoning=False).new().message("<think>x</think>y")
-    assert msg == {"role": "assistant", "content": "<think>x</think>y"}
-    assert OutputOptions(reasoning=True).new().message("") == {"role": "assistant", "content": ""}
+    assert msg == {"role": "assistant", "content": "<think>x</think>y", "reasoning": None, "reasoning_content": None}
+    assert OutputOptions(reasoning=True).new().message("") == {"role": "assistant", "content": "", "reasoning": None, "reasoning_content": None}
     msg = OutputOptions(reasoning=True).new().message("<think>x</think>y")
     assert (msg["reasoning"], msg["reasoning_content"], msg["content"]) == ("x", "x", "y")
 
@@ -290,7 +290,7 @@ def test_include_reasoning_false_and_reasoning_tokens():
     text = "<think>\nhmm\n</think>\n\nanswer"
     opts = OutputOptions(reasoning=True, include_reasoning=False)
     msg = opts.new().message(text)
-    assert msg == {"role": "assistant", "content": "\n\nanswer"}
+    assert msg == {"role": "assistant", "content": "\n\nanswer", "reasoning": None, "reasoning_content": None}
     assert "reasoning" not in stream(opts, list(text))[0]
     assert rs.count_reasoning_tokens([5, 1, 2, 3, 6, 9], 5, 6) == 3
     assert rs.count_reasoning_tokens([1, 2, 6, 9], 5, 6, open_=True) == 2      # the prompt opened it

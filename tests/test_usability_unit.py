@@ -118,6 +118,8 @@ def test_byte_fallback_needs_vocab_256(tmp_path):
 
 def test_errors_use_openai_names_and_fill_param():
     assert openai_wording("max_new_tokens must be >= 1, got 0") == ("max_tokens must be >= 1, got 0", "max_tokens")
+    assert openai_wording("max_new_tokens must be >= 1 (0 only with prompt_logprobs), got 0")[0] == \
+        "max_tokens must be >= 1 (0 only with echo, on /v1/completions), got 0"   # (a field HTTP refuses)
     assert openai_wording("min_new_tokens must be in [0, max_new_tokens = 4], got 5") == \
         ("min_tokens must be in [0, max_tokens = 4], got 5", "min_tokens")
     assert openai_wording("temperature must be a finite number >= 0, got -1.0")[1] == "temperature"
@@ -160,6 +162,15 @@ def test_logprob_bytes_are_the_tokens_raw_bytes(tmp_path):
     tail = oa.Choice(0, token_ids=ids[3:], logprobs=[-0.5] * 2, top=[{}, {}])
     assert oa.completion_logprobs(tail, strings, 1, context=ids[:3])["tokens"] == ["", "€"]
     assert list(token_bytes(ByteTokenizer(), 0xE9)) == [0xE9] and token_bytes(None, 5) is None
+    # an invalid byte followed by whole characters: its U+FFFD shows on the next token, as vLLM's
+    # incremental detokenizer puts it (before: on none, so the strings did not add up to the text)
+    bt = ByteTokenizer()
+    strings = TokenStrings(lambda t: bt.decode([t]), bt)
+    ids = [99, 250, 7, 8, 0xC3, 0xA9, 9]            # "c", an invalid byte, \x07, \x08, "é" in 2, \t
+    legacy = oa.completion_logprobs(oa.Choice(0, token_ids=ids, logprobs=[-0.5] * 7, top=[{}] * 7), strings)
+    assert legacy["tokens"] == ["c", "", "\ufffd\x07", "\x08", "", "é", "\t"]
+    assert "".join(legacy["tokens"]) == bt.decode(ids) and legacy["text_offset"] == [0, 1, 1, 3, 4, 4, 5]
+    assert bt.decode([0xC3, 0xA9, 257], skip_special_tokens=False) == "é<|im_start|>"   # (was "��<|im_start|>")
 
 
 # ---------------------------------------------------------------- the client's hints and CLI

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import time
 
+import grpc
+
 from client.messages import StreamChunk
+
+S = grpc.StatusCode
+REFUSALS = {S.INVALID_ARGUMENT, S.RESOURCE_EXHAUSTED, S.UNAVAILABLE, S.UNAUTHENTICATED, S.PERMISSION_DENIED,
+            S.FAILED_PRECONDITION, S.OUT_OF_RANGE, S.ALREADY_EXISTS, S.NOT_FOUND}
 
 
 class Observed:
@@ -54,6 +60,15 @@ class Observed:
             itl.observe(c.decode_seconds / (len(c.token_ids) - 1))
         self.last[c.index] = now
         self.generated += len(c.token_ids)
+
+    def fail(self, e: BaseException) -> None:
+        """A stream that ended in an error: refused before any token (the service never admitted
+        it: a bad value, a full queue, no worker) it counts nowhere, as vLLM counts a request it
+        rejects; after admission it is an abort."""
+        if self.first is None and not self.finished and getattr(e, "code", None) in REFUSALS:
+            self.done = True
+            return
+        self.abort()
 
     def abort(self) -> None:
         """A prompt whose stream ended early (the client left, or an error): its tokens so far count,

@@ -237,7 +237,7 @@ class Gateway:
                 obs.abort()
                 raise
             except BaseException as e:  # noqa: BLE001 - handed to the consumer
-                obs.abort()
+                obs.fail(e)
                 await queue.put((p, e))
             finally:
                 if agen is not None:

@@ -140,10 +140,12 @@ def forced_schema(p: ToolPlan) -> dict | None:
 def forced_calls(p: ToolPlan, text: str) -> list[dict]:
     """A constrained output -> message.tool_calls. ValueError when it does not parse (a length
     cut): the caller then returns the text as content."""
+    # strict=False: a string may hold raw control characters, which the grammar lets through
+    # (xgrammar's string with maxLength allows U+0000-U+001F); a length cut still fails to parse
     if p.mode == "named":
-        json.loads(text)  # must be whole JSON; sent as the model wrote it
+        json.loads(text, strict=False)  # must be whole JSON; sent as the model wrote it
         return [tool_call(p.name, text.strip())]
-    calls = json.loads(text)
+    calls = json.loads(text, strict=False)
     if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str)
                                               for c in calls):
         raise ValueError("not an array of {name, parameters} objects")

@@ -165,6 +165,8 @@ class MetadataServicer(JobRpcs, metadata_pb2_grpc.MetadataServiceServicer):
                 chunk.top_logprobs = pack(np.concatenate([t[1] for t in m.output_top]), FLOAT32)
             set_stop_reason(chunk, m, self.engine, chunk.finish_reason)
             prompt_logprobs.attach_once(chunk, seq.prompt_lp)   # the request's: on the first winner
+            if m.first_token_at:        # whole choices: when their first token came (TTFT, ITL)
+                chunk.decode_seconds = max(0.0, time.monotonic() - m.first_token_at)
             yield chunk
 
     # ------------------------------------------------------------------ stats

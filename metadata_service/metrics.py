@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 
 from minipaged import metrics_http
 from minipaged.metrics_http import E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS
@@ -116,8 +116,14 @@ def _chain_families(st: dict, model: str):
     yield step
 
 
+# vLLM's finished_reason for ours: a sequence cancelled (the client left, a deadline, CancelJob) is
+# "abort" there, as the gateway counts it too
+VLLM_REASONS = {"cancelled": "abort"}
+
+
 class ServiceMetrics:
     def __init__(self, engine):
+        disable_created_metrics()     # no *_created series (as vLLM, and the gateway): they double the payload
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine))
         self.engine = engine
@@ -142,7 +148,9 @@ class ServiceMetrics:
                 n = len(seq.output_token_ids)
                 if n > 1:
                     self.itl.labels(model).observe((now - seq.first_token_at) / (n - 1))
-        self.success.labels(model, seq.finish_reason).inc()
+        reason = seq.finish_reason
+        if reason != "dropped":            # (a beam hypothesis pruned by the search: not a request)
+            self.success.labels(model, VLLM_REASONS.get(reason, reason)).inc()
 
     def serve(self, port: int, host: str) -> int:
         """Start the endpoint; returns the bound port (port 0 picks one)."""

@@ -188,3 +188,15 @@ def test_a_request_is_counted_when_its_last_choice_finishes():
     assert count("vllm:e2e_request_latency_seconds_count") == 1 and count("vllm:generation_tokens_total") == 4
     obs.finish()                                   # the stream's end: already counted, not twice
     assert count("vllm:e2e_request_latency_seconds_count") == 1
+    # refused by the service before any token (a bad value): counted nowhere, as vLLM counts a
+    # request it rejects (before: an "abort" and an e2e sample); failed after a token: an abort
+    import grpc
+
+    from client.errors import MiniPagedError
+    Observed(gw, 0.0).fail(MiniPagedError("temperature must be ...", grpc.StatusCode.INVALID_ARGUMENT))
+    assert count("vllm:e2e_request_latency_seconds_count") == 1 and count("vllm:request_success_total",
+                                                                           finished_reason="abort") == 0
+    late = Observed(gw, 0.0)
+    late.chunk(StreamChunk(token_ids=[5], text="a", finish_reason=None, index=0))
+    late.fail(MiniPagedError("the chain was lost", grpc.StatusCode.INVALID_ARGUMENT))
+    assert count("vllm:request_success_total", finished_reason="abort") == 1

@@ -93,9 +93,26 @@ def test_service_metrics_agree_with_stats(cluster):
     assert one(m, "vllm:request_success_total", finished_reason="length") >= 12
     assert one(m, "vllm:time_to_first_token_seconds_count") >= 12
     assert one(m, "vllm:e2e_request_latency_seconds_count") >= 12
+    assert not [name for name, _ in m if name.endswith("_created")]     # vLLM has none either
     chain = st.chains[0]
     busy = [v for (name, labels), v in m.items() if name == "minipaged:stage_busy_fraction"]
     assert len(busy) == 2 and all(0 < b <= 1 for b in busy) and len(chain["stages"]) == 2
+
+
+def test_a_cancelled_request_is_vllms_abort(cluster):
+    """vLLM's finished_reason for a request the client left is "abort" (the gateway's too); the
+    service said "cancelled", which a vLLM dashboard does not read."""
+    def aborts():
+        return scrape(cluster.metrics_port).get(("vllm:request_success_total", (("finished_reason", "abort"),)), 0)
+    before = aborts()
+    it = cluster.client.stream(prompt_token_ids=[1, 2, 3], max_new_tokens=500, ignore_eos=True)
+    next(it)
+    it.close()                                   # the client leaves: the service cancels it
+    end = time.monotonic() + 30
+    while aborts() < before + 1:
+        assert time.monotonic() < end, "the cancelled request was never counted as abort"
+        time.sleep(0.1)
+    assert ("vllm:request_success_total", (("finished_reason", "cancelled"),)) not in scrape(cluster.metrics_port)
 
 
 def test_worker_metrics(cluster):

@@ -263,6 +263,13 @@ def test_features_end_to_end_against_transformers(ckpt):
                 assert one.text == "".join(ch.text for ch in mine)
                 assert one.logprobs == ([x for ch in mine for x in ch.logprobs] if "logprobs" in kw else None)
                 assert one.decode_seconds > 0 or len(one.token_ids) == 1
+        # best_of > n: the winners come whole at the end, timed too (the gateway's TTFT and ITL
+        # read decode_seconds; before, the winners had none: TTFT = e2e, no ITL)
+        req = build_generate_request(prompt_token_ids=p, max_new_tokens=6, n=1, best_of=3, temperature=1.0,
+                                     seed=2, ignore_eos=True)
+        req.final_only = True
+        winners = [chunk_from_proto(ch) for ch in cl._stub.Generate(req)]
+        assert len(winners) == 1 and winners[0].decode_seconds > 0
         settle(cl)
 
 

@@ -88,6 +88,12 @@ def test_named_schema_is_the_functions_parameters_and_wraps_the_output():
     assert tc.forced_schema(np_) == {"type": "object", "properties": {}}
     with pytest.raises(ValueError):
         tc.forced_calls(p, '{"city": "Par')            # cut by max_tokens: not a call
+    # a raw control character in a string (xgrammar lets U+0000-U+001F through a string with
+    # maxLength): still the call, as the model wrote it (before: returned as content, 13 of 20 seeds)
+    [call] = tc.forced_calls(p, '{"city": "C\x0ew"}')
+    assert call["function"]["arguments"] == '{"city": "C\x0ew"}'
+    [call] = tc.forced_calls(tc.plan([WEATHER], "required"), '[{"name": "get_weather", "parameters": {"city": "\x03"}}]')
+    assert json.loads(call["function"]["arguments"]) == {"city": "\x03"}
 
 
 def test_required_schema_accepts_exactly_valid_calls():

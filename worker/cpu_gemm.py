@@ -13,7 +13,8 @@ summation order than oneDNN's, ~1e-6 relative), from half the bytes:
 
 Policy (Qwen3Stage.use_bf16_weights):
   - every matrix of a layer gains a panel copy for batches of at most SMALL_BATCH_ROWS rows (decode
-    steps), where it is 1.3-2.6x faster than oneDNN's float32 GEMM (bench/results/profile-*.md);
+    steps), where it is 1.1-2.6x faster than oneDNN's float32 GEMM (bench/results/profile-*.md,
+    probes-fifth-round-2026-12-07.md);
   - with AMX (amx_available()) it also gains the AMX copy, which batches of AMX_MIN_ROWS or more
     take, and loses its float32 copy;
   - without AMX but with AVX-512 (all_batches()) every batch takes the panels and the float32 copy
@@ -37,7 +38,11 @@ import torch
 from worker.cpu_kernels import load_library
 
 PANEL = 16                  # output columns per packed panel (the kernel's register tile width)
-SMALL_BATCH_ROWS = 48       # at most this many rows: the packed kernel; more: the float32 GEMM
+# At most this many rows: the packed kernel; more: oneDNN's float32 GEMM. On the AVX2 Zen 3 (2 threads,
+# bench/cpu_gemm.py at the 0.6B shape, streamed) the panels beat oneDNN by 1.12-1.34x from 64 to 128
+# rows and by 1.0-1.29x to 256, where 48 had left a 64-row decode step on oneDNN at ~60% of FMA peak;
+# prefill chunks beyond it keep oneDNN (~15% faster there on the AVX2 machine the 48 came from).
+SMALL_BATCH_ROWS = 256
 EVERY_BATCH = 1 << 62       # packed_rows of a matrix with no float32 copy: every batch takes the panels
 AMX_MIN_ROWS = 8            # with AMX (pack_vnni) from this many rows on: the AMX kernel
 

@@ -9,8 +9,6 @@ from typing import Literal
 
 from client.messages import StreamChunk, Usage
 
-from .token_bytes import CONTEXT_TOKENS
-
 FINISH_REASONS = {"length": "length", "stop": "stop", "cancelled": "abort", "": None}
 
 
@@ -71,16 +69,16 @@ def completion_logprobs(choice: Choice, token_text, offset0: int = 0, context=()
         return None
     ids = list(context) + list(choice.token_ids)
     before = len(context)
-    tokens = [token_text(t, _context(ids, before + k)) for k, t in enumerate(choice.token_ids)]
-    top = [_top_row(t, lp, choice.top[k] if k < len(choice.top or ()) else {}, token_text, _context(ids, before + k))
+    tokens = [token_text(t, _last4(ids, before + k)) for k, t in enumerate(choice.token_ids)]
+    top = [_top_row(t, lp, choice.top[k] if k < len(choice.top or ()) else {}, token_text, _last4(ids, before + k))
            for k, (t, lp) in enumerate(zip(choice.token_ids, choice.logprobs))]
     return {"tokens": tokens, "token_logprobs": choice.logprobs[:len(tokens)], "top_logprobs": top,
             "text_offset": _offsets(tokens, offset0)}
 
 
-def _context(ids: list[int], end: int, start: int = 0) -> list[int]:
-    """The context a token string may read (TokenStrings: CONTEXT_TOKENS before it)."""
-    return ids[max(start, end - CONTEXT_TOKENS):end]
+def _last4(ids: list[int], end: int, start: int = 0) -> list[int]:
+    """The context a token string may read (TokenStrings: at most 4 tokens before it)."""
+    return ids[max(start, end - 4):end]
 
 
 def _offsets(tokens: list[str], start: int = 0) -> list[int]:
@@ -101,9 +99,9 @@ def echo_logprobs(prompt_ids: list[int], logprobs: list, top: list | None, token
     for the first token (nothing comes before it), as OpenAI's are. Special tokens show their names,
     as the echoed text does. A later token's context is the prompt after its first token (vLLM's:
     the first position has no logprobs entry to read it from)."""
-    tokens = [token_text(t, None if k == 0 else _context(prompt_ids, k, 1)) for k, t in enumerate(prompt_ids)]
+    tokens = [token_text(t, None if k == 0 else _last4(prompt_ids, k, 1)) for k, t in enumerate(prompt_ids)]
     alts = [None] + [_top_row(t, lp, (top[k] if top and k < len(top) else None) or {}, token_text,
-                              _context(prompt_ids, k, 1))
+                              _last4(prompt_ids, k, 1))
                      for k, (t, lp) in enumerate(zip(prompt_ids, logprobs)) if k > 0]
     return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": alts,
             "text_offset": _offsets(tokens)}
@@ -151,7 +149,7 @@ def chat_logprobs(choice: Choice, token_text, context=()) -> dict | None:
     ids, before = list(context) + list(choice.token_ids), len(context)
     content = []
     for k, (t, lp) in enumerate(zip(choice.token_ids, choice.logprobs)):
-        ctx = _context(ids, before + k)
+        ctx = _last4(ids, before + k)
         alts = choice.top[k] if k < len(choice.top) else {}
         content.append({"token": token_text(t, ctx), "logprob": lp, "bytes": raw(t),
                         "top_logprobs": [{"token": token_text(a, ctx), "logprob": alp, "bytes": raw(a)}

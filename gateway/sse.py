@@ -16,7 +16,6 @@ from . import openai_api as oa
 from .chat_output import OutputOptions
 from .chat_output import merge as merge_deltas
 from .errors import GatewayError
-from .token_bytes import CONTEXT_TOKENS
 
 if TYPE_CHECKING:
     from .state import Gateway
@@ -101,7 +100,7 @@ def _error_event(e: Exception) -> str:
 def _before(ch: oa.Choice, chunk) -> list[int]:
     """The last tokens of a choice before this chunk's: what a token string may read (token_bytes.py)."""
     end = len(ch.token_ids) - len(chunk.token_ids)
-    return ch.token_ids[max(0, end - CONTEXT_TOKENS):end]
+    return ch.token_ids[max(0, end - 4):end]
 
 
 async def _completion_events(gw: Gateway, rid: str, req: oa.CompletionRequest, stream, echo, include_usage: bool,

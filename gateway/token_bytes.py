@@ -9,6 +9,7 @@ their text."""
 from __future__ import annotations
 
 import functools
+import os
 import re
 
 from minipaged.tokenizer import ByteTokenizer
@@ -53,11 +54,6 @@ def token_bytes(tokenizer, token_id: int) -> bytes | None:
     return piece.replace("\u2581", " ").encode("utf-8")  # SentencePiece's word marker is a space
 
 
-# Tokens before a token that its string may read: a character is at most 4 bytes, and the rule below
-# restarts from a clean boundary at the window's start (an emission or two resynchronise it).
-CONTEXT_TOKENS = 6
-
-
 class TokenStrings:
     """What logprobs show of a token: its text (or "token_id:N") and its raw bytes."""
 
@@ -65,33 +61,28 @@ class TokenStrings:
         self._text, self._tokenizer, self._as_ids = text_fn, tokenizer, as_ids
 
     def __call__(self, token_id: int, context=None) -> str:
-        """The token's text; with `context` (the sequence's tokens before it), vLLM's rule where
-        bytes are unfinished: "" for a token that leaves a character unfinished (U+FFFD at the end),
-        the whole character on the token that completes it, and the U+FFFD of an invalid byte on the
-        token after it. So the strings add up to the text, and text_offset indexes it."""
+        """The token's text; with `context` (the sequence's tokens before it), vLLM's rule for a token
+        that ends an unfinished character (U+FFFD): what it completes, read after up to 4 tokens of
+        context, or "" while the character is still unfinished (its bytes then show on the token
+        that completes it, so the strings add up to the text)."""
         text = self._text(token_id)
-        if context is None or self._as_ids or self._tokenizer is None:
+        if context is None or self._as_ids or self._tokenizer is None or not text.endswith("\ufffd"):
             return text
-        ctx = [int(t) for t in context[-CONTEXT_TOKENS:]]
-        if not text.endswith("\ufffd") and not (ctx and self._text(ctx[-1]).endswith("\ufffd")):
-            return text                    # (the common case: no unfinished bytes near it)
-        return self._incremental(ctx + [int(token_id)])
+        return self._completed(int(token_id), [int(t) for t in context[-4:]])
 
-    def _incremental(self, ids: list[int]) -> str:
-        """vLLM's detokenize_incrementally run over `ids` from its start: the last token's string.
-        A token's text is decode(ids[p:j+1]) past decode(ids[p:r]), where r ends the last token that
-        gave text and p the one before; held back ("") while it ends in U+FFFD."""
-        def decode(a: int, b: int) -> str:
-            return self._tokenizer.decode(ids[a:b], skip_special_tokens=False) if b > a else ""
-        p = r = 0
-        out = ""
-        for j in range(len(ids)):
-            prefix, new = decode(p, r), decode(p, j + 1)
-            if len(new) <= len(prefix) or new.endswith("\ufffd"):
-                out = ""
+    def _completed(self, token_id: int, context: list[int]) -> str:
+        decode = self._tokenizer.decode
+        for n in range(1, len(context) + 1):
+            ctx = context[-n:]
+            full = decode(ctx + [token_id], skip_special_tokens=False)
+            if full.endswith("\ufffd"):
                 continue
-            out, p, r = new[len(prefix):], r, j + 1
-        return out
+            clean = len(ctx)            # context tokens that are themselves bytes of this character
+            while clean and self._text(ctx[clean - 1]).endswith("\ufffd"):
+                clean -= 1
+            prefix = decode(ctx[:clean], skip_special_tokens=False) if clean else ""
+            return full[len(os.path.commonprefix([prefix, full])):]
+        return ""
 
     def raw_bytes(self, token_id: int) -> list[int]:
         raw = token_bytes(self._tokenizer, token_id)

@@ -5,13 +5,14 @@ the two cannot drift apart."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from contextlib import aclosing
 from typing import AsyncIterator, Sequence
 
 import grpc
 import grpc.aio
 
-from minipaged.constants import DEFAULT_METADATA_ADDRESS, WAITING_KEY
+from minipaged.constants import DEFAULT_METADATA_ADDRESS
 from minipaged.tls import channel_credentials, make_channel
 from minipaged.v1 import metadata_pb2 as pb
 from minipaged.v1 import metadata_pb2_grpc as pb_grpc
@@ -21,7 +22,7 @@ from .messages import (CHANNEL_OPTIONS, TERMINAL_STATES, Deadline, GenerateResul
                        PoolSnapshot, ResultAssembler, Stats, StreamChunk, batch_items, build_generate_request,
                        build_submit_request, chunk_from_proto, final_only, job_from_proto, normalize_address,
                        pool_snapshot_from_proto, refuse_unstreamable)
-from .sdk import MAX_BATCH_CONCURRENCY, log
+from .sdk import MAX_BATCH_CONCURRENCY, say_if_waiting
 
 
 class AsyncClient:
@@ -38,7 +39,7 @@ class AsyncClient:
         self._channel = (grpc.aio.secure_channel(self.address, creds, options=CHANNEL_OPTIONS) if creds else
                          grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS))
         self._stub = pb_grpc.MetadataServiceStub(self._channel)
-        self._told_waiting = False     # "waiting for a worker to register" said once
+        self._told_waiting = threading.Event()   # "waiting for a worker to register" said once
 
     def _kw(self, timeout: float | None) -> dict:
         return {"timeout": self.timeout if timeout is None else timeout, "metadata": self._metadata}
@@ -105,7 +106,7 @@ class AsyncClient:
         await self._await_ready(timeout)
         call = self._stub.Generate(request, **self._kw(timeout))
         try:
-            await self._say_if_waiting(call)
+            say_if_waiting(await call.initial_metadata(), self._told_waiting)
             async for chunk in call:
                 yield chunk_from_proto(chunk)
         except grpc.RpcError as e:
@@ -153,17 +154,10 @@ class AsyncClient:
         await self._await_ready(timeout)
         call = self._stub.SubmitJob(request, **self._kw(timeout))
         try:
-            await self._say_if_waiting(call)
+            say_if_waiting(await call.initial_metadata(), self._told_waiting)
             return (await call).job_id
         except grpc.RpcError as e:
             raise (await self._error(e)) from None
-
-    async def _say_if_waiting(self, call) -> None:
-        """As Client's: the service's "waiting for a worker to register" note, logged once."""
-        note = dict(await call.initial_metadata() or ()).get(WAITING_KEY)
-        if note and not self._told_waiting:
-            self._told_waiting = True
-            log.warning("%s", note)
 
     async def list_jobs(self, limit: int = 100, state: str | None = None, *,
                         timeout: float | None = None) -> list[JobStatus]:

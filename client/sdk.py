@@ -29,10 +29,10 @@ MAX_BATCH_CONCURRENCY = 32
 log = logging.getLogger("minipaged.client")  # warnings reach stderr even with logging unconfigured
 
 
-def _say_if_waiting(call, told: threading.Event) -> None:
+def say_if_waiting(initial_metadata, told: threading.Event) -> None:
     """The service parks a call until its first worker registers, and says so in the initial
-    metadata: tell the user (once per Client), instead of a silent wait of up to --worker-wait s."""
-    note = dict(call.initial_metadata() or ()).get(WAITING_KEY)
+    metadata: tell the user (once per client), instead of a silent wait of up to --worker-wait s."""
+    note = dict(initial_metadata or ()).get(WAITING_KEY)
     if note and not told.is_set():
         told.set()
         log.warning("%s", note)
@@ -114,7 +114,7 @@ class Client:
         if on_call is not None:
             on_call(call)
         try:
-            _say_if_waiting(call, self._told_waiting)
+            say_if_waiting(call.initial_metadata(), self._told_waiting)
             for chunk in call:
                 yield chunk_from_proto(chunk)
         except grpc.RpcError as e:
@@ -192,7 +192,7 @@ class Client:
         self._await_ready(timeout)
         try:    # a future: the "waiting for a worker" metadata comes before the reply
             call = self._stub.SubmitJob.future(request, **self._kw(timeout))
-            _say_if_waiting(call, self._told_waiting)
+            say_if_waiting(call.initial_metadata(), self._told_waiting)
             return call.result().job_id
         except grpc.RpcError as e:
             raise self._error(e) from None

@@ -151,12 +151,11 @@ class KernelBackendBase(abc.ABC):
         query = self._input("query", query, query.dtype)
         _, num_kv_heads, block_size, head_dim = key_cache.shape
         num_heads = query.shape[1]
-        if query.shape[2] != head_dim or head_dim not in HEAD_DIMS:
-            raise ValueError(f"{self.name}: head_dim {query.shape[2]} (cache {head_dim}); "
-                             f"supported: {HEAD_DIMS}")
-        if num_heads % num_kv_heads or num_heads // num_kv_heads > MAX_GROUP:
-            raise ValueError(f"{self.name}: num_heads {num_heads} must be a multiple of "
-                             f"num_kv_heads {num_kv_heads} with a group of at most {MAX_GROUP}")
+        if query.shape[2] != head_dim:
+            raise ValueError(f"{self.name}: head_dim {query.shape[2]} (cache {head_dim})")
+        why = unsupported_shape(head_dim, num_heads, num_kv_heads)
+        if why is not None:
+            raise ValueError(f"{self.name}: {why}")
         if block_tables.dim() != 2 or seq_lens.dim() != 1:
             raise ValueError(f"{self.name}: block_tables must be [B, max_blocks] and seq_lens "
                              f"[B], got {tuple(block_tables.shape)} / {tuple(seq_lens.shape)}")

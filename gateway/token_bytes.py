@@ -64,7 +64,9 @@ class TokenStrings:
         """The token's text; with `context` (the sequence's tokens before it), vLLM's rule for a token
         that ends an unfinished character (U+FFFD): what it completes, read after up to 4 tokens of
         context, or "" while the character is still unfinished (its bytes then show on the token
-        that completes it, so the strings add up to the text)."""
+        that completes it, so the strings add up to the text). It is vLLM 0.32's
+        `_correct_decoded_token` (vllm/v1/engine/logprobs.py), the invalid byte's case included: its
+        U+FFFD is in the text and on no token string, in both servers."""
         text = self._text(token_id)
         if context is None or self._as_ids or self._tokenizer is None or not text.endswith("\ufffd"):
             return text

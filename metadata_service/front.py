@@ -61,6 +61,20 @@ def merge_stats(parts: list[metadata_pb2.StatsReply], front_cpu_s: float) -> met
 _TRANSPORT = ("Socket closed", "Stream removed", "Connection reset", "failed to connect", "Broken pipe")
 
 
+def pass_waiting_note(calls, context) -> None:
+    """A shard parked until its first worker registers says so in its headers (before its reply):
+    the first such note of `calls` goes on in ours. A parked shard sends its headers at once, and
+    any other call's come at the latest with its reply, so reading them in turn waits for no park."""
+    for call in calls:
+        try:
+            note = dict(call.initial_metadata() or ()).get(WAITING_KEY)
+        except grpc.RpcError:
+            continue
+        if note:
+            context.send_initial_metadata(((WAITING_KEY, note),))
+            return
+
+
 def _transport_lost(details: str) -> bool:
     return any(t in details for t in _TRANSPORT)
 
@@ -92,11 +106,14 @@ class FrontServicer(FrontJobRpcs, metadata_pb2_grpc.MetadataServiceServicer):
         except grpc.RpcError as e:
             context.abort(e.code(), e.details())
 
-    def _each(self, calls: dict, method: str, context) -> dict:
-        """{shard: request} -> {shard: reply or grpc.RpcError}, the calls made at once."""
+    def _each(self, calls: dict, method: str, context, pass_note: bool = False) -> dict:
+        """{shard: request} -> {shard: reply or grpc.RpcError}, the calls made at once. `pass_note`:
+        a shard's "waiting for a worker" note goes on to the caller before the replies (SubmitJob)."""
         md, left = self._metadata(context), self._timeout(context)
         futures = {k: getattr(self.shards.stubs[k], method).future(r, metadata=md, timeout=left)
                    for k, r in calls.items()}
+        if pass_note:
+            pass_waiting_note(futures.values(), context)
         out = {}
         for k, f in futures.items():
             try:
@@ -113,10 +130,7 @@ class FrontServicer(FrontJobRpcs, metadata_pb2_grpc.MetadataServiceServicer):
                                                timeout=self._timeout(context))
         context.add_callback(stream.cancel)
         try:
-            # a shard parked until its first worker registers says so in its headers: pass it on
-            note = dict(stream.initial_metadata() or ()).get(WAITING_KEY)
-            if note:
-                context.send_initial_metadata(((WAITING_KEY, note),))
+            pass_waiting_note([stream], context)
             yield from stream
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.UNAVAILABLE and _transport_lost(e.details() or ""):

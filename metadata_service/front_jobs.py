@@ -96,7 +96,7 @@ class FrontJobRpcs:
         at = offsets(counts)
         calls = {k: metadata_pb2.SubmitJobRequest(requests=request.requests[at[k]:at[k] + n], job_id=job_id)
                  for k, n in enumerate(counts) if n}
-        answers = self._each(calls, "SubmitJob", context)
+        answers = self._each(calls, "SubmitJob", context, pass_note=True)
         failed = [e for e in answers.values() if isinstance(e, grpc.RpcError)]
         if failed:  # no part may outlive a refused job: the parts that were taken are deleted
             taken = {k: metadata_pb2.JobRequest(job_id=job_id) for k, a in answers.items()

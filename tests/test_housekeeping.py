@@ -155,7 +155,7 @@ def test_a_worker_stopped_cleanly_deregisters_at_once(tmp_path):
     assert "blocks x 16 tokens = " in out           # KV capacity in human units
 
 
-def told_waiting(*service_args, job: bool = True) -> str:
+def told_waiting(*service_args) -> str:
     """A generate against a service (flags `service_args`) with no worker: UNAVAILABLE after
     --worker-wait 2, having told the user why it waits. Returns the service's output."""
     mp = free_port()
@@ -165,11 +165,10 @@ def told_waiting(*service_args, job: bool = True) -> str:
         r = cli("generate", "--address", f"127.0.0.1:{mp}", "--prompt", "hi")
         assert r.returncode == 1 and "UNAVAILABLE" in r.stderr
         assert "waiting for a worker to register (up to 2s): no worker is registered" in r.stderr, r.stderr
-        # a job too (SubmitJob is unary: the SDK reads the note before the reply; before, silence);
-        # not through a sharded front, which does not pass a shard's note on for jobs
+        # a job too (SubmitJob is unary: the SDK reads the note before the reply; before, silence)
         r = cli("submit", "--address", f"127.0.0.1:{mp}", "--file", "-", input='{"prompt": "hi"}\n')
         assert r.returncode == 1 and "UNAVAILABLE" in r.stderr
-        assert not job or "waiting for a worker to register (up to 2s): no worker is registered" in r.stderr, r.stderr
+        assert "waiting for a worker to register (up to 2s): no worker is registered" in r.stderr, r.stderr
     finally:
         stop(meta)
     return output_of(meta)

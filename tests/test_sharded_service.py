@@ -275,10 +275,10 @@ def test_a_front_killed_9_takes_its_shards_with_it_and_a_new_one_resumes(ckpt, o
 
 @pytest.mark.slow
 def test_a_client_of_a_front_waiting_for_the_first_worker_is_told_so():
-    """A shard parks a Generate until a worker registers and says so in its headers: the front
-    passes that on, so the SDK warns instead of waiting in silence."""
+    """A shard parks a Generate or a SubmitJob until a worker registers and says so in its
+    headers: the front passes that on, so the SDK warns instead of waiting in silence."""
     from tests.test_housekeeping import told_waiting
-    told_waiting("--shards", 2, job=False)
+    told_waiting("--shards", 2)
 
 
 def test_shards_metrics_merge_into_one_family_per_name_labelled_by_shard():

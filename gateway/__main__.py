@@ -9,7 +9,7 @@ import sys
 
 import uvicorn
 
-from minipaged.cli import prog_name
+from minipaged.cli import port, prog_name
 from minipaged.constants import DEFAULT_METADATA_PORT
 
 from .reasoning import DEFAULT_PARSER, PARSERS
@@ -22,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"the metadata service, HOST:PORT (HOST alone: port {DEFAULT_METADATA_PORT}; "
                         f"env MINIPAGED_ADDRESS)")
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0: every interface)")
-    p.add_argument("--port", type=int, default=8000, help="HTTP port")
+    p.add_argument("--port", type=port, default=8000, help="HTTP port")
     p.add_argument("--token", default=None,
                    help="API key: HTTP clients must send 'Authorization: Bearer T' to /v1/*; also presented "
                         "to the metadata service unless --metadata-token is given (env MINIPAGED_TOKEN)")

@@ -28,7 +28,7 @@ from . import reasoning as rs
 from . import tool_calls as tc
 from .chat_output import OutputOptions
 from .dashboard import dashboard_routes
-from .errors import GatewayError, bad_request, error_response
+from .errors import REQUEST_PARAMS, GatewayError, bad_request, error_response
 from .metrics import GatewayMetrics
 from .request_body import json_of, parse_as, raw_body
 from .sse import _chat_events, _collect, _completion_events, _start_sse, _unless_disconnected
@@ -178,9 +178,10 @@ async def _completions(gw: Gateway, request: Request):
 
 async def _chat_completions(gw: Gateway, request: Request):
     t0, req = await _accept(gw, request, oa.ChatCompletionRequest)
+    REQUEST_PARAMS.set({"prompt": "messages"})   # the service's "prompt" is this request's messages
     messages = oa.chat_messages(req)
     tools = tc.plan(req.tools, req.tool_choice, req.parallel_tool_calls)
-    template_kwargs = {**(req.chat_template_kwargs or {}), **({"tools": req.tools} if req.tools else {})}
+    template_kwargs = oa.template_kwargs(req)
     if req.continue_final_message and req.add_generation_prompt:
         raise bad_request("continue_final_message and add_generation_prompt cannot both be true", "continue_final_message")
     try:

@@ -5,6 +5,7 @@ status code and message, or a check the SDK made before any RPC) or a GatewayErr
 raised itself (a bad parameter, an unknown model, a wrong token)."""
 from __future__ import annotations
 
+import contextvars
 import re
 
 import grpc
@@ -56,13 +57,19 @@ def bad_request(message: str, param: str | None = None) -> GatewayError:
     return GatewayError(400, message, "invalid_request_error", param)
 
 
-# The service and SDK name fields as our GenerateRequest does; a gateway user sent OpenAI's names.
-OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+# The service and SDK name fields as our GenerateRequest does; a gateway user sent OpenAI's names
+# (beam_width is vLLM's `n` with use_beam_search; prompt_token_ids is a token-id `prompt`).
+OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "beam_width": "n",
+                "prompt_token_ids": "prompt"}
 # Request fields an error message can be about, most specific first: the first one named is `param`.
+# The constraint kinds (regex, json_schema, choice) name the field the request gave them in.
 PARAMS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "best_of", "n", "seed", "stop_token_ids",
           "stop", "repetition_penalty", "presence_penalty", "frequency_penalty", "top_logprobs", "logprobs",
-          "prompt", "messages")
+          "prompt", "messages", "regex", "json_schema", "schema", "choice")
 _PARAM_RE = re.compile(r"\b(" + "|".join(PARAMS) + r")\b")
+# The request being answered: its own name for a field the service's words name ("prompt" is
+# "messages" in a chat request; "regex" is "guided_regex" or "structured_outputs.regex" ...)
+REQUEST_PARAMS: contextvars.ContextVar[dict[str, str]] = contextvars.ContextVar("request_params", default={})
 
 
 def openai_wording(message: str) -> tuple[str, str | None]:
@@ -72,8 +79,10 @@ def openai_wording(message: str) -> tuple[str, str | None]:
     # the SDK's way to 0 new tokens is prompt_logprobs; over HTTP it is echo (this server refuses
     # the prompt_logprobs field)
     message = message.replace("(0 only with prompt_logprobs)", "(0 only with echo, on /v1/completions)")
+    message = message.replace("n must be in [1, 16] (0 = off)", "n must be in [1, 16] with use_beam_search")
     m = _PARAM_RE.search(message)
-    return message, (m.group(1) if m else None)
+    param = m.group(1) if m else None
+    return message, REQUEST_PARAMS.get().get(param, param) if param else None
 
 
 def from_sdk_error(e: MiniPagedError) -> GatewayError:

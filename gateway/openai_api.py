@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from .openai_requests import (CHAT_ROLES, DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, ChatMessage,
                               CompletionRequest, StreamOptions, chat_kwargs, chat_messages, completion_kwargs,
-                              completion_prompts, sampling_kwargs)
+                              completion_prompts, sampling_kwargs, template_kwargs)
 from .openai_responses import (FINISH_REASONS, Choice, chat_chunk, chat_logprobs, chat_response, chat_usage,
                                completion_chunk,
                                completion_logprobs, completion_response, echo_logprobs, join_logprobs, logprobs_end, new_id,
@@ -14,6 +14,6 @@ from .openai_responses import (FINISH_REASONS, Choice, chat_chunk, chat_logprobs
 
 __all__ = ["CHAT_ROLES", "DEFAULT_COMPLETION_MAX_TOKENS", "ChatCompletionRequest", "ChatMessage", "CompletionRequest",
            "StreamOptions", "chat_kwargs", "chat_messages", "completion_kwargs", "completion_prompts",
-           "sampling_kwargs", "FINISH_REASONS", "Choice", "chat_chunk", "chat_logprobs", "chat_response", "chat_usage",
+           "sampling_kwargs", "template_kwargs", "FINISH_REASONS", "Choice", "chat_chunk", "chat_logprobs", "chat_response", "chat_usage",
            "completion_chunk", "completion_logprobs", "completion_response", "echo_logprobs", "join_logprobs", "logprobs_end",
            "new_id", "prompt_logprobs_of", "total_usage", "usage_chunk", "usage_dict"]

@@ -200,6 +200,27 @@ def completion_kwargs(req: CompletionRequest, defaults: dict | None = None) -> d
     return kw
 
 
+# chat_template_kwargs that the request's own fields set: those fields win, as in vLLM's
+# build_chat_params (merge_kwargs); and the two vLLM refuses (resolve_chat_template_kwargs)
+_OWN_TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message", "tools")
+_REFUSED_TEMPLATE_KWARGS = ("chat_template", "tokenize", "messages", "conversation")
+
+
+def template_kwargs(req: ChatCompletionRequest) -> dict:
+    """The chat template's extra variables: chat_template_kwargs, less what the request says itself."""
+    given = dict(req.chat_template_kwargs or {})
+    refused = sorted(k for k in given if k in _REFUSED_TEMPLATE_KWARGS)
+    if refused:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(refused)}: the request's own "
+                          f"fields do", "chat_template_kwargs")
+    out = {k: v for k, v in given.items() if k not in _OWN_TEMPLATE_FIELDS}
+    if req.tools:
+        out["tools"] = req.tools
+    elif "tools" in given:
+        out["tools"] = given["tools"]
+    return out
+
+
 def chat_messages(req: ChatCompletionRequest) -> list[dict]:
     """Messages as plain dicts for the template; text parts of multi-part content are joined."""
     out = []

@@ -12,15 +12,26 @@ MAX_BODY_BYTES = 16 << 20   # a body past this is a 413: parsing 24 MB of JSON t
 
 
 async def raw_body(request: Request) -> bytes:
+    """The body, once its media type is JSON (vLLM's validate_json_request: a form or text/plain
+    POST, which a browser sends from any page without asking, is refused) and within the size
+    limit, counted as it arrives: a chunked upload has no length to check first."""
+    media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media != "application/json":
+        raise bad_request("Unsupported Media Type: Only 'application/json' is allowed "
+                          f"(Content-Type: {media or 'none'})")
     size = request.headers.get("content-length", "")
     if size.isdigit() and int(size) > MAX_BODY_BYTES:        # before reading it
         raise GatewayError(413, f"the request body is {int(size)} bytes; this server takes at most "
                                 f"{MAX_BODY_BYTES} ({MAX_BODY_BYTES >> 20} MiB)", "invalid_request_error")
-    raw = await request.body()
-    if len(raw) > MAX_BODY_BYTES:                            # (chunked: no length given)
-        raise GatewayError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes "
-                                f"({MAX_BODY_BYTES >> 20} MiB), the most this server takes", "invalid_request_error")
-    return raw
+    parts, n = [], 0
+    async for chunk in request.stream():
+        n += len(chunk)
+        if n > MAX_BODY_BYTES:
+            raise GatewayError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes "
+                                    f"({MAX_BODY_BYTES >> 20} MiB), the most this server takes",
+                               "invalid_request_error")
+        parts.append(chunk)
+    return b"".join(parts)
 
 
 def json_of(raw: bytes) -> dict:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .errors import bad_request
+from .errors import REQUEST_PARAMS, bad_request
 
 _STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "json_object": "json_object"}
 
@@ -95,4 +95,11 @@ def structured_kwargs(req) -> dict:
     if len(found) > 1:
         raise bad_request(f"give one structured-output constraint, got {', '.join(n for n, _ in found)}",
                           found[1][0])
-    return found[0][1] if found else {}
+    if not found:
+        return {}
+    name, kw = found[0]
+    if name == "structured_outputs":
+        name += "." + next(k for k, v in _STRUCTURED_KEYS.items() if v in kw)
+    # the service's words for a constraint that does not compile name its kind: say the field
+    REQUEST_PARAMS.set({**REQUEST_PARAMS.get(), "regex": name, "json_schema": name, "schema": name, "choice": name})
+    return kw

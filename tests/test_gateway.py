@@ -4,6 +4,7 @@ template, the gateway), compared token for token with the SDK and with transform
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import subprocess
@@ -15,7 +16,7 @@ import openai
 import pytest
 import torch
 
-from client import InvalidArgument, LocalCluster
+from client import AsyncClient, InvalidArgument, LocalCluster
 from client.cluster import free_port
 from tests.checkpoints import load_oracle, make_checkpoint
 from tests.freeze import FREEZE_SERVICE_ARGS, frozen
@@ -141,6 +142,49 @@ def test_models_health_and_errors_are_openai_shaped(cluster, oai, ckpt):
 
 # ---------------------------------------------------------------- parity
 
+def test_hostile_bodies_and_fields_are_refused_in_the_requests_words(cluster, ckpt):
+    """Probe K: a chunked body past the limit stops at the limit (not buffered whole); a body that is
+    not application/json is vLLM's 400; chat_template_kwargs cannot override the request's own
+    fields or the conversation; service errors name the field this request used."""
+    url = cluster.http_url
+    before = cluster.client.stats()
+
+    def chunks():                         # no Content-Length: counted as it arrives
+        for _ in range(40):
+            yield b" " * (1 << 20)
+    r = httpx.post(url + "/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "larger than" in r.json()["error"]["message"]
+    body = json.dumps({"model": ckpt, "prompt": "hi", "max_tokens": 1}).encode()
+    for ctype in ("text/plain", "application/x-www-form-urlencoded", None):
+        r = httpx.post(url + "/v1/completions", content=body, headers={"content-type": ctype} if ctype else {})
+        assert r.status_code == 400 and "Only 'application/json' is allowed" in r.json()["error"]["message"]
+    r = httpx.post(url + "/v1/completions", content=body, headers={"content-type": "application/json; charset=utf-8"})
+    assert r.status_code == 200
+    chat = {"model": ckpt, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "temperature": 0}
+    for kw in ({"add_generation_prompt": False}, {"add_generation_prompt": True}, {"continue_final_message": True}):
+        r = httpx.post(url + "/v1/chat/completions", json={**chat, "chat_template_kwargs": kw})
+        assert r.status_code == 200, r.text               # the request's own fields win, as in vLLM
+    for key in ("messages", "tokenize", "chat_template"):
+        r = httpx.post(url + "/v1/chat/completions", json={**chat, "chat_template_kwargs": {key: 1}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
+    for path, extra, param in (("/v1/completions", {"prompt": "hi", "use_beam_search": True, "n": 1000}, "n"),
+                               ("/v1/completions", {"prompt": [2 ** 40]}, "prompt"),
+                               ("/v1/completions", {"prompt": "hi", "guided_regex": "(("}, "guided_regex"),
+                               ("/v1/chat/completions", {"messages": chat["messages"],
+                                                         "structured_outputs": {"regex": "(("}},
+                                "structured_outputs.regex"),
+                               ("/v1/chat/completions", {"messages": chat["messages"], "max_tokens": 5000},
+                                "messages")):
+        r = httpx.post(url + path, json={"model": ckpt, "max_tokens": 2, **extra})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == param, (extra, err)
+    assert "n must be in [1, 16] with use_beam_search" in httpx.post(url + "/v1/completions", json={
+        "model": ckpt, "prompt": "hi", "use_beam_search": True, "n": 1000}).json()["error"]["message"]
+    settle(cluster.client)
+    after = cluster.client.stats()
+    assert after.invariants_ok and after.free_blocks == before.free_blocks
+
+
 def test_greedy_http_equals_sdk_and_transformers(cluster, oai, ckpt, tok):
     batch = prompts(4, seed=1)
     r = oai.completions.create(model=ckpt, prompt=batch, max_tokens=12, temperature=0, logprobs=0,
@@ -233,6 +277,18 @@ def test_async_client_concurrent_requests(cluster, ckpt):
         assert ids_of(r.choices[0].logprobs.tokens) == cluster.client.generate(
             prompt_token_ids=p, max_new_tokens=6, ignore_eos=True).token_ids
     assert streamed == rs[0].choices[0].text
+    settle(cluster.client)
+
+
+def test_async_client_with_thousands_of_calls_at_once(cluster):
+    """Probe K: 3,000 generate() calls at once on one AsyncClient had gRPC end ~500 of them
+    CANCELLED, which nobody asked for; it keeps MAX_OPEN_STREAMS open and queues the rest."""
+    async def main():
+        async with AsyncClient(cluster.address) as c:
+            return await asyncio.gather(*(c.generate(prompt_token_ids=[1 + i % 200, 2, 3], max_new_tokens=1,
+                                                     temperature=0) for i in range(3000)), return_exceptions=True)
+    results = asyncio.run(main())
+    assert [r for r in results if isinstance(r, BaseException)] == []
     settle(cluster.client)
 
 

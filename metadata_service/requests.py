@@ -69,7 +69,8 @@ def _prompt_ids(req: metadata_pb2.GenerateRequest, engine) -> np.ndarray:
     if ids is None:
         if req.prompt and getattr(engine, "text_prompt_problem", None):  # (an empty one is "empty" below)
             raise RequestError(bad, engine.text_prompt_problem)
-        ids = engine.tokenizer.encode(req.prompt)
+        _check_text_fits(req, engine)
+        ids = engine.tokenizer.encode_array(req.prompt)
     ids = np.asarray(ids, dtype=np.int64)   # vectorized: a job may bring millions of prompt tokens
     if not ids.size:
         raise RequestError(bad, "the prompt is empty: give prompt or prompt_token_ids with at least one token")
@@ -80,6 +81,23 @@ def _prompt_ids(req: metadata_pb2.GenerateRequest, engine) -> np.ndarray:
     if stop_ids.size and vocab and (stop_ids.min() < 0 or stop_ids.max() >= vocab):
         raise RequestError(bad, f"stop_token_ids must be in [0, {vocab})")
     return ids
+
+
+def _check_text_fits(req: metadata_pb2.GenerateRequest, engine) -> None:
+    """A text prompt too long for the context whatever its tokens are, refused before tokenizing it
+    (tens of MB took seconds, and stalled the service's other calls)."""
+    per_token = getattr(engine.tokenizer, "max_token_bytes", None)
+    limit = engine.max_model_len
+    if not per_token or not limit or len(req.prompt) * 4 // per_token < limit:   # (4: the most bytes a char)
+        return
+    n_bytes = len(req.prompt.encode("utf-8"))
+    least = -(-n_bytes // per_token)
+    if least + req.max_new_tokens > limit:
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"This model's maximum context length is {limit} tokens (max_model_len). However, "
+                           f"your prompt is at least {least} tokens ({n_bytes} bytes of text, at most {per_token} "
+                           f"bytes a token) and {req.max_new_tokens} are requested in the completion. Please "
+                           f"reduce the length of the prompt or completion.")
 
 
 def _check_sampling(req: metadata_pb2.GenerateRequest) -> None:

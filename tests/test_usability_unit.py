@@ -114,6 +114,29 @@ def test_byte_fallback_needs_vocab_256(tmp_path):
         normalize(pb.GenerateRequest(prompt="hi", max_new_tokens=2), engine)
 
 
+def test_a_text_prompt_past_the_context_whatever_its_tokens_is_refused_before_tokenizing():
+    """Probe K: a 60 MB text prompt was tokenized into a Python list before its length was checked:
+    seconds under the interpreter lock, a worker's heartbeat missed, the chain dropped. Now a text
+    longer than max_model_len tokens of the longest piece is refused unread; a shorter one is
+    tokenized into an array."""
+    from metadata_service.requests import RequestError, normalize
+    from minipaged.tokenizer import HFTokenizer
+    from minipaged.v1 import metadata_pb2 as pb
+    from tests.qwen_tokenizer import qwen3_tokenizer_dir
+
+    def never(text):
+        raise AssertionError("tokenized")
+    for tok, limit in ((ByteTokenizer(), 4096), (HFTokenizer(qwen3_tokenizer_dir()), 1024)):
+        engine = types.SimpleNamespace(model_name="m", text_prompt_problem=None, tokenizer=tok, max_model_len=limit,
+                                       vocab_size=10 ** 6, grammar_problem=None,
+                                       block_size=16, max_pool_blocks=10 ** 6)
+        assert normalize(pb.GenerateRequest(prompt="héllo", max_new_tokens=2), engine).prompt_token_ids
+        tok.encode_array = never
+        long = "x" * (limit * tok.max_token_bytes + 1)
+        with pytest.raises(RequestError, match="maximum context length is .* your prompt is at least"):
+            normalize(pb.GenerateRequest(prompt=long, max_new_tokens=2), engine)
+
+
 # ---------------------------------------------------------------- the gateway's wording
 
 def test_errors_use_openai_names_and_fill_param():

@@ -2,6 +2,8 @@
 (message limits from minipaged.constants, shared with both planes)."""
 from __future__ import annotations
 
+import numbers
+
 from minipaged.constants import DEFAULT_METADATA_PORT, grpc_options
 
 CHANNEL_OPTIONS = grpc_options()
@@ -15,9 +17,47 @@ def normalize_address(address: str) -> str:
     if not a or a.startswith(("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:")) or "://" in a:
         return a
     if a.startswith("["):                       # [::1] or [::1]:50051
-        return a if "]:" in a else f"{a}:{DEFAULT_PORT}"
+        return _checked_port(a) if "]:" in a else f"{a}:{DEFAULT_PORT}"
     if a.count(":") == 0:
         return f"{a}:{DEFAULT_PORT}"
     if a.count(":") > 1:                        # a bare IPv6 address
         return f"[{a}]:{DEFAULT_PORT}"
-    return a
+    return _checked_port(a)
+
+
+def _checked_port(address: str) -> str:
+    """HOST:PORT with PORT in 1-65535: gRPC takes 120636 as 55100 and -1 as 65535, silently."""
+    text = address.rsplit(":", 1)[1]
+    if not (text.isdigit() and 1 <= int(text) <= 65535):
+        raise ValueError(f"address {address!r}: the port must be a number in 1-65535")
+    return address
+
+
+def checked_seconds(name: str, value):
+    """A timeout / wait in seconds: None, or a number >= 0 (a str or a negative one failed later
+    inside gRPC with words that named neither)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number of seconds or None, got {type(value).__name__} {value!r:.40}")
+    if not value >= 0:
+        raise ValueError(f"{name} must be >= 0 seconds, got {value}")
+    return value
+
+
+def checked_token(token: str | None) -> str | None:
+    """The bearer token goes in an HTTP/2 header: printable ASCII only."""
+    if token is None or token == "":
+        return token
+    if not isinstance(token, str):
+        raise TypeError(f"token must be a str, got {type(token).__name__}")
+    if not all(" " <= ch <= "~" for ch in token):
+        raise ValueError("token must be printable ASCII (it travels in a header): it holds a control or "
+                         "non-ASCII character")
+    return token
+
+
+def checked_job_id(job_id) -> str:
+    if not isinstance(job_id, str):
+        raise TypeError(f"job_id must be a str (submit() returns one), got {type(job_id).__name__} {job_id!r:.40}")
+    return job_id

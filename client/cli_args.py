@@ -11,10 +11,24 @@ from .channel import DEFAULT_PORT
 
 
 def _ids(text: str) -> list[int]:
+    """'1,2,3' (a trailing comma is fine); an empty item ('1,,2') is a typo, not nothing."""
+    items = text.replace(" ", "").split(",")
+    if items and items[-1] == "":
+        items.pop()
     try:
-        return [int(x) for x in text.replace(" ", "").split(",") if x]
+        return [int(x) for x in items]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
+    return value
 
 
 _AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -70,7 +84,7 @@ def _common_flags() -> argparse.ArgumentParser:
                              f"(env MINIPAGED_ADDRESS)")
     common.add_argument("--token", default=os.environ.get("MINIPAGED_TOKEN"),
                         help="bearer token (env MINIPAGED_TOKEN)")
-    common.add_argument("--timeout", type=float, default=None, help="deadline per call, seconds (default: none)")
+    common.add_argument("--timeout", type=_seconds, default=None, help="deadline per call, seconds (default: none)")
     common.add_argument("--wait-ready", type=float, default=None, metavar="S",
                         help="wait up to S seconds for a ready worker chain before failing")
     return common

@@ -16,6 +16,7 @@ from minipaged.tls import make_channel
 from minipaged.v1 import metadata_pb2 as pb
 from minipaged.v1 import metadata_pb2_grpc as pb_grpc
 
+from .channel import checked_job_id, checked_seconds, checked_token
 from .errors import Cancelled, MiniPagedError, Unavailable, explain_unimplemented, from_rpc_error
 from .messages import (CHANNEL_OPTIONS, MAX_MESSAGE_BYTES, REQUEST_KEYS, TERMINAL_STATES,  # noqa: F401
                        Deadline, GenerateResult, JobCollector, JobStatus, PoolSnapshot, ResultAssembler, Stats,
@@ -48,15 +49,17 @@ class Client:
     def __init__(self, address: str = DEFAULT_METADATA_ADDRESS, token: str | None = None,
                  timeout: float | None = None, *, tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, wait_ready: float | None = None):
-        self.address, self.timeout, self.wait_ready = normalize_address(address), timeout, wait_ready
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self.address = normalize_address(address)
+        self.timeout, self.wait_ready = checked_seconds("timeout", timeout), checked_seconds("wait_ready", wait_ready)
+        self._metadata = (("authorization", f"Bearer {token}"),) if checked_token(token) else None
         # TLS when given the CA that signed the service's certificate (+ a client cert for mTLS)
         self._channel = make_channel(self.address, CHANNEL_OPTIONS, tls_ca, tls_cert, tls_key)
         self._stub = pb_grpc.MetadataServiceStub(self._channel)
         self._told_waiting = threading.Event()  # "waiting for a worker to register" said once
 
     def _kw(self, timeout: float | None) -> dict:
-        return {"timeout": self.timeout if timeout is None else timeout, "metadata": self._metadata}
+        return {"timeout": self.timeout if timeout is None else checked_seconds("timeout", timeout),
+                "metadata": self._metadata}
 
     def _error(self, e: grpc.RpcError) -> MiniPagedError:
         return explain_unimplemented(from_rpc_error(e), self.address, self._channel)
@@ -198,10 +201,12 @@ class Client:
             raise self._error(e) from None
 
     def get_job(self, job_id: str, *, timeout: float | None = None) -> JobStatus:
-        return job_from_proto(self._unary(self._stub.GetJob, pb.JobRequest(job_id=job_id), timeout))
+        request = pb.JobRequest(job_id=checked_job_id(job_id))
+        return job_from_proto(self._unary(self._stub.GetJob, request, timeout))
 
     def cancel(self, job_id: str, *, timeout: float | None = None) -> JobStatus:
-        return job_from_proto(self._unary(self._stub.CancelJob, pb.JobRequest(job_id=job_id), timeout))
+        request = pb.JobRequest(job_id=checked_job_id(job_id))
+        return job_from_proto(self._unary(self._stub.CancelJob, request, timeout))
 
     def list_jobs(self, limit: int = 100, state: str | None = None, *,
                   timeout: float | None = None) -> list[JobStatus]:
@@ -211,7 +216,8 @@ class Client:
 
     def delete_job(self, job_id: str, *, timeout: float | None = None) -> JobStatus:
         """Cancel the job if unfinished, then forget it (its stored results too)."""
-        return job_from_proto(self._unary(self._stub.DeleteJob, pb.JobRequest(job_id=job_id), timeout))
+        request = pb.JobRequest(job_id=checked_job_id(job_id))
+        return job_from_proto(self._unary(self._stub.DeleteJob, request, timeout))
 
     def cancel_pending_jobs(self, model: str | None = None, *, timeout: float | None = None) -> tuple[int, int]:
         """Cancel every unfinished job (only those admitted for `model`: its name or a fingerprint
@@ -241,7 +247,7 @@ class Client:
         acc = JobCollector(progress, job_id)
         try:
             while True:
-                call = self._stub.WatchJob(pb.JobRequest(job_id=job_id), timeout=deadline.left(),
+                call = self._stub.WatchJob(pb.JobRequest(job_id=checked_job_id(job_id)), timeout=deadline.left(),
                                            metadata=self._metadata)
                 try:
                     for msg in call:

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 
+from minipaged.cli import port
 from minipaged import generation_defaults as gd
 from minipaged.config import load_model_config, parse_rope_scaling
 from minipaged.constants import DTYPE_BYTES
@@ -32,7 +33,7 @@ PREFIX_WIDTH = 16
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="'tiny' or a local Hugging Face Qwen3 checkpoint directory")
     p.add_argument("--host", default="127.0.0.1", help="HTTP interface (0.0.0.0: every interface)")
-    p.add_argument("--port", type=int, default=8000, help="HTTP port of the OpenAI API")
+    p.add_argument("--port", type=port, default=8000, help="HTTP port of the OpenAI API")
     p.add_argument("--stages", type=int, default=1, help="pipeline stages per chain (layers split by weight: the first and last stages hold the embedding and lm_head)")
     p.add_argument("--replicas", type=int, default=1, help="worker chains behind the one service")
     p.add_argument("--shards", type=int, default=1,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from minipaged.cli import prog_name
+from minipaged.cli import port, port_or_off, prog_name
 from minipaged.constants import DEFAULT_METADATA_PORT
 
 from .router import OVERLAP_WEIGHT, POLICIES
@@ -17,7 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog_name("metadata_service"), description=USAGE, allow_abbrev=False,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=DEFAULT_METADATA_PORT, help="0 picks a free port")
+    p.add_argument("--port", type=port, default=DEFAULT_METADATA_PORT, help="0 picks a free port")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=0,
                    help="cap on the pool (default: the smallest capacity of the worker chain; 1024 before "
@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "at a time (PATH.lock). Default: in memory, gone when the service stops")
     _scheduling_flags(p)
     p.add_argument("--no-block-api", action="store_true", help="switch the block API off (public ports)")
-    p.add_argument("--worker-port", type=int, default=-1,
+    p.add_argument("--worker-port", type=port_or_off, default=-1,
                    help="serve the internal surface (worker registration, heartbeats, block API) on this port "
                         "of its own; leave it unpublished (default: the client port serves both; 0 picks one)")
     p.add_argument("--worker-host", default="", help="interface of --worker-port (default: --host)")
@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "step per token so far predicts for it, fails its chain as a lost lease does "
                         "(recompute elsewhere; the late stage joins no chain until idle); 0: no deadline")
     p.add_argument("--grace", type=float, default=10.0, help="shutdown grace period (SIGTERM)")
-    p.add_argument("--metrics-port", type=int, default=-1,
+    p.add_argument("--metrics-port", type=port_or_off, default=-1,
                    help="serve Prometheus text on this port (vLLM's metric names; 0 picks one; default off; with "
                         "--shards N: every shard's, labelled shard=K)")
     p.add_argument("--log-stats-interval", type=float, default=10.0, metavar="S",

@@ -10,3 +10,25 @@ def prog_name(module: str) -> str:
     else `python -m <module>`, so --help and usage errors name the command the user typed."""
     name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
     return name if name.startswith("minipaged") else f"python -m {module}"
+
+
+def port(text: str) -> int:
+    """argparse type of a port flag: 0-65535 (gRPC would wrap 120686 to 55150 silently, and a
+    socket bind raise OverflowError)."""
+    return _port(text, 0, "a port is 0-65535")
+
+
+def port_or_off(text: str) -> int:
+    """A port flag whose -1 means "off" (--metrics-port, --worker-port)."""
+    return _port(text, -1, "a port is 0-65535 (-1: off)")
+
+
+def _port(text: str, lowest: int, rule: str) -> int:
+    import argparse
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not lowest <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{rule}, got {value}")
+    return value

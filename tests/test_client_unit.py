@@ -142,6 +142,40 @@ def test_cli_parser():
         p.parse_args(["generate", "--prompt", "x", "--prompt-ids", "1"])  # exactly one source
 
 
+def test_sdk_and_cli_arguments_are_checked_before_any_call():
+    """Probe K: a port out of range was wrapped by gRPC (":120636" reached 55100), and wrong types
+    failed deep inside gRPC with words that named no argument."""
+    for address in ("127.0.0.1:120636", "127.0.0.1:-1", "[::1]:99999", "h:0"):
+        with pytest.raises(ValueError, match="port must be a number in 1-65535"):
+            Client(address)
+    with pytest.raises(TypeError, match="timeout must be a number"):
+        Client("127.0.0.1:5", timeout="10")
+    with pytest.raises(ValueError, match="timeout must be >= 0"):
+        Client("127.0.0.1:5", timeout=-5)
+    with pytest.raises(ValueError, match="token must be printable ASCII"):
+        Client("127.0.0.1:5", token="a\nb")
+    c = Client("127.0.0.1:5", timeout=np.float64(3))
+    for method in (c.wait, c.cancel, c.get_job, c.delete_job):
+        with pytest.raises(TypeError, match="job_id must be a str"):
+            method(5)
+    with pytest.raises(ValueError, match="timeout must be >= 0"):
+        c.stats(timeout=-1)
+    p = build_parser()
+    for argv in (["generate", "--prompt-ids", "1,,2"], ["stats", "--timeout", "-1"]):
+        with pytest.raises(SystemExit):
+            p.parse_args(argv)
+    assert p.parse_args(["generate", "--prompt-ids", "1,2,"]).prompt_ids == [1, 2]
+
+
+@pytest.mark.parametrize("module", ["metadata_service", "worker", "gateway", "client serve tiny"])
+def test_every_entry_point_refuses_a_port_out_of_range(module):
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", *module.split(), "--port", "120686"], capture_output=True, text=True,
+                       timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 2 and "a port is 0-65535, got 120686" in r.stderr, r.stderr[-500:]
+
+
 # ---------------------------------------------------------------- fake service round trips
 
 def _result(i, req):

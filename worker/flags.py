@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from minipaged.cli import prog_name
+from minipaged.cli import port, port_or_off, prog_name
 from minipaged.config import check_weights_present, load_model_config, parse_rope_scaling
 from minipaged.constants import DEFAULT_METADATA_ADDRESS, DTYPE_BYTES
 
@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--standalone", action="store_true",
                    help="register with no metadata service: serve WorkerService calls only (tests, debugging)")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 in containers)")
-    p.add_argument("--port", type=int, default=50061, help="port to serve on (0 = pick a free one)")
+    p.add_argument("--port", type=port, default=50061, help="port to serve on (0 = pick a free one)")
     p.add_argument("--advertise-address", default="", help="HOST:PORT others reach this worker at "
                    "(default: --host:bound port, or hostname:port when bound to 0.0.0.0)")
     p.add_argument("--model", default="tiny", help="'tiny' (embedded) or a local Qwen3 checkpoint directory")
@@ -77,11 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--simulate", default="", metavar="h200|PROFILE.json",
                    help="a simulated worker: no weights, no compute; each step sleeps for a roofline timing "
                         "model's time (worker/simulator.py) and returns deterministic pseudo-random tokens")
-    p.add_argument("--data-port", type=int, default=0,
+    p.add_argument("--data-port", type=port, default=0,
                    help="TCP data link: the metadata service's Steps and results, and hidden states from "
                         "the previous stage (0 picks a port, -1 = none: all on the gRPC streams; never with "
                         "TLS, whose streams are encrypted)")
-    p.add_argument("--metrics-port", type=int, default=-1,
+    p.add_argument("--metrics-port", type=port_or_off, default=-1,
                    help="serve Prometheus text on this port (0 picks one; default off)")
     p.add_argument("--log-level", default="INFO")
     return p

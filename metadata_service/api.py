@@ -240,7 +240,7 @@ class MetadataServicer(JobRpcs, metadata_pb2_grpc.MetadataServiceServicer):
         try:
             handle = self.engine.registry.register(request.info)
         except WorkerRejected as e:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT if e.invalid else grpc.StatusCode.FAILED_PRECONDITION, str(e))
         self.engine.notify_workers_changed()
         lease = self.engine.registry.lease_s
         return metadata_pb2.RegisterWorkerReply(  # four heartbeats per lease: one late one is no failure

@@ -34,7 +34,12 @@ def clip(text: str, limit: int = 64) -> str:
 
 
 class WorkerRejected(Exception):
-    """A worker that cannot join (different model, bad layer range)."""
+    """A worker that cannot join: a malformed WorkerInfo (`invalid`: INVALID_ARGUMENT), or one that
+    does not fit now (another model is pinned: FAILED_PRECONDITION)."""
+
+    def __init__(self, message: str, invalid: bool = False):
+        super().__init__(message)
+        self.invalid = invalid
 
 
 @dataclass
@@ -112,7 +117,7 @@ class WorkerRegistry:
         if not info.address or info.layer_end <= info.layer_start or info.layer_start < 0 \
                 or info.layer_end > info.num_layers:
             raise WorkerRejected(f"bad registration: address={clip(info.address)} layers "
-                                 f"[{info.layer_start}, {info.layer_end}) of {info.num_layers}")
+                                 f"[{info.layer_start}, {info.layer_end}) of {info.num_layers}", invalid=True)
         pin = self.pinned()
         if pin is not None and pin[0] != info.model_fingerprint:
             self.last_refusal = (f"refused worker {clip(info.address)} of model {clip(info.model_name)} "

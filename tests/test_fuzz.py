@@ -666,7 +666,7 @@ def test_bug_long_id_echoed_in_error_message(meta):
     workers.py WorkerRegistry.register: f"bad registration: address={info.address!r} ..."): the message
     echoes client input of any length. gRPC carries the message in the grpc-message trailer; past the
     8 KiB soft limit the client randomly, past the hard limit always, gets RESOURCE_EXHAUSTED "Stream
-    removed (received metadata size exceeds ... limit)" instead of NOT_FOUND / FAILED_PRECONDITION."""
+    removed (received metadata size exceeds ... limit)" instead of NOT_FOUND / INVALID_ARGUMENT."""
     long = "x" * 20000
     got = []
     for rpc, fn in (("GetJob", lambda: meta.GetJob(mpb.JobRequest(job_id=long), timeout=10)),
@@ -678,7 +678,7 @@ def test_bug_long_id_echoed_in_error_message(meta):
             got.append((rpc, "OK"))
         except grpc.RpcError as e:
             got.append((rpc, e.code().name))
-    assert got == [("GetJob", "NOT_FOUND"), ("CancelJob", "NOT_FOUND"), ("RegisterWorker", "FAILED_PRECONDITION")]
+    assert got == [("GetJob", "NOT_FOUND"), ("CancelJob", "NOT_FOUND"), ("RegisterWorker", "INVALID_ARGUMENT")]
 
 
 QSL_WRAP = r"""

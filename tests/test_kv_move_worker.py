@@ -115,3 +115,17 @@ def test_a_step_sent_after_a_slow_move_is_answered_first(pair, monkeypatch):
     assert first.sampled_token_ids and not first.error_code and not second.error_code
     for want, got in zip(blocks(src, [0, 1, 9]), blocks(dst, [30, 31, 32])):
         assert torch.equal(want, got)
+
+
+def test_a_data_link_peer_that_never_says_hello_is_closed(pair, monkeypatch):
+    """Probe K: connections that never sent their hello were kept forever (3,000 held 3,000 threads
+    and descriptors); a peer now has HELLO_TIMEOUT_S for it, and the worker goes on serving."""
+    import socket
+    import worker.data_link as data_link
+    monkeypatch.setattr(data_link, "HELLO_TIMEOUT_S", 0.5)
+    src, _ = pair
+    idle = [socket.create_connection(("127.0.0.1", src.servicer.data_server.port), timeout=30) for _ in range(3)]
+    for s in idle:
+        assert s.recv(1) == b""          # the worker closed it (a recv past 30 s would raise instead)
+        s.close()
+    assert src.call("Health", pb.WorkerHealthRequest()).cache_epoch == src.epoch   # serving, its cache as it was

@@ -39,6 +39,7 @@ from worker.shm_ring import ShmRingReader, ShmRingWriter, capacity_from_env
 from worker.step_stream import StepPipe, wait_until
 
 log = logging.getLogger("worker.data_link")
+HELLO_TIMEOUT_S = 10.0   # a data-link peer's hello must come within this
 
 
 def payload_parts(payload) -> tuple:
@@ -73,6 +74,9 @@ class DataServer:
 
     def _serve(self, conn: socket.socket) -> None:
         try:
+            # a peer that connects and never says who it is holds a thread and a descriptor: it has
+            # HELLO_TIMEOUT_S for its hello, and the link is blocking again once it is accepted
+            conn.settimeout(HELLO_TIMEOUT_S)
             magic, n = _HELLO.unpack(_recv_exact(conn, _HELLO.size))
             if magic not in (STEPS_MAGIC, RESULTS_MAGIC, TOKENS_MAGIC, KV_MAGIC) or n > 4096:
                 conn.close()
@@ -85,6 +89,7 @@ class DataServer:
                 ok = ok and self.s.runner.is_last
             elif magic == TOKENS_MAGIC:
                 ok = ok and self.s.runner.is_first
+            conn.settimeout(None)
             if not ok:
                 conn.sendall(b"NO")       # wrong token, a stale epoch, results not from the last stage
                 conn.close()              # or tokens to a stage that is not first

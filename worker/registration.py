@@ -86,8 +86,9 @@ class Registration:
                 log.info("registered with %s as %s", self.address, reply.worker_id)
                 return max(reply.heartbeat_interval_ms or self.default_interval_ms, 50) / 1000.0
             except grpc.RpcError as e:
-                if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED,
-                                grpc.StatusCode.PERMISSION_DENIED) and self.on_rejected is not None:
+                if e.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT,
+                                grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED) \
+                        and self.on_rejected is not None:
                     log.error("the metadata service %s refused this worker: %s", self.address, e.details())
                     self.on_rejected(e.details() or "")
                     return None

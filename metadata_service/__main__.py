@@ -238,6 +238,7 @@ def main(argv=None) -> int:
 
     stop.wait()   # until SIGTERM or SIGINT
     log.info("shutting down: health NOT_SERVING, %.0fs grace", args.grace)
+    engine.registry.draining = True   # the closed port refuses heartbeats: keep the chains for the grace
     for h in healths:
         h.enter_graceful_shutdown()
     for srv in servers:

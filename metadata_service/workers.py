@@ -112,6 +112,9 @@ class WorkerRegistry:
         # worker_id -> why: stages of a chain that missed its step deadline; none joins a chain until
         # its Health says it is idle (the engine polls), so a hung device is not handed new work
         self.quarantined: dict[str, str] = {}
+        # SIGTERM's grace: the server takes no new RPCs, heartbeats included, while the streams in
+        # flight finish on their chains; leases are not held against the workers meanwhile
+        self.draining = False
 
     def register(self, info: worker_pb2.WorkerInfo) -> WorkerHandle:
         if not info.address or info.layer_end <= info.layer_start or info.layer_start < 0 \
@@ -181,6 +184,8 @@ class WorkerRegistry:
         return True
 
     def expired(self) -> list[str]:
+        if self.draining:     # our port is closed to their heartbeats: silence is ours, not theirs
+            return []
         now = time.monotonic()
         with self.lock:
             return [w.worker_id for w in self.workers.values() if now - w.last_seen > self.lease_s]

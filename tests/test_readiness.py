@@ -4,6 +4,7 @@ Real processes on loopback, started the way a user starts them."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -185,3 +186,36 @@ def test_the_reason_names_roles_when_the_layers_are_covered():
     assert why.startswith("no chain forms: its stages must share one --role") and "3:3" not in why
     assert "0:2 prefill at w0" in why and "2:3 decode at w2" in why
     assert coverage_gaps([worker(0, 2, "both")]).startswith("layers 2:3 have no worker")
+
+
+def test_sigterm_gives_a_stream_in_flight_the_whole_grace(tmp_path):
+    """Probe J: SIGTERM closed the service's port to new RPCs, heartbeats too, so after one lease
+    the service dropped its own healthy worker and the stream in flight died with "Cancelling all
+    calls". During the grace the leases are not held against the workers: the stream finishes."""
+    mp, wp = free_port(), free_port()
+    svc = service(mp, str(tmp_path / "jobs.db"), "--grace", 60, "--worker-lease", 1)
+    w = worker(mp, wp, "0:4", "--dtype", "float64", "--threads", 1)
+    try:
+        c = Client(f"127.0.0.1:{mp}", wait_ready=120)
+        c.generate(prompt_token_ids=[1, 2, 3], max_new_tokens=2)
+        first, out = threading.Event(), {}
+
+        def run():
+            try:
+                n = 0
+                for chunk in c.stream(prompt_token_ids=[1, 2, 3], max_new_tokens=600, ignore_eos=True):
+                    n += len(chunk.token_ids)
+                    first.set()
+                out["r"] = (n, chunk.finish_reason)
+            except Exception as e:   # noqa: BLE001 - the assertion below shows it
+                out["r"] = repr(e)
+            first.set()
+        t = threading.Thread(target=run)
+        t.start()
+        assert first.wait(60)
+        svc.send_signal(signal.SIGTERM)
+        t.join(120)
+        assert out["r"] == (600, "length")
+        assert svc.wait(60) == 0
+    finally:
+        stop(svc, w)

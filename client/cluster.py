@@ -121,7 +121,8 @@ class LocalCluster:
         if threads is None and not simulate and device == "cpu":
             threads = _cpu_threads(len(self.layers), standby if workers > 1 else 0)
         service_cmd = [sys.executable, "-m", "metadata_service", "--host", "127.0.0.1", "--port", str(self.port),
-                       "--block-size", str(block_size), "--db", db or os.path.join(self.log_dir, "jobs.db")]
+                       "--block-size", str(block_size), "--db", db or os.path.join(self.log_dir, "jobs.db"),
+                       "--grace", f"{self.grace:g}"]
         service_cmd += (["--token", token] if token else []) + [str(x) for x in extra_service_args]
         self._procs = [Proc("metadata_service", service_cmd, self._log_path("metadata_service"))]
         worker_flags = _worker_flags(dtype, simulate, device, threads, num_blocks, extra_worker_args)
@@ -213,8 +214,11 @@ class LocalCluster:
         import urllib.request
         host, port, extra = self._http
         port = port or free_port()
+        # its --grace ends a little before ours (stop() SIGKILLs at `grace`), so streams still open
+        # end with an error event and [DONE] rather than mid-body
         cmd = [py, "-m", "gateway", "--metadata", self.address, "--port", str(port), "--host", host,
-               "--model", self.model] + (["--token", token] if token else []) + extra
+               "--model", self.model, "--grace", f"{max(0.5, self.grace - 1.5):g}"] + \
+            (["--token", token] if token else []) + extra
         p = Proc("gateway", cmd, log_path)
         self._procs.append(p)  # last: workers keep their indices in .processes
         self._spawn(p)

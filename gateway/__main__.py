@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import sys
@@ -47,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-ca", default="", help="CA of the metadata service's certificate: talk TLS to it")
     p.add_argument("--tls-cert", default="", help="client certificate for the metadata service (mTLS)")
     p.add_argument("--tls-key", default="", help="key of --tls-cert")
+    p.add_argument("--grace", type=float, default=10.0,
+                   help="seconds requests in flight may take to finish after SIGTERM / SIGINT; those still "
+                        "running then end with an error (a stream: an error event and [DONE]; else a 503)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
 
@@ -83,20 +87,31 @@ def main(argv=None) -> int:
                            reasoning_parser=args.reasoning_parser, generation_config=args.generation_config,
                            override_generation_config=override)
     app = create_app(config)
-    # uvicorn handles SIGTERM/SIGINT: it stops accepting and finishes in-flight requests
+    # uvicorn handles SIGTERM/SIGINT: it stops accepting and finishes in-flight requests, for --grace
     server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                    timeout_graceful_shutdown=10, lifespan="on"))
+                                    timeout_graceful_shutdown=args.grace + END_MARGIN_S, lifespan="on"))
     server.run()
     return 0 if server.started else 1
 
 
+END_MARGIN_S = 1.0   # after --grace, the requests still open end themselves, then uvicorn's cancel
+
+
 class _Server(uvicorn.Server):
     """uvicorn's graceful stop, without re-raising the signal once drained: a drained stop is a clean
-    exit (0), not the signal's 143."""
+    exit (0), not the signal's 143. When the grace is spent, requests still open end with an OpenAI
+    error before uvicorn cancels their tasks (which cut a stream mid-body: no [DONE], a traceback)."""
 
     def handle_exit(self, sig, frame) -> None:
+        first = not self.should_exit
         super().handle_exit(sig, frame)
         self._captured_signals.clear()
+        if first:
+            gw, grace = self.config.app.state.gateway, self.config.timeout_graceful_shutdown - END_MARGIN_S
+            loop = asyncio.get_event_loop()
+            loop.call_soon_threadsafe(loop.call_later, grace, gw.end_open_streams,
+                                      f"the gateway is shutting down: this request was still running after "
+                                      f"its --grace of {grace:g}s")
 
 
 if __name__ == "__main__":

@@ -137,7 +137,7 @@ async def _completion_events(gw: Gateway, rid: str, req: oa.CompletionRequest, s
             per_prompt = [[c for c in choices.values() if c.index // n == p] for p in range(num_prompts)]
             yield _sse(oa.usage_chunk(rid, created, model, "text_completion", oa.total_usage(per_prompt)))
         yield "data: [DONE]\n\n"
-    except MiniPagedError as e:  # after the first event: the status is sent already; say it in-band
+    except (MiniPagedError, GatewayError) as e:  # after the first event: the status is sent already; say it in-band
         if not started:
             raise
         yield _error_event(e)
@@ -175,7 +175,7 @@ async def _chat_events(gw: Gateway, rid: str, req: oa.ChatCompletionRequest, str
             yield _sse(oa.usage_chunk(rid, created, model, "chat.completion.chunk",
                                       oa.chat_usage(list(choices.values()), output)))
         yield "data: [DONE]\n\n"
-    except MiniPagedError as e:
+    except (MiniPagedError, GatewayError) as e:
         if not started:
             raise
         yield _error_event(e)

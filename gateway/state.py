@@ -69,6 +69,7 @@ class Gateway:
         # Generate streams open to the service at once: a burst of thousands on one channel has gRPC
         # cancel some (seen at ~2,000); more prompts wait here, in order, as the SDK's batches do
         self.stream_slots = asyncio.Semaphore(MAX_OPEN_STREAMS)
+        self.open_streams: set[asyncio.Queue] = set()   # generate_stream's queues (end_open_streams)
         self.ttft_sum, self.ttft_count = 0.0, 0  # for the dashboard's TTFT plot
         self.local_config = self._local_config(config.model)
         self.max_model_len = self.local_config.max_context if self.local_config else None
@@ -221,6 +222,7 @@ class Gateway:
         `whole` (a non-streaming HTTP request): one chunk per choice, at its end."""
         queue: asyncio.Queue = asyncio.Queue()
         end = object()
+        self.open_streams.add(queue)
 
         async def pump(p: int, kw: dict) -> None:
             obs = Observed(self, t0, n, lambda: self.prompt_len(kw))
@@ -255,9 +257,18 @@ class Gateway:
                 else:
                     yield idx, item
         finally:
+            self.open_streams.discard(queue)
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    def end_open_streams(self, why: str) -> None:
+        """Shutting down, the grace nearly spent: every request still answering ends now with an
+        OpenAI error (a stream's last event then [DONE]; a whole request a JSON 503), rather than
+        being cut mid-body when the server cancels its tasks."""
+        err = GatewayError(503, why, "service_unavailable_error", code="shutting_down", retry_after=1)
+        for queue in list(self.open_streams):
+            queue.put_nowait((-1, err))
 
 
 def _token_id_text(token_id: int) -> str:

@@ -7,8 +7,10 @@ import asyncio
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -542,6 +544,55 @@ def test_no_worker_chain_is_503(tmp_path):
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+
+def test_a_gateway_stopped_ends_what_outlives_its_grace_with_an_error(cluster, ckpt):
+    """Probe J: SIGTERM gave requests a fixed ~10 s whatever the grace, then uvicorn cancelled them:
+    a stream stopped mid-body (no [DONE], no error: a client could not tell) and a whole request got
+    a plain-text 500. With --grace 1 both still running then end as OpenAI errors, and it exits 0."""
+    http_port = free_port()
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    gw = subprocess.Popen([sys.executable, "-m", "gateway", "--metadata", cluster.address, "--port", str(http_port),
+                           "--model", ckpt, "--grace", "1"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{http_port}/v1/completions"
+    body = {"model": ckpt, "prompt": [5, 6, 7], "max_tokens": 3900, "temperature": 0, "ignore_eos": True}
+    out: dict = {}
+    try:
+        end = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{http_port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < end and gw.poll() is None
+            time.sleep(0.2)
+
+        def stream():
+            with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
+                out["events"] = [line for line in r.iter_lines() if line.startswith("data: ")]
+
+        def whole():
+            r = httpx.post(url, json=body, timeout=60)
+            out["whole"] = (r.status_code, r.headers.get("content-type"), r.json())
+        threads = [threading.Thread(target=stream), threading.Thread(target=whole)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        gw.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(60)
+        assert gw.wait(30) == 0
+    finally:
+        if gw.poll() is None:
+            gw.kill()
+    events = out["events"]
+    assert events[-1] == "data: [DONE]" and "shutting down" in events[-2], events[-3:]
+    status, ctype, err = out["whole"]
+    assert status == 503 and ctype == "application/json" and "shutting down" in err["error"]["message"]
+    assert "Traceback" not in gw.stderr.read()
+    settle(cluster.client)
 
 
 # ---------------------------------------------------------------- the SDK against the real service

@@ -131,12 +131,15 @@ class BatchPacking:
         offsets = (P.num_tokens[prog] - fixed["prompt_len"] + defer).astype(np.int32)
         P.num_computed_tokens[prog] += num_new
         # a prefill chunk samples only once it reaches the last known token (a request with
-        # several choices never samples before its fork)
+        # several choices never samples before its fork), and never for max_new_tokens 0 (prompt
+        # logprobs only): nothing is pending then, so no decode goes ahead into a slot past the
+        # prompt (a prompt that filled the pool exactly was preempted by its own decode, forever)
         do_sample = np.ones(B, dtype=np.uint8)
         pc = prog[num_decodes:]
         unforked = np.fromiter((s.group is not None and not s.group.forked for s in chunks), dtype=bool,
                                count=len(chunks))
-        do_sample[num_decodes:] = (P.num_computed_tokens[pc] == P.num_tokens[pc]) & ~unforked
+        do_sample[num_decodes:] = (P.num_computed_tokens[pc] == P.num_tokens[pc]) & ~unforked \
+            & (fixed["max_new"][num_decodes:] > 0)
         P.inflight[prog] += 1
         P.pending_sample[prog] = do_sample.astype(bool)
         P.deferred[prog[defer]] = True

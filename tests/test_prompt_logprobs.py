@@ -287,3 +287,15 @@ def test_preempted_requests_keep_every_prompt_logprob(ckpt, oracle):
             check(p, r.prompt_logprobs, r.prompt_top_logprobs, oracle(p), 2)
             assert len(r.token_ids) == 12
         assert c.client.stats().preemptions > 0, "the pool was meant to force preemption"
+
+
+def test_a_prompt_that_fills_the_pool_exactly_is_scored_once(ckpt, oracle):
+    """Probe L: max_new_tokens 0 still sampled at the prompt's end, so async scheduling sent a
+    decode ahead into the slot past the prompt; a prompt filling the pool exactly was preempted by
+    it again and again (1,632 times in 30 s). Nothing is sampled now: it is scored once."""
+    with LocalCluster(model=ckpt, workers=1, dtype="float64", block_size=4, num_blocks=8) as c:
+        p = prompts(1, 32, 32, seed=5)[0]                 # 32 tokens: the 8 blocks of 4, exactly
+        r = c.client.generate(prompt_token_ids=p, max_new_tokens=0, prompt_logprobs=1, timeout=120)
+        check(p, r.prompt_logprobs, r.prompt_top_logprobs, oracle(p), 1)
+        st = c.client.stats()
+        assert r.token_ids == [] and st.preemptions == 0 and st.free_blocks == st.num_blocks

@@ -48,7 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="fraction of device memory this process may use in all (weights + K/V); "
                           f"default {DEFAULT_GPU_MEMORY_FRACTION} on cuda")
     p.add_argument("--kv-cache-bytes", type=int, default=None,
-                   help=f"K/V byte budget (default {DEFAULT_CPU_KV_BYTES} on cpu)")
+                   help=f"K/V byte budget (default on cpu: {DEFAULT_CPU_KV_BYTES >> 20} MiB, or "
+                        f"{DEFAULT_CPU_KV_TOKENS} tokens of this stage's K/V if that is more, capped at a quarter "
+                        f"of the free RAM; on cuda: --kv-memory-fraction)")
     p.add_argument("--kv-tier-bytes", type=int, default=0,
                    help="byte budget of a second KV tier in host RAM behind the cache (default 0: none)")
     p.add_argument("--backend", choices=["torch", "pycuda"], default=None,
@@ -77,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--simulate", default="", metavar="h200|PROFILE.json",
                    help="a simulated worker: no weights, no compute; each step sleeps for a roofline timing "
                         "model's time (worker/simulator.py) and returns deterministic pseudo-random tokens")
-    p.add_argument("--data-port", type=port, default=0,
+    p.add_argument("--data-port", type=port_or_off, default=0,
                    help="TCP data link: the metadata service's Steps and results, and hidden states from "
                         "the previous stage (0 picks a port, -1 = none: all on the gRPC streams; never with "
                         "TLS, whose streams are encrypted)")

@@ -131,7 +131,8 @@ def _housekeeping(client: Client, a) -> None:
 
 
 def run(a) -> int:
-    client = Client(a.address, token=a.token, timeout=a.timeout, wait_ready=a.wait_ready)
+    client = Client(a.address, token=a.token, timeout=a.timeout, wait_ready=a.wait_ready, tls_ca=a.tls_ca,
+                    tls_cert=a.tls_cert, tls_key=a.tls_key)
     try:
         if a.command == "generate":
             _generate(client, a)

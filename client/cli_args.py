@@ -84,6 +84,12 @@ def _common_flags() -> argparse.ArgumentParser:
                              f"(env MINIPAGED_ADDRESS)")
     common.add_argument("--token", default=os.environ.get("MINIPAGED_TOKEN"),
                         help="bearer token (env MINIPAGED_TOKEN)")
+    common.add_argument("--tls-ca", default=os.environ.get("MINIPAGED_TLS_CA"),
+                        help="CA of the service's certificate: talk TLS to it (env MINIPAGED_TLS_CA)")
+    common.add_argument("--tls-cert", default=os.environ.get("MINIPAGED_TLS_CERT"),
+                        help="client certificate, for a service that asks for one (mTLS; env MINIPAGED_TLS_CERT)")
+    common.add_argument("--tls-key", default=os.environ.get("MINIPAGED_TLS_KEY"),
+                        help="key of --tls-cert (env MINIPAGED_TLS_KEY)")
     common.add_argument("--timeout", type=_seconds, default=None, help="deadline per call, seconds (default: none)")
     common.add_argument("--wait-ready", type=float, default=None, metavar="S",
                         help="wait up to S seconds for a ready worker chain before failing")

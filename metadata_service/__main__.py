@@ -78,12 +78,14 @@ def _owner(args, port: int) -> str:
             f"(since {time.strftime('%Y-%m-%d %H:%M:%S')})")
 
 
-def _cancel_command(host: str, port: int) -> str:
-    """`minipaged jobs --cancel-all`, with the address when the CLI's default would not reach us."""
+def _cancel_command(host: str, port: int, tls: bool = False) -> str:
+    """`minipaged jobs --cancel-all`, with the address when the CLI's default would not reach us (and
+    --tls-ca when we serve TLS)."""
+    tls_flag = " --tls-ca CA.pem" if tls else ""
     if host in ("127.0.0.1", "localhost", "0.0.0.0", "::", "[::]") and port == DEFAULT_METADATA_PORT:
-        return "minipaged jobs --cancel-all"
+        return "minipaged jobs --cancel-all" + tls_flag
     host = "127.0.0.1" if host in ("0.0.0.0", "::", "[::]") else host
-    return f"minipaged jobs --cancel-all --address {host}:{port}"
+    return f"minipaged jobs --cancel-all --address {host}:{port}" + tls_flag
 
 
 # Threads the server keeps beyond one per admitted request (--max-waiting): a sync gRPC server holds a
@@ -217,7 +219,7 @@ def main(argv=None) -> int:
     split = args.worker_port >= 0
     port = ports["client"]
     jobs_store.set_owner(_owner(args, port))
-    jobs.cancel_command = engine.cancel_command = _cancel_command(args.host, port)
+    jobs.cancel_command = engine.cancel_command = _cancel_command(args.host, port, bool(args.tls_cert))
     _track_readiness(engine, healths)
     mport = _serve_metrics(args, engine)
     if mport is None:

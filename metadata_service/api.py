@@ -247,7 +247,10 @@ class MetadataServicer(JobRpcs, metadata_pb2_grpc.MetadataServiceServicer):
             worker_id=handle.worker_id, heartbeat_interval_ms=max(50, int(lease * 250)), lease_ms=int(lease * 1000))
 
     def Heartbeat(self, request, context):
-        return metadata_pb2.HeartbeatReply(known=self.engine.registry.heartbeat(request.worker_id))
+        registry = self.engine.registry
+        if registry.heartbeat(request.worker_id):
+            return metadata_pb2.HeartbeatReply(known=True)
+        return metadata_pb2.HeartbeatReply(known=False, reason=registry.drop_reasons.pop(request.worker_id, ""))
 
     def DeregisterWorker(self, request, context):
         known = self.engine.registry.deregister(request.worker_id)

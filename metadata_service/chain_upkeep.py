@@ -78,7 +78,8 @@ class ChainUpkeep:
         now = time.monotonic()
         for stages in self.registry.form_chains(busy):
             failed = self._init_failures.get(tuple(w.worker_id for w in stages))
-            if failed is None or now >= failed[0]:     # a chain whose InitCache failed waits, backing off
+            unreachable = any(now < self._unreachable.get(w.address, (0,))[0] for w in stages)
+            if (failed is None or now >= failed[0]) and not unreachable:   # a failed chain waits, backing off
                 self._start_chain(stages)
         reason = self._unready_reason()
         with self.route_lock:
@@ -112,6 +113,8 @@ class ChainUpkeep:
         busy = set(self.registry.quarantined)
         live = {w.worker_id for w in self.registry.workers.values()}
         failures = [why for ids, (_, _, why) in self._init_failures.items() if set(ids) <= live]
+        addresses, now = {w.address for w in self.registry.workers.values()}, time.monotonic()
+        failures += [why for a, (retry, _, why) in self._unreachable.items() if a in addresses or now < retry + 5]
         why = "; ".join(failures) or self.registry.explain(busy) or "no chain is ready"
         return "; ".join(r for r in (why, self._waiting_note()) if r)
 
@@ -159,13 +162,15 @@ class ChainUpkeep:
             epoch = reply.cache_epoch  # stage 0's word is what Steps must carry
         except grpc.RpcError as e:
             log.warning("InitCache on chain %s failed: %s %s", label, e.code().name, e.details())
-            self.registry.drop([w.worker_id for w in stages if not self._alive(w)])
+            self._drop_unreachable([w for w in stages if not self._alive(w)], f"{e.code().name}: {e.details()}")
             key = tuple(w.worker_id for w in stages)
             delay = min(30.0, 2 * self._init_failures.get(key, (0, 0.5, ""))[1])   # 1, 2, 4 .. 30 s
             self._init_failures[key] = (time.monotonic() + delay, delay,
                                         f"InitCache on chain {label} failed: {e.code().name}: {e.details()}")
             return
         self._init_failures.pop(tuple(w.worker_id for w in stages), None)
+        for w in stages:
+            self._unreachable.pop(w.address, None)
         self._adopt_model(stages)
         self.max_pool_blocks = max(cap, self.max_pool_blocks if self.chains else 0)
         chain = ChainRunner(next(self._chain_ids), stages, cap, epoch, self.cfg, self, stages[0].info.replica_group)
@@ -218,6 +223,19 @@ class ChainUpkeep:
             if busy_ms == 0:
                 log.info("worker %s is idle again: it may join a chain", w.address)
                 self.registry.quarantined.pop(wid, None)
+
+    def _drop_unreachable(self, workers, error: str) -> None:
+        """Workers whose registration came through but whose own port this service cannot reach (a
+        wrong --advertise-address, TLS on one side only): dropped, told why at their next heartbeat,
+        and kept out of chains by address, backing off (1, 2, 4 .. 30 s), while they re-register."""
+        now = time.monotonic()
+        for w in workers:
+            why = (f"worker {w.address} registers, but this service cannot reach it there ({error}): check its "
+                   f"--advertise-address, and TLS on both sides (a worker's --tls-cert needs --worker-tls-ca "
+                   f"on the service, and --worker-tls-ca needs --tls-cert on the worker)")
+            delay = min(30.0, 2 * self._unreachable.get(w.address, (0, 0.5, ""))[1])
+            self._unreachable[w.address] = (now + delay, delay, why)
+            self.registry.drop([w.worker_id], why)
 
     def _alive(self, w) -> bool:
         try:

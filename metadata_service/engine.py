@@ -87,6 +87,9 @@ class Engine(SequenceRouting, ChainUpkeep, ServedModel):
         self.cancel_command = CANCEL_COMMAND       # how a user drops it (main() adds --address)
         self._backlog_note = (0.0, "")             # (when, text): recomputed at most once a second
         self._init_failures: dict = {}             # chain's worker ids -> (retry after, delay, why): backs off
+        # address -> (retry after, delay, why) of a worker dropped because this service cannot reach it:
+        # it re-registers at once (with a new id), so its backoff and reason are kept by address
+        self._unreachable: dict = {}
         self.registry.refusal_hint = lambda: refusal_hint(next(iter(self.backlog()), None), self.cancel_command)
         self.eos_ids: set[int] = set()
         self.retired: Counter = Counter()          # lost chains' counts (COUNTERS), kept in Stats' totals

@@ -115,6 +115,7 @@ class WorkerRegistry:
         # SIGTERM's grace: the server takes no new RPCs, heartbeats included, while the streams in
         # flight finish on their chains; leases are not held against the workers meanwhile
         self.draining = False
+        self.drop_reasons: dict[str, str] = {}      # worker_id -> why it was dropped (its next heartbeat)
 
     def register(self, info: worker_pb2.WorkerInfo) -> WorkerHandle:
         if not info.address or info.layer_end <= info.layer_start or info.layer_start < 0 \
@@ -163,14 +164,19 @@ class WorkerRegistry:
                     self.quarantined[wid] = why
                     log.warning("worker %s held out of chains until idle: %s", self.workers[wid].address, why)
 
-    def drop(self, worker_ids) -> None:
+    def drop(self, worker_ids, why: str = "") -> None:
+        """Forget these workers; `why` is said to each at its next heartbeat (HeartbeatReply.reason)."""
         with self.lock:
             for wid in worker_ids:
                 self.quarantined.pop(wid, None)
                 w = self.workers.pop(wid, None)
                 if w is not None:
-                    log.warning("worker %s dropped", w.address)
+                    log.warning("worker %s dropped%s", w.address, f": {why}" if why else "")
                     w.close()
+                    if why:
+                        self.drop_reasons[wid] = why
+                        while len(self.drop_reasons) > 256:      # (only the recent ones are asked for)
+                            self.drop_reasons.pop(next(iter(self.drop_reasons)))
 
     def deregister(self, worker_id: str) -> bool:
         """A worker stopping cleanly: gone now, not after its lease runs out."""

@@ -219,3 +219,29 @@ def test_sigterm_gives_a_stream_in_flight_the_whole_grace(tmp_path):
         assert svc.wait(60) == 0
     finally:
         stop(svc, w)
+
+
+def test_a_worker_the_service_cannot_reach_is_told_why_and_backs_off(tmp_path):
+    """Probe J: a worker whose registration came through but whose own port the service could not
+    reach (a wrong --advertise-address, TLS on one side only) was registered and dropped every
+    second, forever, and everyone was told "no worker is registered". Now clients read the reason,
+    the worker's log says it, and the retries back off."""
+    mp, wp = free_port(), free_port()
+    svc = service(mp, str(tmp_path / "jobs.db"))
+    w = worker(mp, wp, "0:4", "--advertise-address", f"127.0.0.1:{free_port()}")   # nobody listens there
+    try:
+        c = Client(f"127.0.0.1:{mp}", wait_ready=None)
+
+        def reason() -> str:
+            try:
+                return c.stats(timeout=5).not_ready_reason
+            except Exception:   # noqa: BLE001 - not up yet
+                return ""
+        wait_for(lambda: "cannot reach it there" in reason(), timeout=60, what="the reason")
+        assert "--advertise-address" in c.stats().not_ready_reason and not c.stats().ready
+        # dropped with that reason, the worker hears it at its next heartbeat and registers again
+        wait_for(lambda: c.stats().num_workers == 1, timeout=30, what="the worker to register again")
+    finally:
+        stop(w, svc)
+    assert "(it dropped it: worker 127.0.0.1:" in w.stdout.read()
+    assert svc.stdout.read().count("registered:") <= 6      # 1, 2, 4, 8 s apart, not every second

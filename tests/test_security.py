@@ -78,6 +78,21 @@ def test_tls_client_with_token_generates(secure_cluster):
     assert len(r.token_ids) == 4
 
 
+def test_the_cli_talks_tls_too(secure_cluster):
+    """Probe J: the CLI had no TLS flags, so even the `minipaged jobs --cancel-all` the service tells
+    operators to run could not reach a TLS service."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    base = [sys.executable, "-m", "client"]
+    where = ["--address", f"127.0.0.1:{secure_cluster['sport']}", "--token", "client-secret"]
+    r = subprocess.run(base + ["stats", *where, "--tls-ca", secure_cluster["certs"]["ca"]], capture_output=True,
+                       text=True, timeout=60, cwd=root)
+    assert r.returncode == 0 and "ready" in r.stdout, r.stderr
+    env = {**os.environ, "MINIPAGED_TLS_CA": secure_cluster["certs"]["ca"]}
+    r = subprocess.run(base + ["jobs", "--cancel-all", *where], capture_output=True, text=True, timeout=60, cwd=root,
+                       env=env)
+    assert r.returncode == 0, r.stderr
+
+
 def test_wrong_or_missing_client_token_is_unauthenticated(secure_cluster):
     for token in (None, "guess"):
         with Client(f"127.0.0.1:{secure_cluster['sport']}", token=token, tls_ca=secure_cluster["certs"]["ca"]) as c:

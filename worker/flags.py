@@ -151,8 +151,10 @@ def resolve_args(argv=None) -> argparse.Namespace:
         parser.error(f"--kv-tier-bytes {args.kv_tier_bytes} is more than this machine's memory ({ram} bytes)")
     if args.kv_cache_bytes is not None and args.kv_cache_bytes <= 0:
         parser.error("--kv-cache-bytes must be > 0")
-    if not 0 <= args.port < 65536:
-        parser.error(f"--port {args.port} out of range")
+    if args.advertise_address:
+        host, _, port_text = args.advertise_address.rpartition(":")
+        if not host or not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+            parser.error(f"--advertise-address must be HOST:PORT (PORT 1-65535), got {args.advertise_address!r}")
     if args.worker_token_file:
         try:
             with open(args.worker_token_file) as f:

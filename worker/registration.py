@@ -113,7 +113,7 @@ class Registration:
                     return
                 continue
             if not reply.known:
-                log.warning("metadata service %s no longer knows worker %s; registering again",
-                            self.address, self.worker_id)
+                log.warning("metadata service %s no longer knows worker %s%s; registering again",
+                            self.address, self.worker_id, f" (it dropped it: {reply.reason})" if reply.reason else "")
                 return
             failures = 0

@@ -572,10 +572,12 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., cache_epoch: _Optional[int] = ..., steps_served: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("known",)
+    __slots__ = ("known", "reason")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     known: bool
-    def __init__(self, known: _Optional[bool] = ...) -> None: ...
+    reason: str
+    def __init__(self, known: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class DeregisterWorkerRequest(_message.Message):
     __slots__ = ("worker_id",)

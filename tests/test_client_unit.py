@@ -389,6 +389,7 @@ from minipaged.v1 import metadata_pb2 as pb, metadata_pb2_grpc as pb_grpc
 ap = argparse.ArgumentParser()
 for f in ("--host", "--port", "--block-size", "--db"):
     ap.add_argument(f, required=True)
+ap.add_argument("--grace", type=float, required=True)    # LocalCluster passes its own
 a = ap.parse_args()
 layers = set()
 class S(pb_grpc.MetadataServiceServicer):

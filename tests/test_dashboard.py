@@ -13,6 +13,7 @@ Screenshots go to the test's tmp dir, and also to $MINIPAGED_SCREENSHOT_DIR when
 picture is made that way)."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -138,6 +139,7 @@ class PoolService(pb_grpc.MetadataServiceServicer):
     def __init__(self, snapshots: bool = True):
         from metadata_service.block_manager import KVBlockManager
         self.snapshots = snapshots
+        self.stride = 1          # > 1: the grid sampled, as a service does past 4,096 blocks
         self.m = m = KVBlockManager(num_physical_blocks=256, block_size=16)
         system = list(range(30, 30 + 64))  # 4 full blocks every request shares
         for sid in range(6):
@@ -176,8 +178,8 @@ class PoolService(pb_grpc.MetadataServiceServicer):
         seqs = [pb.SequenceSnapshot(sequence_id=sid, state="running", length=int(self.m.debug_state()["lens"][sid]),
                                     num_blocks=len(t), block_table=wire.pack(t[:64]), label=self.labels.get(sid, ""))
                 for sid, t in sorted(tables.items())]
-        chain = pb.ChainSnapshot(chain_id=0, num_blocks=len(state), block_size=16, stride=1,
-                                 block_state=wire.pack(state, wire.UINT8),
+        chain = pb.ChainSnapshot(chain_id=0, num_blocks=len(state), block_size=16, stride=self.stride,
+                                 block_state=wire.pack(state[::self.stride], wire.UINT8),
                                  ref_counts=wire.pack(ref.clip(0, 255), wire.UINT8),
                                  free_blocks=int((state == 0).sum() + (state == 3).sum()),  # cached included
                                  owned_blocks=int((state == 1).sum()),
@@ -234,3 +236,19 @@ def test_grid_draws_every_block_state(pool_gateway, tmp_path):
     stats = service.Stats(None, None)
     assert page["shown"] == expected_from_stats(stats)
     screenshot(url + "/", tmp_path, "dashboard-grid.png")
+
+
+@needs_chromium
+def test_block_chips_off_the_sampling_stride_keep_their_state(pool_gateway):
+    """Probe N: past 4,096 blocks the grid is sampled, and every block table chip off the stride was
+    drawn "owned", shared ones too: they take their state from the tables that hold them."""
+    service, url = pool_gateway
+    if not service.snapshots:
+        return
+    service.stride = 2
+    colors = re.search(r"const COLORS = (\[[^\]]*\])", open(os.path.join(ROOT, "gateway/static/dashboard.html")).read())
+    owned, shared = json.loads(colors.group(1))[1:3]
+    ref = service.m.pool.ref_count
+    chips = re.findall(r'<span style="background:\s*(#[0-9a-f]+);?">(\d+)</span>', chromium(url + "/", "--dump-dom"))
+    assert chips and {int(b) % 2 for _, b in chips} == {0, 1}
+    assert all(color == (shared if ref[int(b)] > 1 else owned) for color, b in chips), chips

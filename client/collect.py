@@ -75,6 +75,9 @@ class ResultAssembler:
             return choices[0]
         top = GenerateResult(**{f.name: getattr(choices[0], f.name) for f in fields(GenerateResult)})
         top.choices = choices
+        first = choices[0].usage      # the request's usage: every returned choice's tokens (as a job's)
+        top.usage = Usage(first.prompt_tokens, sum(c.usage.completion_tokens for c in choices), first.cached_tokens,
+                          sum(c.usage.preemptions for c in choices))
         return top
 
 

@@ -50,7 +50,8 @@ def usage(seq: Sequence) -> metadata_pb2.Usage:
 
 def result(seq: Sequence, event, index: int, engine) -> metadata_pb2.GenerationResult:
     """A job's result for one request: its sequence, or with n / best_of every chosen choice (the
-    top-level fields are the first one's; usage counts every token generated, as OpenAI's does)."""
+    top-level fields are the first one's; usage counts the returned choices' tokens, as vLLM's does
+    and as generate() and the gateway do; preemptions count every candidate's)."""
     if seq.group is not None and seq.group.beam:
         return beam_result(seq, event, index, engine)
     members = seq.group.chosen() if seq.group is not None else [seq]
@@ -64,16 +65,18 @@ def result(seq: Sequence, event, index: int, engine) -> metadata_pb2.GenerationR
         out.choices.extend(choices)
         for i, c in enumerate(out.choices):
             c.choice = i
-        everyone = seq.group.members
-        out.usage.completion_tokens = sum(len(m.output_token_ids) for m in everyone)
-        out.usage.preemptions = sum(m.preemptions for m in everyone)
+        out.usage.completion_tokens = sum(len(m.output_token_ids) for m in members)
+        out.usage.preemptions = sum(m.preemptions for m in seq.group.members)
     return out
 
 
 def _choice(seq: Sequence, engine, finish_reason: str) -> metadata_pb2.GenerationResult:
     r = metadata_pb2.GenerationResult(
         token_ids=pack(seq.output_token_ids, INT32), text=final_text(seq, engine), finish_reason=finish_reason,
-        usage=usage(seq), cumulative_logprob=float(sum(seq.output_logprobs)),
+        usage=usage(seq),
+        # only where the request's logprobs are computed (asked for, or best_of's ranking): a step's
+        # batch may compute them for every row, and the result must not depend on its neighbours
+        cumulative_logprob=float(sum(seq.output_logprobs)) if seq.params.return_logprobs else 0.0,
         logprobs=pack(seq.output_logprobs, FLOAT32) if seq.params.show_logprobs else b"")
     set_stop_reason(r, seq, engine, finish_reason)
     if seq.output_top:

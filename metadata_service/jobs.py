@@ -16,6 +16,7 @@ from .requests import to_sequence
 from .sequence import Sequence
 
 log = logging.getLogger("metadata_service.jobs")
+CANCEL_SETTLE_S = 5.0   # CancelJob waits at most this for its aborted requests to report
 
 
 @dataclass(eq=False)
@@ -110,13 +111,16 @@ class JobManager:
         """Cancel every unfinished job (of `model`: its name, or >= 8 leading hex digits of its
         fingerprint). Returns (jobs, requests cancelled). Finished results stay stored."""
         jobs = requests = 0
+        cancelled: list[JobState] = []
         for job in self._unfinished():
             if model and job.model_name != model and not (len(model) >= 8 and job.model_fingerprint.startswith(model)):
                 continue
             with job.cond:
                 left = len(job.seqs)
-            if self.cancel(job.job_id) is not None:
+            if self.cancel(job.job_id, settle=False) is not None:
                 jobs, requests = jobs + 1, requests + left
+                cancelled.append(job)
+        self._settle(cancelled)
         if jobs:
             log.warning("cancelled %d unfinished job(s), %d pending requests%s", jobs, requests,
                         f" of model {model}" if model else "")
@@ -196,7 +200,10 @@ class JobManager:
         self.store.delete(job_id)
         return job
 
-    def cancel(self, job_id: str) -> JobState | None:
+    def cancel(self, job_id: str, settle: bool = True) -> JobState | None:
+        """Cancel it; with `settle`, return once every aborted request has reported (at its chain's
+        next step; at most CANCEL_SETTLE_S), so a GetJob right after sees a final state whose
+        results and counts add up, not a cancelled job still missing some."""
         job = self.get(job_id)
         if job is None:
             return None
@@ -208,4 +215,13 @@ class JobManager:
         self.store.set_state(job_id, "cancelled")
         for seq in live:
             self.engine.abort(seq)
+        if settle:
+            self._settle([job])
         return job
+
+    @staticmethod
+    def _settle(jobs: list[JobState]) -> None:
+        end = time.monotonic() + CANCEL_SETTLE_S
+        for job in jobs:
+            with job.cond:
+                job.cond.wait_for(lambda: not job.seqs, timeout=max(0.0, end - time.monotonic()))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import sys
 import time
 
@@ -31,10 +32,12 @@ def _generate_kwargs(a) -> dict:
     return kw
 
 
-def _read_requests(path: str) -> list[dict]:
-    f = sys.stdin if path == "-" else open(path)
+def _read_requests(path: str) -> tuple[list[dict], list[int]]:
+    """The JSONL file's requests and the line each came from (blank lines skipped; a UTF-8 byte
+    order mark, as Windows editors write, is not part of line 1)."""
+    f = sys.stdin if path == "-" else open(path, encoding="utf-8-sig")
     try:
-        lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
+        lines = [(n, line.lstrip("\ufeff") if n == 1 else line) for n, line in enumerate(f, 1) if line.strip()]
     finally:
         if f is not sys.stdin:
             f.close()
@@ -44,7 +47,24 @@ def _read_requests(path: str) -> list[dict]:
             out.append(json.loads(line))
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{n}: not JSON: {e}") from None
-    return out
+    return out, [n for n, _ in lines]
+
+
+def _submit(client: Client, path: str) -> str:
+    """submit --file: an item's error names its file line, not only its index."""
+    items, line_of = _read_requests(path)
+    try:
+        return client.submit(items)
+    except (MiniPagedError, TypeError, ValueError) as e:
+        text = e.details if isinstance(e, MiniPagedError) else str(e)
+        m = re.match(r"(?:submit item|request) (\d+):", text)
+        if m and int(m.group(1)) < len(line_of):
+            where = f"{path}:{line_of[int(m.group(1))]}: "
+            if isinstance(e, MiniPagedError):
+                e.details = where + text
+                raise e from None
+            raise type(e)(where + text) from None
+        raise
 
 
 def _print_results(results) -> None:
@@ -137,7 +157,7 @@ def run(a) -> int:
         if a.command == "generate":
             _generate(client, a)
         elif a.command == "submit":
-            job_id = client.submit(_read_requests(a.file))
+            job_id = _submit(client, a.file)
             print(job_id, flush=True)
             if a.wait:
                 _wait(client, job_id, progress=not a.no_progress)

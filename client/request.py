@@ -247,7 +247,14 @@ def build_submit_request(requests: Sequence[dict]) -> pb.SubmitJobRequest:
         unknown = set(item) - set(REQUEST_KEYS)
         if unknown:
             raise TypeError(f"submit item {i}: unknown keys {sorted(unknown)} (allowed: {REQUEST_KEYS})")
-        items.append(build_generate_request(**item))
+        try:
+            items.append(build_generate_request(**item))
+        except MiniPagedError as e:           # the SDK's own check: say which item
+            err = type(e)(f"submit item {i}: {e.details}", e.code)
+            err.before_rpc = e.before_rpc
+            raise err from None
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"submit item {i}: {e}") from None
     return pb.SubmitJobRequest(requests=items)
 
 

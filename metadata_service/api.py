@@ -64,10 +64,12 @@ class MetadataServicer(JobRpcs, metadata_pb2_grpc.MetadataServiceServicer):
             if not self.engine.model_known.wait(max(0.0, wait)):
                 context.abort(grpc.StatusCode.UNAVAILABLE,
                               f"no worker chain is ready ({self.engine.not_ready_reason}); waited {max(0.0, wait):.1f}s")
-        try:
-            normed = [normalize(r, self.engine) for r in reqs]
-        except RequestError as e:
-            context.abort(e.code, e.message)
+        normed = []
+        for i, r in enumerate(reqs):
+            try:
+                normed.append(normalize(r, self.engine))
+            except RequestError as e:    # in a job, which request (the sharded front shifts the index)
+                context.abort(e.code, f"request {i}: {e.message}" if len(reqs) > 1 else e.message)
         if len(normed) > self.max_waiting:   # no retry could admit it: say so, not "queue full"
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"{len(normed)} requests in one call; the service admits at most {self.max_waiting} "

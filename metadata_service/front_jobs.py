@@ -6,6 +6,7 @@ the front needs no table of jobs: part k's request i is the job's request sum(n[
 from __future__ import annotations
 
 import queue
+import re
 import threading
 import uuid
 
@@ -102,7 +103,10 @@ class FrontJobRpcs:
             taken = {k: metadata_pb2.JobRequest(job_id=job_id) for k, a in answers.items()
                      if not isinstance(a, grpc.RpcError)}
             self._each(taken, "DeleteJob", context)
-            context.abort(failed[0].code(), failed[0].details())
+            k, e = next((k, a) for k, a in answers.items() if isinstance(a, grpc.RpcError))
+            # a shard numbers its own part's requests: the caller's index is shifted by the part's start
+            details = re.sub(r"^request (\d+):", lambda m: f"request {int(m.group(1)) + at[k]}:", e.details() or "")
+            context.abort(e.code(), details)
         return metadata_pb2.SubmitJobReply(job_id=job_id)
 
     def _parts(self, job_id: str, method: str, context) -> tuple[list, list[int]]:

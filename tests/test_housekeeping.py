@@ -202,3 +202,31 @@ def test_the_async_client_is_told_so_too(caplog):
         stop(meta)
     told = [r for r in caplog.records if "waiting for a worker to register (up to 1s)" in r.getMessage()]
     assert len(told) == 1 and told[0].levelname == "WARNING"
+
+
+def test_a_job_item_is_what_it_would_be_alone_and_a_cancel_is_final():
+    """Probe N: a plain item's cumulative_logprob came from a best_of neighbour (its step computed
+    logprobs for every row); generate() counted the first choice's tokens where the job counted
+    every candidate's; a GetJob right after CancelJob said "cancelled" with results missing; a bad
+    item did not say which it was."""
+    from client import InvalidArgument, LocalCluster
+    with LocalCluster(model="tiny", workers=1, dtype="float32") as c:
+        cl = c.client
+        plain = {"prompt": "hello", "max_new_tokens": 4}
+        best_of = {"prompt": "xyz", "max_new_tokens": 4, "n": 2, "best_of": 3, "temperature": 0.8, "seed": 1}
+        assert cl.wait(cl.submit([plain]))[0].cumulative_logprob is None
+        mixed = cl.wait(cl.submit([plain, best_of]))
+        assert mixed[0].cumulative_logprob is None and mixed[1].choices[0].cumulative_logprob is not None
+        n2 = {"prompt": "abc", "max_new_tokens": 5, "n": 2, "temperature": 0.8, "seed": 3, "ignore_eos": True}
+        assert cl.generate(**n2).usage.completion_tokens == cl.wait(cl.submit([n2]))[0].usage.completion_tokens == 10
+        job = cl.submit([{"prompt_token_ids": [1, 2, 3], "max_new_tokens": 300, "ignore_eos": True}] * 10)
+        cl.cancel(job)
+        got = cl.get_job(job)
+        assert got.state == "cancelled" and got.completed == got.total == len(got.results) == 10
+        with pytest.raises(InvalidArgument, match=r"submit item 1: top_p must be in"):
+            cl.submit([plain, {"prompt": "x", "top_p": 1.5}])
+        with pytest.raises(InvalidArgument, match=r"request 2: .*regex"):
+            cl.submit([plain, plain, {"prompt": "x", "regex": "(("}])
+        from tests.test_readiness import wait_for
+        wait_for(lambda: cl.stats().free_blocks == cl.stats().num_blocks, timeout=30, what="every block free")
+        assert cl.stats().invariants_ok

@@ -14,7 +14,9 @@ def normalize_address(address: str) -> str:
     """"HOST" means HOST:50051 (the metadata service's default port); "HOST:PORT", "[v6]:PORT",
     "unix:..." and "dns:///..." targets pass through unchanged."""
     a = address.strip()
-    if not a or a.startswith(("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:")) or "://" in a:
+    if not a:
+        raise ValueError("the address is empty: give HOST or HOST:PORT")
+    if a.startswith(("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:")) or "://" in a:
         return a
     if a.startswith("["):                       # [::1] or [::1]:50051
         return _checked_port(a) if "]:" in a else f"{a}:{DEFAULT_PORT}"

@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _common_flags() -> argparse.ArgumentParser:
     """Where the service is and how to call it: every subcommand but serve takes these."""
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--address", default=os.environ.get("MINIPAGED_ADDRESS", f"127.0.0.1:{DEFAULT_PORT}"),
+    common.add_argument("--address", default=os.environ.get("MINIPAGED_ADDRESS") or f"127.0.0.1:{DEFAULT_PORT}",
                         help=f"metadata service HOST:PORT; HOST alone means port {DEFAULT_PORT} "
                              f"(env MINIPAGED_ADDRESS)")
     common.add_argument("--token", default=os.environ.get("MINIPAGED_TOKEN"),

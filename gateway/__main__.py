@@ -19,7 +19,7 @@ from .reasoning import DEFAULT_PARSER, PARSERS
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog_name("gateway"), description=__doc__,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--metadata", default=os.environ.get("MINIPAGED_ADDRESS", f"127.0.0.1:{DEFAULT_METADATA_PORT}"),
+    p.add_argument("--metadata", default=os.environ.get("MINIPAGED_ADDRESS") or f"127.0.0.1:{DEFAULT_METADATA_PORT}",
                    help=f"the metadata service, HOST:PORT (HOST alone: port {DEFAULT_METADATA_PORT}; "
                         f"env MINIPAGED_ADDRESS)")
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0: every interface)")
@@ -73,13 +73,14 @@ def main(argv=None) -> int:
     from .app import GatewayConfig, create_app
     from .model_identity import check_model_arg
     try:  # a wrong path or a broken config.json is a start error, not a silently wrong /v1/models
+        metadata = normalize_address(args.metadata)
         check_model_arg(args.model)
         override = gd.parse_override(args.override_generation_config)
         gd.load(args.generation_config, args.model, override)   # a bad file or value: one line, exit 2
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
-    config = GatewayConfig(metadata=normalize_address(args.metadata), token=args.token,
+    config = GatewayConfig(metadata=metadata, token=args.token,
                            metadata_token=args.metadata_token, model=args.model,
                            served_model_name=args.served_model_name, tls_ca=args.tls_ca or None,
                            tls_cert=args.tls_cert or None, tls_key=args.tls_key or None,

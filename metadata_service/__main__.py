@@ -88,6 +88,8 @@ def _cancel_command(host: str, port: int, tls: bool = False) -> str:
     return f"minipaged jobs --cancel-all --address {host}:{port}" + tls_flag
 
 
+MAX_NUM_BLOCKS = 1 << 24   # --num-blocks: 16.7M blocks (268M tokens of 16) is far past any worker's pool
+
 # Threads the server keeps beyond one per admitted request (--max-waiting): a sync gRPC server holds a
 # thread for each open Generate stream, and a worker's RegisterWorker / Heartbeat, Stats and health
 # calls need one too. With a fixed 128, 128 open streams left a worker's heartbeat queued until its
@@ -184,11 +186,19 @@ def _check_numbers(parser, args) -> None:
     """Durations and weights out of their range (NaN included) stop the start with one line."""
     if not args.worker_lease > 0:       # 0 drops every worker at its first check: no chain would form
         parser.error(f"--worker-lease must be > 0 seconds, got {args.worker_lease}")
-    for flag, value in (("--block-size", args.block_size), ("--max-num-seqs", args.max_num_seqs)):
+    for flag, value in (("--block-size", args.block_size), ("--max-num-seqs", args.max_num_seqs),
+                        ("--max-num-batched-tokens", args.max_num_batched_tokens)):
         if value < 1:                   # no token / no sequence per step: nothing would ever run
             parser.error(f"{flag} must be >= 1, got {value}")
+    for flag, value, what in (("--micro-batches", args.micro_batches, "0: by the chain's stages"),
+                              ("--max-model-len", args.max_model_len, "0: the model's context")):
+        if value < 0:
+            parser.error(f"{flag} must be >= 0 ({what}), got {value}")
     if args.num_blocks < 0:
         parser.error(f"--num-blocks must be >= 0 (0: the workers' pools), got {args.num_blocks}")
+    if args.num_blocks > MAX_NUM_BLOCKS:  # the block API's pool is allocated at start (a byte per block and more)
+        parser.error(f"--num-blocks {args.num_blocks} is past {MAX_NUM_BLOCKS:,}: no worker holds that many, and the "
+                     f"service's own tables for them would not fit in memory")
     for flag, value in (("--step-timeout", args.step_timeout), ("--worker-wait", args.worker_wait),
                         ("--grace", args.grace), ("--router-overlap-weight", args.router_overlap_weight)):
         if not value >= 0:

@@ -77,6 +77,7 @@ class Engine(SequenceRouting, ChainUpkeep, ServedModel):
         self.model_fingerprint = ""                # of the last chain; kept while it is down
         self.model_shape = ""                      # shape_signature of the served model (Stats, the gateway)
         self.text_prompt_problem = None            # why text prompts cannot be tokenized (tiny vocab, no files)
+        self.simulated = False                     # the served workers are simulated (--simulate)
         self.model_label = ""                      # its name, for messages (also known after a restart)
         self.on_model_changed = []                 # callbacks(fingerprint, name): the job store records it
         self.on_ready_changed = []                 # callbacks(bool): health readiness follows

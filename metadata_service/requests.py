@@ -47,6 +47,10 @@ def normalize(req: metadata_pb2.GenerateRequest, engine) -> metadata_pb2.Generat
     out.CopyFrom(req)
     ids = _prompt_ids(req, engine)
     _check_sampling(req)
+    if req.HasField("prompt_logprobs") and getattr(engine, "simulated", False):
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                           "prompt logprobs need a real model: this service's workers are simulated (--simulate), "
+                           "and compute no logits")
     _check_beams(req, engine)
     _check_fits(req, int(ids.size), engine)
     compile_grammar(req, engine)  # an invalid schema / regex / choice is the caller's error

@@ -52,6 +52,7 @@ class ServedModel:
         if isinstance(self.tokenizer, ByteTokenizer) and self.tokenizer.special != self.eos_ids:
             self.tokenizer = ByteTokenizer(self.eos_ids)   # an EOS byte ends the text, never in it
         self.vocab_size = info.vocab_size
+        self.simulated = bool(info.simulate)   # timing-only workers: no prompt logprobs (requests.py)
         self.text_prompt_problem = byte_fallback_problem(info.model_name, info.vocab_size)
         if self.text_prompt_problem:
             log.warning("%s", self.text_prompt_problem)

@@ -31,6 +31,8 @@ def test_without_db_the_store_is_in_memory_and_writes_no_file(tmp_path, monkeypa
     # durations and weights out of range (NaN too) stop the start with one line, not a silent misbehaviour
     for bad in (["--worker-lease", "0"], ["--step-timeout", "nan"], ["--router-overlap-weight", "-1"],
                 ["--block-size", "0"], ["--max-num-seqs", "0"], ["--num-blocks", "-1"],
+                ["--max-num-batched-tokens", "0"], ["--micro-batches", "-1"], ["--max-model-len", "-5"],
+                ["--num-blocks", "99999999999"],        # (probe M: hangs, a refusal of everything, a numpy traceback)
                 ["--po", "5"]):      # no abbreviations: a sharded front passes its flags on by full name
         with pytest.raises(SystemExit):
             parse_args(bad)

@@ -287,3 +287,35 @@ def test_a_base_model_export_without_the_model_prefix_loads_the_same_weights(tmp
     got = load_state_dict(str(bare), cfg, 0, 2)
     assert sorted(got) == sorted(want) and all(bool((got[k] == want[k]).all()) for k in want)
     assert "model.embed_tokens.weight" in tensor_names(str(bare))
+
+
+@pytest.mark.parametrize("argv, env, needle", [
+    (["worker", "--device", "cuda"], {}, "this torch sees no CUDA device"),
+    (["worker", "--device", "tpu"], {}, "--device must be cpu, cuda or cuda:N"),
+    (["worker", "--simulate", "{path}"], {}, "not a readable JSON profile"),
+    (["gateway", "--metadata", "127.0.0.1:notaport"], {}, "the port must be a number in 1-65535"),
+    (["client", "stats", "--address", ""], {}, "the address is empty"),
+    (["worker", "--model", "tiny", "--metadata", "127.0.0.1:1"], {"MINIPAGED_PANEL_ROWS": "abc"},
+     "MINIPAGED_PANEL_ROWS must be a whole number of rows"),
+])
+def test_the_wrong_environment_is_one_line_naming_it(tmp_path, argv, env, needle):
+    """Probe M: each of these ended in a traceback, or in words that named no flag or variable."""
+    import subprocess
+    import sys
+    bad = tmp_path / "profile.json"
+    bad.write_text("{not json")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", *[a.replace("{path}", str(bad)) for a in argv]]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=root,
+                       env={**os.environ, "PYTHONPATH": root, **env})
+    assert r.returncode != 0 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr[-800:]
+
+
+def test_simulated_workers_refuse_prompt_logprobs_at_admission():
+    """Probe M: a simulated worker's refusal came back as INTERNAL (HTTP 500) from a failed step,
+    which fails every request of that step; the service knows its workers are simulated."""
+    from client import InvalidArgument, LocalCluster
+    with LocalCluster(model="tiny", simulate="h200") as c:
+        with pytest.raises(InvalidArgument, match="workers are simulated"):
+            c.client.generate(prompt_token_ids=[1, 2, 3], max_new_tokens=2, prompt_logprobs=1)
+        assert len(c.client.generate(prompt_token_ids=[1, 2, 3], max_new_tokens=2).token_ids) == 2

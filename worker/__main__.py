@@ -215,6 +215,12 @@ def main(argv=None) -> int:
     stop = _start(args)
     if not _torch_importable():
         return 2
+    if args.device.startswith("cuda") and not args.simulate:
+        from worker.flags import cuda_problem
+        problem = cuda_problem(args.device)
+        if problem:
+            print(f"error: {problem}", file=sys.stderr, flush=True)
+            return 2
     if args.threads > 0:
         import torch
         torch.set_num_threads(args.threads)

@@ -42,7 +42,16 @@ PANEL = 16                  # output columns per packed panel (the kernel's regi
 # bench/cpu_gemm.py at the 0.6B shape, streamed) the panels beat oneDNN by 1.12-1.34x from 64 to 128
 # rows and by 1.0-1.29x to 256, where 48 had left a 64-row decode step on oneDNN at ~60% of FMA peak;
 # prefill chunks beyond it keep oneDNN (~15% faster there on the AVX2 machine the 48 came from).
-SMALL_BATCH_ROWS = int(os.environ.get("MINIPAGED_PANEL_ROWS", "256"))   # (the variable: to compare)
+def _env_rows(name: str, default: int) -> int:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    if not text.isdigit():
+        raise ValueError(f"{name} must be a whole number of rows, got {text!r}")
+    return int(text)
+
+
+SMALL_BATCH_ROWS = _env_rows("MINIPAGED_PANEL_ROWS", 256)   # (the variable: to compare)
 EVERY_BATCH = 1 << 62       # packed_rows of a matrix with no float32 copy: every batch takes the panels
 AMX_MIN_ROWS = 8            # with AMX (pack_vnni) from this many rows on: the AMX kernel
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 from minipaged.cli import port, port_or_off, prog_name
@@ -21,7 +22,7 @@ DEFAULT_GPU_MEMORY_FRACTION = 0.9
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog_name("worker"), description="MiniPaged-Qwen worker: one pipeline stage.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--metadata", default=os.environ.get("MINIPAGED_ADDRESS", DEFAULT_METADATA_ADDRESS),
+    p.add_argument("--metadata", default=os.environ.get("MINIPAGED_ADDRESS") or DEFAULT_METADATA_ADDRESS,
                    help="metadata service HOST:PORT to register with, as the client's and gateway's default "
                         "(env MINIPAGED_ADDRESS)")
     p.add_argument("--standalone", action="store_true",
@@ -124,6 +125,8 @@ def resolve_args(argv=None) -> argparse.Namespace:
     except ValueError as e:
         parser.error(str(e))
     cuda = args.device.startswith("cuda")
+    if not (args.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", args.device)):
+        parser.error(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
     if args.simulate:
         from worker.simulator import load_profile
         try:
@@ -189,3 +192,17 @@ def _choose_backend(parser, args, cuda: bool) -> str:
         parser.error(f"--backend pycuda cannot run this model: {why}; use --backend torch")
     print(f"{parser.prog}: warning: {why}: attention runs on the torch backend", file=sys.stderr)
     return "torch"
+
+
+def cuda_problem(device: str) -> str | None:
+    """Why `--device cuda[:N]` cannot run here (no CUDA build or device, no such index), or None. At
+    start, not in resolve_args: a GPU deployment's flags are checked on any machine."""
+    import torch
+    if not torch.cuda.is_available():
+        return (f"--device {device}: this torch sees no CUDA device (torch {torch.__version__}, built for CUDA: "
+                f"{torch.version.cuda or 'no'}); use --device cpu here, or the GPU install path (README, GPU) on a "
+                f"machine with one")
+    index = int(device.split(":", 1)[1]) if ":" in device else 0
+    if index >= torch.cuda.device_count():
+        return f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+    return None

@@ -72,8 +72,13 @@ def load_profile(spec: str) -> Profile:
         return BUILTIN[spec]
     if not os.path.isfile(spec):
         raise ValueError(f"--simulate {spec!r}: not a built-in profile ({', '.join(BUILTIN)}) nor a JSON file")
-    with open(spec) as f:
-        data = json.load(f)
+    try:
+        with open(spec) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:        # (UnicodeDecodeError and JSONDecodeError are ValueErrors)
+        raise ValueError(f"--simulate {spec}: not a readable JSON profile ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--simulate {spec}: a profile is a JSON object of Profile's fields")
     known = {f.name for f in fields(Profile)}
     unknown = set(data) - known
     if unknown:

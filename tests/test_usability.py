@@ -130,7 +130,8 @@ def gateway(cluster, *args):
 
 
 def test_gateway_refuses_a_missing_or_broken_model_at_start(tmp_path):
-    for model, match in (("/nonexistent", "--model /nonexistent: no such directory"),
+    missing = str(tmp_path / "no-such-checkpoint")       # (not /nonexistent: a process may have made it)
+    for model, match in ((missing, f"--model {missing}: no such directory"),
                          (str(tmp_path), "config.json")):
         if model == str(tmp_path):
             (tmp_path / "config.json").write_text('{"vocab_size": 64,\n "hidden_size": }')

@@ -35,7 +35,7 @@ def _generate_kwargs(a) -> dict:
 def _read_requests(path: str) -> tuple[list[dict], list[int]]:
     """The JSONL file's requests and the line each came from (blank lines skipped; a UTF-8 byte
     order mark, as Windows editors write, is not part of line 1)."""
-    f = sys.stdin if path == "-" else open(path, encoding="utf-8-sig")
+    f = sys.stdin if path == "-" else open(path, encoding="utf-8")
     try:
         lines = [(n, line.lstrip("\ufeff") if n == 1 else line) for n, line in enumerate(f, 1) if line.strip()]
     finally:

@@ -17,7 +17,8 @@ from minipaged.tls import channel_credentials, make_channel
 from minipaged.v1 import metadata_pb2 as pb
 from minipaged.v1 import metadata_pb2_grpc as pb_grpc
 
-from .channel import checked_job_id, checked_seconds, checked_token
+from .channel import checked_seconds, checked_token
+from .request import job_request
 from .errors import MiniPagedError, Unavailable, explain_not_grpc, explain_unimplemented, from_rpc_error
 from .messages import (CHANNEL_OPTIONS, TERMINAL_STATES, Deadline, GenerateResult, JobCollector, JobStatus,
                        PoolSnapshot, ResultAssembler, Stats, StreamChunk, batch_items, build_generate_request,
@@ -175,8 +176,7 @@ class AsyncClient:
         return [job_from_proto(j) for j in reply.jobs]
 
     async def delete_job(self, job_id: str, *, timeout: float | None = None) -> JobStatus:
-        request = pb.JobRequest(job_id=checked_job_id(job_id))
-        return job_from_proto(await self._unary(self._stub.DeleteJob, request, timeout))
+        return job_from_proto(await self._unary(self._stub.DeleteJob, job_request(job_id), timeout))
 
     async def cancel_pending_jobs(self, model: str | None = None, *,
                                   timeout: float | None = None) -> tuple[int, int]:
@@ -196,12 +196,10 @@ class AsyncClient:
         return pool_snapshot_from_proto(await self._unary(self._stub.PoolSnapshot, request, timeout))
 
     async def get_job(self, job_id: str, *, timeout: float | None = None) -> JobStatus:
-        request = pb.JobRequest(job_id=checked_job_id(job_id))
-        return job_from_proto(await self._unary(self._stub.GetJob, request, timeout))
+        return job_from_proto(await self._unary(self._stub.GetJob, job_request(job_id), timeout))
 
     async def cancel(self, job_id: str, *, timeout: float | None = None) -> JobStatus:
-        request = pb.JobRequest(job_id=checked_job_id(job_id))
-        return job_from_proto(await self._unary(self._stub.CancelJob, request, timeout))
+        return job_from_proto(await self._unary(self._stub.CancelJob, job_request(job_id), timeout))
 
     async def stats(self, *, timeout: float | None = None) -> Stats:
         return Stats.from_proto(await self._unary(self._stub.Stats, pb.StatsRequest(), timeout))
@@ -213,7 +211,7 @@ class AsyncClient:
         acc = JobCollector(progress, job_id)
         try:
             while True:
-                call = self._stub.WatchJob(pb.JobRequest(job_id=checked_job_id(job_id)), timeout=deadline.left(),
+                call = self._stub.WatchJob(job_request(job_id), timeout=deadline.left(),
                                            metadata=self._metadata)
                 try:
                     async for msg in call:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numbers
 
+from minipaged.cli import host_port_ok
 from minipaged.constants import DEFAULT_METADATA_PORT, grpc_options
 
 CHANNEL_OPTIONS = grpc_options()
@@ -29,8 +30,7 @@ def normalize_address(address: str) -> str:
 
 def _checked_port(address: str) -> str:
     """HOST:PORT with PORT in 1-65535: gRPC takes 120636 as 55100 and -1 as 65535, silently."""
-    text = address.rsplit(":", 1)[1]
-    if not (text.isdigit() and 1 <= int(text) <= 65535):
+    if not host_port_ok(address):
         raise ValueError(f"address {address!r}: the port must be a number in 1-65535")
     return address
 
@@ -58,8 +58,3 @@ def checked_token(token: str | None) -> str | None:
                          "non-ASCII character")
     return token
 
-
-def checked_job_id(job_id) -> str:
-    if not isinstance(job_id, str):
-        raise TypeError(f"job_id must be a str (submit() returns one), got {type(job_id).__name__} {job_id!r:.40}")
-    return job_id

@@ -258,6 +258,13 @@ def build_submit_request(requests: Sequence[dict]) -> pb.SubmitJobRequest:
     return pb.SubmitJobRequest(requests=items)
 
 
+def job_request(job_id) -> pb.JobRequest:
+    """GetJob / CancelJob / DeleteJob / WatchJob's request: a job id is the str submit() returned."""
+    if not isinstance(job_id, str):
+        raise TypeError(f"job_id must be a str (submit() returns one), got {type(job_id).__name__} {job_id!r:.40}")
+    return pb.JobRequest(job_id=job_id)
+
+
 def batch_items(prompt, params: dict) -> list[dict] | None:
     """generate([...]): a list of prompts (str, token-id lists or request dicts), or
     prompt_token_ids=[[...], ...], is a batch: one request dict per item (shared `params` under

@@ -16,7 +16,8 @@ from minipaged.tls import make_channel
 from minipaged.v1 import metadata_pb2 as pb
 from minipaged.v1 import metadata_pb2_grpc as pb_grpc
 
-from .channel import checked_job_id, checked_seconds, checked_token
+from .channel import checked_seconds, checked_token
+from .request import job_request
 from .errors import Cancelled, MiniPagedError, Unavailable, explain_unimplemented, from_rpc_error
 from .messages import (CHANNEL_OPTIONS, MAX_MESSAGE_BYTES, REQUEST_KEYS, TERMINAL_STATES,  # noqa: F401
                        Deadline, GenerateResult, JobCollector, JobStatus, PoolSnapshot, ResultAssembler, Stats,
@@ -201,12 +202,10 @@ class Client:
             raise self._error(e) from None
 
     def get_job(self, job_id: str, *, timeout: float | None = None) -> JobStatus:
-        request = pb.JobRequest(job_id=checked_job_id(job_id))
-        return job_from_proto(self._unary(self._stub.GetJob, request, timeout))
+        return job_from_proto(self._unary(self._stub.GetJob, job_request(job_id), timeout))
 
     def cancel(self, job_id: str, *, timeout: float | None = None) -> JobStatus:
-        request = pb.JobRequest(job_id=checked_job_id(job_id))
-        return job_from_proto(self._unary(self._stub.CancelJob, request, timeout))
+        return job_from_proto(self._unary(self._stub.CancelJob, job_request(job_id), timeout))
 
     def list_jobs(self, limit: int = 100, state: str | None = None, *,
                   timeout: float | None = None) -> list[JobStatus]:
@@ -216,8 +215,7 @@ class Client:
 
     def delete_job(self, job_id: str, *, timeout: float | None = None) -> JobStatus:
         """Cancel the job if unfinished, then forget it (its stored results too)."""
-        request = pb.JobRequest(job_id=checked_job_id(job_id))
-        return job_from_proto(self._unary(self._stub.DeleteJob, request, timeout))
+        return job_from_proto(self._unary(self._stub.DeleteJob, job_request(job_id), timeout))
 
     def cancel_pending_jobs(self, model: str | None = None, *, timeout: float | None = None) -> tuple[int, int]:
         """Cancel every unfinished job (only those admitted for `model`: its name or a fingerprint
@@ -247,7 +245,7 @@ class Client:
         acc = JobCollector(progress, job_id)
         try:
             while True:
-                call = self._stub.WatchJob(pb.JobRequest(job_id=checked_job_id(job_id)), timeout=deadline.left(),
+                call = self._stub.WatchJob(job_request(job_id), timeout=deadline.left(),
                                            metadata=self._metadata)
                 try:
                     for msg in call:

@@ -12,6 +12,12 @@ def prog_name(module: str) -> str:
     return name if name.startswith("minipaged") else f"python -m {module}"
 
 
+def host_port_ok(address: str) -> bool:
+    """HOST:PORT with a HOST and PORT in 1-65535 (what a peer can dial)."""
+    host, _, port_text = address.rpartition(":")
+    return bool(host) and port_text.isdigit() and 1 <= int(port_text) <= 65535
+
+
 def port(text: str) -> int:
     """argparse type of a port flag: 0-65535 (gRPC would wrap 120686 to 55150 silently, and a
     socket bind raise OverflowError)."""

@@ -7,7 +7,7 @@ import os
 import re
 import sys
 
-from minipaged.cli import port, port_or_off, prog_name
+from minipaged.cli import host_port_ok, port, port_or_off, prog_name
 from minipaged.config import check_weights_present, load_model_config, parse_rope_scaling
 from minipaged.constants import DEFAULT_METADATA_ADDRESS, DTYPE_BYTES
 
@@ -141,8 +141,6 @@ def resolve_args(argv=None) -> argparse.Namespace:
     args.backend = _choose_backend(parser, args, cuda)
     if args.threads < 0:
         parser.error(f"--threads must be >= 0 (0: torch's choice), got {args.threads}")
-    if args.data_port < -1:
-        parser.error(f"--data-port must be >= -1 (-1: none, 0: a free one), got {args.data_port}")
     if args.num_blocks < 0:
         parser.error("--num-blocks must be > 0")
     if args.kv_memory_fraction is not None and not 0 < args.kv_memory_fraction < 1:
@@ -154,10 +152,8 @@ def resolve_args(argv=None) -> argparse.Namespace:
         parser.error(f"--kv-tier-bytes {args.kv_tier_bytes} is more than this machine's memory ({ram} bytes)")
     if args.kv_cache_bytes is not None and args.kv_cache_bytes <= 0:
         parser.error("--kv-cache-bytes must be > 0")
-    if args.advertise_address:
-        host, _, port_text = args.advertise_address.rpartition(":")
-        if not host or not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
-            parser.error(f"--advertise-address must be HOST:PORT (PORT 1-65535), got {args.advertise_address!r}")
+    if args.advertise_address and not host_port_ok(args.advertise_address):
+        parser.error(f"--advertise-address must be HOST:PORT (PORT 1-65535), got {args.advertise_address!r}")
     if args.worker_token_file:
         try:
             with open(args.worker_token_file) as f:

@@ -19,8 +19,18 @@ from minipaged.rng import GOLDEN_GAMMA
 from .sequence import SeqEvent, Sequence, SeqStatus
 
 
+_U64, _SIGN = (1 << 64) - 1, 1 << 63
+
+
 def choice_seed(seed: int, i: int) -> int:
-    return seed if i == 0 else (seed ^ (GOLDEN_GAMMA * i)) & (2**63 - 1)
+    """Choice i's seed: the request's low 63 bits mixed with i, its sign bit kept, so every int64
+    seed has choices of its own (seed and seed + 2^63 do not alias) and a non-negative seed's choices
+    are what they always were."""
+    if i == 0:
+        return seed
+    s = seed & _U64
+    c = (s & _SIGN) | ((s ^ (GOLDEN_GAMMA * i)) & (_SIGN - 1))
+    return c - (1 << 64) if c & _SIGN else c
 
 
 class SequenceGroup:

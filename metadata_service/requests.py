@@ -219,7 +219,7 @@ def to_sequence(req: metadata_pb2.GenerateRequest, engine, sink=None, tag=None) 
     n = max(1, req.n)
     params = SamplingParams(
         max_new_tokens=req.max_new_tokens, temperature=req.temperature,
-        top_p=req.top_p if req.HasField("top_p") else 1.0, top_k=max(0, req.top_k), seed=req.seed & (2**63 - 1),
+        top_p=req.top_p if req.HasField("top_p") else 1.0, top_k=max(0, req.top_k), seed=req.seed,
         stop=tuple(req.stop), stop_token_ids=tuple(unpack(req.stop_token_ids, INT32).tolist()),
         include_stop_str_in_output=req.include_stop_str_in_output,
         ignore_eos=req.ignore_eos, return_logprobs=req.return_logprobs or req.top_logprobs > 0,

@@ -118,6 +118,18 @@ def test_e2e_seeded_sampling_is_reproducible(one_worker):
     settle(c)
 
 
+
+def test_e2e_every_int64_seed_is_its_own(one_worker):
+    """seed and seed + 2^63 once aliased (the service kept 63 bits); the whole int64 range counts,
+    as in vLLM, for the request's choice and for its other choices (n = 2)."""
+    c = one_worker.client
+    req = dict(prompt_token_ids=[3, 4, 5, 6], max_new_tokens=12, temperature=1.0, n=2)
+    for low in (-1, -12345, -2**63):
+        a, b = ([x.token_ids for x in c.generate(**req, seed=s).choices] for s in (low, low + 2**63))
+        assert a[0] != b[0] and a[1] != b[1]
+        assert a == [x.token_ids for x in c.generate(**req, seed=low).choices]
+    settle(c)
+
 def test_e2e_two_workers_chunked_prefill_block_size_1(two_workers, oracle):
     check_job(two_workers.client, oracle, prompts(6, 1, 30, seed=5), 8)
     st = settle(two_workers.client)

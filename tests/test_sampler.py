@@ -99,7 +99,7 @@ def reference_draw(row: torch.Tensor, t: float, p: float, k: int, u: float) -> i
     vals, order = torch.sort(row.double(), descending=True, stable=True)
     w = torch.exp((vals - vals[0]) / t)
     if 0 < k < V:
-        w[k:] = 0
+        w[vals < vals[k - 1]] = 0        # every token tied with the k-th stays (transformers, vLLM)
     c = w.cumsum(0)
     keep = (c - w) < p * c[-1]
     keep[0] = True
@@ -135,13 +135,25 @@ def test_every_path_draws_what_the_definition_says(monkeypatch, head):
         assert all(np.isfinite(logits[r, ids[r]].item()) for r in range(R))
 
 
-def test_top_k_ties_at_its_boundary_keep_the_lower_ids():
-    logits = torch.zeros(1, 10)
-    logits[0, [2, 5, 7, 9]] = 1.0                 # four tied best; top_k 2 keeps ids 2 and 5
-    n = 400
-    ids, _ = sample(logits.expand(n, -1), np.ones(n, np.float32), np.ones(n, np.float32),
-                    np.full(n, 2, np.int32), np.arange(n, dtype=np.int64), np.zeros(n, np.int32))
-    assert set(ids.tolist()) == {2, 5}
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_top_k_keeps_every_token_tied_at_its_boundary(dtype):
+    """As transformers' TopKLogitsWarper and vLLM's threshold: top_k 2 of four tied best keeps all
+    four, equally often; top_k 1 of two tied keeps both."""
+    logits = torch.zeros(1, 10, dtype=dtype)
+    logits[0, [2, 5, 7, 9]] = 1.0
+    logits[0, 4] = 0.5
+    n = 2000
+    for k, want in ((2, {2, 5, 7, 9}), (1, {2, 5, 7, 9}), (5, {2, 4, 5, 7, 9})):
+        ids, _ = sample(logits.expand(n, -1), np.ones(n, np.float32), np.ones(n, np.float32),
+                        np.full(n, k, np.int32), np.arange(n, dtype=np.int64), np.zeros(n, np.int32))
+        assert set(ids.tolist()) == want
+        if k == 2:
+            assert np.abs(np.bincount(ids, minlength=10)[[2, 5, 7, 9]] / n - 0.25).max() < 0.04
+    wide = torch.zeros(1, 5000, dtype=dtype)       # ties past the head of candidates: the sorted path
+    wide[0, 1000:1100] = 1.0
+    ids, _ = sample(wide.expand(n, -1), np.ones(n, np.float32), np.ones(n, np.float32),
+                    np.full(n, 3, np.int32), np.arange(n, dtype=np.int64), np.zeros(n, np.int32))
+    assert set(ids.tolist()) <= set(range(1000, 1100)) and len(set(ids.tolist())) > 90
 
 
 def test_a_float32_row_keeping_every_token_follows_softmax():

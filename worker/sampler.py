@@ -73,7 +73,7 @@ def sample(logits: torch.Tensor, temperature, top_p, top_k, seeds, offsets,
     """logits [S, V] -> (token ids int32 [S], logprobs float32 [S] or None).
 
     temperature <= 0: argmax (ties -> lowest id). Otherwise weights exp((logit - max) / T), keep the
-    top_k (0 = all) heaviest, then the smallest prefix of those whose mass reaches top_p (at least
+    top_k (0 = all) heaviest and every token tied with the k-th, then the smallest prefix of those whose mass reaches top_p (at least
     one token), then draw (see _draw). The logprob is log_softmax of the raw (temperature 1,
     unfiltered) logits at the token."""
     S, V = logits.shape
@@ -108,8 +108,9 @@ CHUNK = 1024      # a whole-vocabulary draw finds its chunk of ids first, then t
 
 def _draw(logits, temp, top_p, top_k, seeds, offsets) -> torch.Tensor:
     """Stochastic rows -> token ids. A token's weight is exp((logit - max) / T); the kept set is
-    the top_k (0 = all) heaviest, ties to the lower id, then the smallest prefix of those whose
-    mass reaches top_p (at least one token); the uniform picks by inverse CDF over the kept
+    the top_k (0 = all) heaviest and every token tied with the k-th (transformers' and vLLM's
+    threshold), then the smallest prefix of those whose mass reaches top_p (ties to the lower id; at
+    least one token); the uniform picks by inverse CDF over the kept
     tokens in id order. Rows that keep every token draw over the vocabulary without a sort; the
     others find their kept set in a head of candidates (_head), or, past the head, by binning
     the row (top-p) or sorting it. Every path keeps the same set and draws the same way."""
@@ -301,15 +302,21 @@ def _finish(vals, ids, temp, p, k, u, z_all, exact, whole_row: bool):
     a stable sort of the row) -> (tokens, whether each row's kept set lies within those, as it must
     for its token to count). `whole_row`: the candidates are the whole sorted row."""
     R, C = vals.shape
-    rank = torch.arange(C, device=vals.device)[None, :]
     w = _weights(vals, vals[:, :1], temp)
-    w = w.masked_fill((k[:, None] > 0) & (rank >= k[:, None]), 0.0)
+    # top-k keeps every token whose logit ties the k-th one, as transformers and vLLM do (a threshold)
+    edge = vals.gather(1, (torch.clamp(k, 1, C) - 1)[:, None])
+    cut = (k[:, None] > 0) & (vals < edge)
+    w = w.masked_fill(cut, 0.0)
+    kept = C - cut.sum(-1)                               # the top-k set's size, its ties included
     c = w.cumsum(-1)
-    z = torch.where(k > 0, c.gather(1, (torch.clamp(k, 1, C) - 1)[:, None]).squeeze(1), z_all)
+    z = torch.where(k > 0, c.gather(1, (kept - 1)[:, None]).squeeze(1), z_all)
     keep = (c - w) < p[:, None] * z[:, None]             # mass strictly above it < top_p
     keep[:, 0] = True
     reach = c.gather(1, (torch.clamp(exact, 1, C) - 1)[:, None]).squeeze(1)
-    fits = torch.where(k > 0, k <= exact, (reach >= p * z) | whole_row)
+    # a top-k set fits when a lower value follows its ties within the exact candidates (or the k-th
+    # value is -inf: every finite one is above it, and -inf weighs nothing)
+    k_fits = (kept < exact) | ((k <= exact) & torch.isinf(edge.squeeze(1))) | whole_row
+    fits = torch.where(k > 0, k_fits, (reach >= p * z) | whole_row)
     w = w * keep
     if whole_row:   # back to id order by a scatter, not a second sort of the row
         return _pick_whole(torch.zeros_like(w).scatter_(1, ids, w), u), fits

@@ -12,7 +12,7 @@ from typing import Sequence
 import numpy as np
 
 from minipaged import wire
-from minipaged.constants import OPENAI_MAX_TOP_LOGPROBS
+from minipaged.constants import MAX_CHOICES, OPENAI_MAX_TOP_LOGPROBS
 from minipaged.v1 import metadata_pb2 as pb
 
 from .errors import InvalidArgument, MiniPagedError
@@ -177,9 +177,9 @@ def _check_wire_zeros(n, best_of, repetition_penalty) -> None:
     """Values the caller set that the wire would read as unset (proto3's 0): refused here, as the
     service refuses the same values when they are not 0."""
     if n is not None and n < 1:
-        raise InvalidArgument(f"n must be in [1, 16], got {n}")
+        raise InvalidArgument(f"n must be in [1, {MAX_CHOICES}], got {n}")
     if best_of is not None and best_of < 1:
-        raise InvalidArgument(f"best_of must be in [n, 16], got {best_of}")
+        raise InvalidArgument(f"best_of must be in [n, {MAX_CHOICES}], got {best_of}")
     if isinstance(repetition_penalty, numbers.Real) and not isinstance(repetition_penalty, bool) \
             and float(repetition_penalty) == 0:
         raise InvalidArgument("repetition_penalty must be > 0 (1 = off), got 0")

@@ -14,7 +14,7 @@ import grpc
 from minipaged.v1 import metadata_pb2
 import numpy as np
 
-from minipaged.constants import OPENAI_MAX_TOP_LOGPROBS
+from minipaged.constants import MAX_CHOICES, OPENAI_MAX_TOP_LOGPROBS
 from minipaged.wire import INT32, WireError, pack, unpack
 
 from .grammar import GrammarError, new_matcher, spec_of
@@ -26,7 +26,6 @@ from .stop import StopChecker
 
 _SEEDS = random.Random(secrets.randbits(128))   # seeds for requests without one (stored with the job)
 
-MAX_CHOICES = 16          # n and best_of
 
 
 class RequestError(Exception):
@@ -155,11 +154,16 @@ def _check_fits(req: metadata_pb2.GenerateRequest, prompt_len: int, engine) -> N
                            f"{req.max_new_tokens} in the completion). Please reduce the length of the prompt "
                            f"or completion.")
     bs, best_of = engine.block_size, req.best_of or max(1, req.n)
-    # K copies share the prompt's full blocks; at worst each holds its own rest. Choices fork after
-    # all but the last prompt token (groups.py), beams after the whole prompt (beam.py).
-    copies, shared = ((req.beam_width, prompt_len // bs) if req.beam_width
-                      else (best_of, (prompt_len - 1) // bs) if best_of > 1 else (1, 0))
-    need = shared + copies * -(-(total - shared * bs) // bs)
+    need = -(-total // bs)
+    if req.beam_width:   # beams step together after the whole prompt (beam.py): all of them at once
+        shared = prompt_len // bs
+        need = shared + req.beam_width * -(-(total - shared * bs) // bs)
+    elif best_of > 1:
+        # Choices fork after all but the last prompt token (groups.py), each with its own copy of a
+        # partial last block; after that each runs, or is preempted and recomputed, on its own (as
+        # vLLM's child requests): one choice must fit, not all of them together.
+        forked = (prompt_len - 1) // bs + (best_of if (prompt_len - 1) % bs else 0)
+        need = max(need, forked)
     pool = engine.max_pool_blocks  # a sequence lives in one chain's pool: the largest one bounds it
     if need > pool:
         raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,

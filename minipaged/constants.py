@@ -12,6 +12,9 @@ MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 # OpenAI's (and vLLM's default --max-logprobs) limit on alternatives per token a request may ask for.
 OPENAI_MAX_TOP_LOGPROBS = 20
 
+# n and best_of: at most OpenAI's limit for n (vLLM sets none)
+MAX_CHOICES = 128
+
 # The metadata service's client port: `python -m metadata_service`'s default, and the port the SDK,
 # the CLI and the gateway add to an address given as HOST alone.
 DEFAULT_METADATA_PORT = 50051

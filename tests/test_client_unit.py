@@ -480,7 +480,7 @@ def test_generate_request_new_fields():
     with pytest.raises(client.InvalidArgument, match=r"top_p must be in \(0, 1\]"):
         build_generate_request(prompt="x", top_p=0)
     # values the wire would read as unset (proto3's 0 / empty) are refused, not dropped
-    for kw, message in ((dict(n=0), r"n must be in \[1, 16\]"), (dict(best_of=0), "best_of must be in"),
+    for kw, message in ((dict(n=0), r"n must be in \[1, 128\]"), (dict(best_of=0), "best_of must be in"),
                         (dict(repetition_penalty=0.0), "repetition_penalty must be > 0"),
                         (dict(choice=[]), "choice must be 1 to 1024 non-empty strings"),
                         (dict(regex=""), "regex must be a non-empty pattern"),

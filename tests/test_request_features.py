@@ -298,9 +298,10 @@ def test_penalized_batches_decode_ahead_and_equal_transformers(ckpt, workers):
         settle(cl)
 
 
-def test_choices_are_admitted_by_the_blocks_they_share():
-    """n / best_of choices fork after all but the last prompt token and share its full blocks: a
-    request is refused as never fitting only when even that sharing overflows the largest pool."""
+def test_choices_are_admitted_when_one_of_them_fits():
+    """n / best_of choices fork after all but the last prompt token (each copies a partial last
+    block), then run or are preempted on their own, as vLLM's child requests: a request is refused
+    as never fitting only when one choice, or the fork itself, overflows the largest pool."""
     import types
 
     import grpc
@@ -308,8 +309,24 @@ def test_choices_are_admitted_by_the_blocks_they_share():
     from metadata_service.requests import RequestError, _check_fits
     from minipaged.v1 import metadata_pb2
     engine = types.SimpleNamespace(max_model_len=4096, block_size=16, max_pool_blocks=8)
-    req = metadata_pb2.GenerateRequest(max_new_tokens=10, n=2)
-    _check_fits(req, 64, engine)             # 3 shared blocks + 2 x 2 of each choice's own = 7 <= 8
-    with pytest.raises(RequestError) as info:
-        _check_fits(metadata_pb2.GenerateRequest(max_new_tokens=10, n=3), 64, engine)   # 3 + 3 x 2 = 9
+    _check_fits(metadata_pb2.GenerateRequest(max_new_tokens=40, n=8), 65, engine)     # 105 tokens: 7 blocks
+    with pytest.raises(RequestError) as info:     # the fork: 3 full blocks + 6 copies of the partial one
+        _check_fits(metadata_pb2.GenerateRequest(max_new_tokens=10, best_of=6), 63, engine)
     assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "needs 9 blocks" in str(info.value)
+    with pytest.raises(RequestError) as info:
+        _check_fits(metadata_pb2.GenerateRequest(max_new_tokens=80, n=2), 64, engine)    # one choice: 9
+    assert "needs 9 blocks" in str(info.value)
+
+
+def test_choices_that_do_not_fit_together_take_turns():
+    """Three choices of 5 blocks each in a pool of 10 (Probe P: refused as "could never run"): they
+    run, preempting each other, and give the tokens a roomy pool gives."""
+    kw = dict(prompt_token_ids=list(range(1, 21)), max_new_tokens=45, n=3, temperature=1.0, seed=7,
+              ignore_eos=True)
+    with LocalCluster(num_blocks=10) as c:
+        r = c.client.generate(**kw)
+        tight = [ch.token_ids for ch in r.choices]
+        assert r.usage.preemptions > 0 and [len(t) for t in tight] == [45] * 3
+        settle(c.client)
+    with LocalCluster() as c:
+        assert tight == [ch.token_ids for ch in c.client.generate(**kw).choices]

@@ -186,7 +186,7 @@ def test_errors_roles_and_logprob_bytes_over_http(cluster, oai, ckpt):
     assert info.value.body["param"] == "max_tokens" and "max_tokens must be >= 1" in info.value.body["message"]
     assert "max_new_tokens" not in info.value.body["message"]
     with pytest.raises(openai.BadRequestError) as info:                      # the service's check, not ours
-        oai.completions.create(model=ckpt, prompt="hello", max_tokens=2, extra_body={"top_k": -1, "n": 17})
+        oai.completions.create(model=ckpt, prompt="hello", max_tokens=2, extra_body={"top_k": -1, "n": 129})
     assert info.value.body["param"] == "n"
     with pytest.raises(openai.BadRequestError) as info:                      # vLLM's rule: -1 is off, -5 nothing
         oai.completions.create(model=ckpt, prompt="hello", max_tokens=2, extra_body={"top_k": -5})

@@ -10,6 +10,7 @@ import sys
 
 import uvicorn
 
+from minipaged import cli
 from minipaged.cli import port, prog_name
 from minipaged.constants import DEFAULT_METADATA_PORT
 
@@ -56,10 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     # secrets from the environment are read here, not as defaults, so --help never prints one
-    args.token = args.token or os.environ.get("MINIPAGED_TOKEN")
-    args.metadata_token = args.metadata_token or os.environ.get("MINIPAGED_METADATA_TOKEN")
+    args.token = cli.token(parser, args.token, "MINIPAGED_TOKEN", "--token")
+    args.metadata_token = cli.token(parser, args.metadata_token, "MINIPAGED_METADATA_TOKEN", "--metadata-token")
     return args
 
 

@@ -13,6 +13,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from minipaged import cli
 from minipaged.constants import DEFAULT_METADATA_PORT
 from minipaged.rpc import DecodeGuardInterceptor
 from minipaged.signals import StopFlag, die_with_parent
@@ -44,12 +45,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     # secrets are read here, not as argparse defaults, so --help never prints one
-    args.token = args.token or os.environ.get("MINIPAGED_TOKEN")
-    args.worker_token = args.worker_token or os.environ.get("MINIPAGED_WORKER_TOKEN")
+    args.token = cli.token(parser, args.token, "MINIPAGED_TOKEN", "--token")
+    args.worker_token = cli.token(parser, args.worker_token, "MINIPAGED_WORKER_TOKEN", "--worker-token")
     if args.token_file:
-        args.token = _read_secret(parser, args.token_file)
+        args.token = cli.checked_token(parser, _read_secret(parser, args.token_file), args.token_file)
     if args.worker_token_file:
-        args.worker_token = _read_secret(parser, args.worker_token_file)
+        args.worker_token = cli.checked_token(parser, _read_secret(parser, args.worker_token_file),
+                                              args.worker_token_file)
     args.worker_host = args.worker_host or args.host
     _check_numbers(parser, args)
     if args.kv_move_part_bytes < 0:

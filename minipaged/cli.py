@@ -38,3 +38,25 @@ def _port(text: str, lowest: int, rule: str) -> int:
     if not lowest <= value <= 65535:
         raise argparse.ArgumentTypeError(f"{rule}, got {value}")
     return value
+
+
+def token(parser, value: str | None, env: str, flag: str) -> str | None:
+    """A token from its flag, else from the environment variable `env`; None when neither is set.
+    Set but blank (a secret file that held only a newline) is a start error, not "no token", and so
+    is a character that a gRPC or HTTP header cannot carry (a CR of a CRLF file, a control character,
+    non-ASCII), which would otherwise fail every call later with gRPC's "Invalid metadata"."""
+    source = flag if value is not None else env
+    value = value if value is not None else os.environ.get(env)
+    if value is None:
+        return None
+    return checked_token(parser, value, source)
+
+
+def checked_token(parser, value: str, source: str) -> str:
+    if not value.strip():
+        parser.error(f"{source} is set but blank: give the token, or unset it to run without one")
+    bad = next((c for c in value if not " " <= c <= "~"), None)
+    if bad is not None:
+        parser.error(f"{source} holds {bad!r}, which a gRPC / HTTP header cannot carry: a token is printable "
+                     f"ASCII (a secret file with CRLF line ends? its CR stays in the value)")
+    return value

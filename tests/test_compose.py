@@ -331,26 +331,30 @@ def test_health_probe_against_a_health_server(monkeypatch):
 ENTRYPOINT = os.path.join(REPO, "docker", "entrypoint.sh")
 
 
-def test_entrypoint_turns_secret_files_into_variables(tmp_path):
+@pytest.mark.parametrize("content", ["s3cret\n", "s3cret", "s3cret\r\n", "  s3cret \r\n\n"])
+def test_entrypoint_turns_secret_files_into_variables(tmp_path, content):
+    """CRs and the whitespace around the token go (a file saved with CRLF line ends once exported
+    'tok\\r', and every worker's registration failed with gRPC's "Invalid metadata")."""
     token = tmp_path / "client_token"
-    token.write_text("s3cret\n")
+    token.write_bytes(content.encode())
     env = {"PATH": os.environ["PATH"], "MINIPAGED_TOKEN_FILE": str(token)}
     out = subprocess.run([ENTRYPOINT, "sh", "-c", 'echo "$MINIPAGED_TOKEN|${MINIPAGED_TOKEN_FILE-unset}"'],
                          env=env, capture_output=True, text=True, check=True)
     assert out.stdout == "s3cret|unset\n"
 
 
-@pytest.mark.parametrize("case", ["missing", "empty", "directory"])
+@pytest.mark.parametrize("case", ["missing", "empty", "directory", "blank"])
 def test_entrypoint_refuses_to_start_without_the_secret(tmp_path, case):
     path = tmp_path / "worker_token"
-    if case == "empty":
-        path.write_text("")
+    if case in ("empty", "blank"):      # blank: a newline alone once exported an empty token (no auth)
+        path.write_text("" if case == "empty" else "\n \r\n")
     elif case == "directory":   # what a bind mount of a missing file turns into
         path.mkdir()
     env = {"PATH": os.environ["PATH"], "MINIPAGED_WORKER_TOKEN_FILE": str(path)}
     out = subprocess.run([ENTRYPOINT, "echo", "started"], env=env, capture_output=True, text=True)
     assert out.returncode == 78 and "started" not in out.stdout
-    assert "MINIPAGED_WORKER_TOKEN_FILE" in out.stderr and "make-secrets" in out.stderr
+    assert "MINIPAGED_WORKER_TOKEN_FILE" in out.stderr
+    assert ("only whitespace" if case == "blank" else "make-secrets") in out.stderr
 
 
 def test_make_secrets(tmp_path):

@@ -178,6 +178,19 @@ def test_exposing_registration_without_a_worker_token_is_refused(tmp_path):
         assert "--worker-token" in p.stderr
 
 
+
+@pytest.mark.parametrize("module", ["metadata_service", "gateway", "worker"])
+def test_a_blank_or_unsendable_token_is_a_start_error(module):
+    """A token variable set but blank once meant "no token" (the gateway served without its API
+    key), and one holding a CR failed every call later with gRPC's "Invalid metadata"."""
+    var = "MINIPAGED_WORKER_TOKEN" if module == "worker" else "MINIPAGED_TOKEN"
+    args = {"metadata_service": ["--port", "0"], "gateway": ["--port", "0"],
+            "worker": ["--metadata", "127.0.0.1:1", "--model", "tiny"]}[module]
+    for value, message in (("\n", "is set but blank"), ("tok\r", "which a gRPC / HTTP header cannot carry")):
+        p = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True,
+                           timeout=60, env={**os.environ, var: value})
+        assert p.returncode == 2 and var in p.stderr and message in p.stderr, p.stderr
+
 def test_split_ports_and_rogue_workers(tmp_path):
     """Client API on a published port, registration on an unpublished one with a worker token: the
     client port refuses registration, and a worker without the token (or with another model) cannot

@@ -7,6 +7,7 @@ import os
 import re
 import sys
 
+from minipaged import cli
 from minipaged.cli import host_port_ok, port, port_or_off, prog_name
 from minipaged.config import check_weights_present, load_model_config, parse_rope_scaling
 from minipaged.constants import DEFAULT_METADATA_ADDRESS, DTYPE_BYTES
@@ -109,7 +110,8 @@ def resolve_args(argv=None) -> argparse.Namespace:
     """Parse and check the flags against the model config (cheap: config.json only, no weights)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    args.worker_token = args.worker_token or os.environ.get("MINIPAGED_WORKER_TOKEN", "")  # not a default: --help
+    # not a default: --help would print it
+    args.worker_token = cli.token(parser, args.worker_token, "MINIPAGED_WORKER_TOKEN", "--worker-token") or ""
     if args.standalone or not args.metadata:   # --metadata "" still means standalone, as it used to
         args.metadata = ""
     try:

@@ -69,6 +69,15 @@ def test_bad_config_names_the_file_and_field(tmp_path, cfg, match):
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and os.path.join(d, "config.json") in r.stderr, r.stderr
 
 
+
+def test_a_checkpoint_directory_it_cannot_enter_says_so(tmp_path, monkeypatch):
+    """A container user who cannot enter the mounted folder was told "no config.json there"."""
+    d = _ckpt(tmp_path, GOOD)
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if p == d else real(p, mode))  # (we run as root)
+    with pytest.raises(PermissionError, match=f"uid {os.getuid()}"):
+        load_model_config(d)
+
 def test_a_null_num_key_value_heads_is_the_head_count_as_in_transformers(tmp_path):
     assert load_model_config(_ckpt(tmp_path, dict(GOOD, num_key_value_heads=None, head_dim=None))).num_key_value_heads == 2
 

@@ -76,8 +76,17 @@ _BY_CODE: dict[grpc.StatusCode, type[MiniPagedError]] = {
 }
 
 
+# gRPC's own words when the connection under a running call goes away (the server stopped past its
+# grace, restarted, or died), which name nothing a caller can act on
+CONNECTION_LOST = ("cancelling all calls", "socket closed", "connection reset", "goaway", "broken pipe",
+                   "stream removed")
+
+
 def error_for(code: grpc.StatusCode, details: str = "") -> MiniPagedError:
     """The typed exception for a status code; codes without a subclass get the base class."""
+    if code == grpc.StatusCode.UNAVAILABLE and any(w in details.lower() for w in CONNECTION_LOST):
+        details = (f"the connection to the metadata service ended while this call was running (it stopped, "
+                   f"restarted or died); retry it (gRPC said: {details})")
     cls = _BY_CODE.get(code)
     return cls(details) if cls is not None else MiniPagedError(details, code)
 

@@ -257,12 +257,25 @@ def main(argv=None) -> int:
         h.enter_graceful_shutdown()
     for srv in servers:
         srv.stop(args.grace)
+    _end_streams_before_the_grace(servicer, args.grace)
     for srv in servers:
         srv.stop(args.grace).wait()
     stats_logger.stop()
     engine.stop()
     jobs_store.close()
     return 0
+
+
+def _end_streams_before_the_grace(servicer, grace: float) -> None:
+    """Streams that finish within the grace finish; the rest end a moment before it with a reason
+    a caller can act on (the SDK and the gateway show it)."""
+    deadline = time.monotonic() + max(0.0, grace - 1.0)
+    while servicer.open_streams and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if servicer.open_streams:
+        servicer.end_open_streams(f"the metadata service is shutting down: this request was still running after "
+                                  f"its --grace of {grace:g}s; retry it (jobs are kept: they recompute after a "
+                                  f"restart)")
 
 
 if __name__ == "__main__":

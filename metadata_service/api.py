@@ -40,6 +40,7 @@ class MetadataServicer(JobRpcs, metadata_pb2_grpc.MetadataServiceServicer):
         self._pending = 0                 # admitted, unfinished requests (for --max-waiting)
         self._pending_lock = threading.Lock()
         self._waiting_logged = False      # "a request is waiting for a worker" logged once
+        self.open_streams: set = set()    # the event queues of Generate calls still answering
 
     def _size_block_api_pool(self, chain) -> None:
         """The block API's pool takes the size of a chain's while it holds nothing (so a client of the
@@ -106,6 +107,7 @@ class MetadataServicer(JobRpcs, metadata_pb2_grpc.MetadataServiceServicer):
         req = self._admit([request], context)[0]
         events: queue.SimpleQueue = queue.SimpleQueue()
         seq = to_sequence(req, self.engine, sink=lambda s, ev: events.put((s, ev)))
+        self.open_streams.add(events)
         context.add_callback(lambda: seq.status.value != "finished" and self.engine.abort(seq))
         self.engine.add(seq)
         grouped = seq.group is not None
@@ -119,6 +121,8 @@ class MetadataServicer(JobRpcs, metadata_pb2_grpc.MetadataServiceServicer):
                     if not context.is_active():
                         return
                     continue
+                if s is None:                                          # end_open_streams
+                    context.abort(grpc.StatusCode.UNAVAILABLE, ev)
                 if ev.error:
                     context.abort(grpc.StatusCode[ev.error_code or "UNAVAILABLE"], ev.error)
                 if ev.finished and ev.finish_reason == "group":        # every choice has ended
@@ -152,7 +156,15 @@ class MetadataServicer(JobRpcs, metadata_pb2_grpc.MetadataServiceServicer):
                 state[1] = sent + len(chunk.text)
                 yield chunk
         finally:
+            self.open_streams.discard(events)
             self._done()
+
+    def end_open_streams(self, why: str) -> None:
+        """Shutting down, the grace nearly spent: every Generate call still answering ends now with
+        UNAVAILABLE and `why`, rather than with gRPC's bare "Cancelling all calls" when the server
+        cancels it (a job is durable and needs none: it recomputes after a restart)."""
+        for events in list(self.open_streams):
+            events.put((None, why))
 
     def _winners(self, seq):
         """best_of > n: the n chosen choices (best cumulative logprob first, as a job's), one whole

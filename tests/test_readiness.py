@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client import Client
 from client.cluster import free_port
-from client.errors import InvalidArgument
+from client.errors import InvalidArgument, Unavailable, error_for
 
 pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -220,6 +220,44 @@ def test_sigterm_gives_a_stream_in_flight_the_whole_grace(tmp_path):
     finally:
         stop(svc, w)
 
+
+
+def test_a_stream_that_outlives_the_grace_is_told_why(tmp_path):
+    """Probe O: a stream still running when the service's grace ran out died with gRPC's bare
+    "Cancelling all calls". It now ends a moment before the grace with UNAVAILABLE and the reason."""
+    mp, wp = free_port(), free_port()
+    svc = service(mp, str(tmp_path / "jobs.db"), "--grace", 1)
+    w = worker(mp, wp, "0:4", "--dtype", "float64", "--threads", 1)
+    try:
+        c = Client(f"127.0.0.1:{mp}", wait_ready=120)
+        c.generate(prompt_token_ids=[1, 2, 3], max_new_tokens=2)
+        first, out = threading.Event(), {}
+
+        def run():
+            try:
+                for _ in c.stream(prompt_token_ids=[1, 2, 3], max_new_tokens=1000, ignore_eos=True):
+                    first.set()
+                out["r"] = "finished"
+            except Exception as e:   # noqa: BLE001 - the assertion below shows it
+                out["r"] = e
+            first.set()
+        t = threading.Thread(target=run)
+        t.start()
+        assert first.wait(60)
+        svc.send_signal(signal.SIGTERM)
+        t.join(60)
+        assert isinstance(out["r"], Unavailable), out["r"]
+        assert "the metadata service is shutting down" in out["r"].details and "--grace of 1s" in out["r"].details
+        assert svc.wait(60) == 0
+    finally:
+        stop(svc, w)
+
+
+def test_a_lost_connection_is_named_for_what_it_is():
+    err = error_for(grpc.StatusCode.UNAVAILABLE, "Cancelling all calls")
+    assert isinstance(err, Unavailable) and "ended while this call was running" in err.details
+    assert "Cancelling all calls" in err.details
+    assert error_for(grpc.StatusCode.UNAVAILABLE, "no chain").details == "no chain"
 
 def test_a_worker_the_service_cannot_reach_is_told_why_and_backs_off(tmp_path):
     """Probe J: a worker whose registration came through but whose own port the service could not

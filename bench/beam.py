@@ -17,6 +17,7 @@ import atexit
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,7 +28,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.e2e import VllmAnchor, hf_model, save_checkpoint  # noqa: E402
+from bench.e2e import VllmAnchor, exit_on_sigterm, hf_model, save_checkpoint, vllm_env  # noqa: E402
 from client import LocalCluster  # noqa: E402
 
 
@@ -75,9 +76,7 @@ class VllmBeams(VllmAnchor):
         pf = os.path.join(workdir, "prompts.json")
         with open(pf, "w") as f:
             json.dump(prompts, f)
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OMP_NUM_THREADS")}
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        env = vllm_env(workdir, VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_KVCACHE_SPACE="1")
         self.log_path = os.path.join(workdir, "vllm.log")
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen([python, os.path.join(ROOT, "bench", "vllm_beam.py"), ckpt, pf,
@@ -105,6 +104,7 @@ def main():
     ap.add_argument("--vllm-block-size", type=int, default=32, help="vLLM's CPU minimum is 32")
     ap.add_argument("--block-size", type=int, default=16)
     args = ap.parse_args()
+    exit_on_sigterm()
     prompts = workload(args.prompts)
     workdir = tempfile.mkdtemp(prefix="minipaged-beam-")
     model = hf_model()
@@ -128,6 +128,7 @@ def main():
     finally:
         if vllm is not None:
             vllm.close()
+        shutil.rmtree(workdir, ignore_errors=True)
     load = os.getloadavg()
     print(f"\nbeam search, {args.prompts} prompts of 64-192 tokens, {args.new_tokens} new tokens per beam, "
           f"ignore_eos; tiny Qwen3 float32; load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}"
@@ -137,9 +138,9 @@ def main():
     for k, o, v in rows:
         toks = args.prompts * k * args.new_tokens
         ot = toks / o["wall"]
-        vt = toks / v["wall"] if v else float("nan")
+        vt, up = (f"{toks / v['wall']:.1f}", f"{ot * v['wall'] / toks:.2f}x") if v else ("-", "-")
         same = (sum(a == b for a, b in zip(o["beams"], v["beams"])) if v else 0)
-        print(f"{k:>3} {ot:>11.1f} {vt:>11.1f} {ot / vt:>8.2f}x {o['peak']:>12} {o['unshared']:>13} "
+        print(f"{k:>3} {ot:>11.1f} {vt:>11} {up:>9} {o['peak']:>12} {o['unshared']:>13} "
               f"{o['shared']:>12} {f'{same}/{args.prompts}' if v else '-':>19}")
 
 

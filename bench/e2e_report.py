@@ -42,8 +42,9 @@ def print_table(title, runs, ref_key, alt_key):
                 key = name.split(" ", 1)[-1]
                 rss[key] = max(rss.get(key, 0.0), mb)
         rss_s = ", ".join(f"{n} {mb:.0f}" for n, mb in rss.items()) or "-"
-        util = sum(r["util"] for r in v) / len(v)
-        print(f"| {k} | {mean[k]:.1f} | {each} | {rv} | {ra} | {same_v} | {same_hf} | {up} | {rss_s} | {util:.3f} |")
+        util = sum(r["util"] for r in v) / len(v)     # (the anchors report none; a short run may miss it)
+        util_s = "-" if util != util else f"{util:.3f}"
+        print(f"| {k} | {mean[k]:.1f} | {each} | {rv} | {ra} | {same_v} | {same_hf} | {up} | {rss_s} | {util_s} |")
 
 
 def print_report(args, plan, runs, version: str, final: bool) -> None:

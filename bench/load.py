@@ -204,7 +204,7 @@ def print_rss(names, series, rss_start, rss_end) -> list:
     print(f"{'RSS (MB)':32s} {'start':>9s} {'end':>9s} {'max':>9s}")
     growing = []
     for n in names:
-        vals = [s[n] for _, s in series] or [rss_end[n]]
+        vals = [rss_start[n]] + [s[n] for _, s in series] + [rss_end[n]]   # the peak of all we read
         print(f"  {n:26s} {rss_start[n]:9.1f} {rss_end[n]:9.1f} {max(vals):9.1f}")
         # "keeps growing": the second half of the series sits well above the first half's peak
         half = len(vals) // 2

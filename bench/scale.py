@@ -220,7 +220,7 @@ def bench_prefix(args):
                 wall = time.perf_counter() - t0
                 a = c.client.stats()
             q, h = a.prefix_cache_queries - b.prefix_cache_queries, a.prefix_cache_hits - b.prefix_cache_hits
-            runs.append((h / q if q else 0.0, lat[len(lat) // 2], lat[int(len(lat) * 0.99) - 1], wall))
+            runs.append((h / q if q else 0.0, lat[len(lat) // 2], lat[-(-len(lat) * 99 // 100) - 1], wall))   # nearest rank
         med = [sorted(x)[len(x) // 2] for x in zip(*runs)]
         rate = med[0]
         base_rate = base_rate if base_rate is not None else rate

@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from client import LocalCluster  # noqa: E402
 from client.cluster import free_port  # noqa: E402
-from e2e import hf_model, save_checkpoint, workload  # noqa: E402
+from e2e import exit_on_sigterm, hf_model, save_checkpoint, vllm_env, workload  # noqa: E402
 from scale import proc_cpu_s  # noqa: E402
 from worker.model_runner import cpu_compute_threads  # noqa: E402
 
@@ -121,8 +121,7 @@ def spawn_vllm(args, ckpt: str, workdir: str):
     so that the caller holds the process (and stops it) even if it never becomes ready."""
     port = free_port()
     vllm_log = open(os.path.join(workdir, "vllm-serve.log"), "w")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OMP_NUM_THREADS")}
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1" if args.model == "tiny" else "2")
+    env = vllm_env(workdir, VLLM_CPU_KVCACHE_SPACE="1" if args.model == "tiny" else "2")
     if args.vllm_cores:
         env["VLLM_CPU_OMP_THREADS_BIND"] = args.vllm_cores
     vllm = subprocess.Popen(
@@ -198,6 +197,7 @@ def prompts_for(args, ckpt: str, n: int, seed: int):
 
 def main():
     args = parse_args()
+    exit_on_sigterm()
     workdir = tempfile.mkdtemp(prefix="minipaged-serving-")
     if args.model == "tiny":
         ckpt = save_checkpoint(hf_model(), os.path.join(workdir, "tiny-qwen3"))

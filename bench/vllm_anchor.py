@@ -8,9 +8,27 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM (timeout, CI, kill) as sys.exit: `finally` blocks and atexit run, so vLLM's process
+    group is stopped (not left running, or SIGSTOPped for good) and the work directory goes."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
+def vllm_env(workdir: str, **defaults) -> dict:
+    """vLLM's environment: ours without PYTHONPATH / OMP_NUM_THREADS, `defaults` where unset, and
+    TMPDIR in `workdir`, so the ipc sockets its engine makes there go with the work directory (a
+    killed engine leaves them behind in /tmp)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OMP_NUM_THREADS")}
+    for k, v in defaults.items():
+        env.setdefault(k, v)
+    env["TMPDIR"] = workdir
+    return env
 
 
 class VllmAnchor:
@@ -20,7 +38,7 @@ class VllmAnchor:
                  env_extra: dict | None = None, tag: str = "vllm"):
         self.log_path, self.workdir = os.path.join(workdir, f"{tag}.log"), workdir
         prompts_file = self.prompts_file(prompts)
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OMP_NUM_THREADS")}
+        env = vllm_env(workdir)
         env.update(env_extra or {})
         t0 = time.perf_counter()
         self.log = open(self.log_path, "w")

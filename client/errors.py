@@ -84,7 +84,7 @@ CONNECTION_LOST = ("cancelling all calls", "socket closed", "connection reset", 
 
 def error_for(code: grpc.StatusCode, details: str = "") -> MiniPagedError:
     """The typed exception for a status code; codes without a subclass get the base class."""
-    if code == grpc.StatusCode.UNAVAILABLE and any(w in details.lower() for w in CONNECTION_LOST):
+    if code == grpc.StatusCode.UNAVAILABLE and details.lower().startswith(CONNECTION_LOST):   # gRPC's own
         details = (f"the connection to the metadata service ended while this call was running (it stopped, "
                    f"restarted or died); retry it (gRPC said: {details})")
     cls = _BY_CODE.get(code)

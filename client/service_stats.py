@@ -96,6 +96,8 @@ class Stats:
                      ("KV tier hits", f"{s.tier_hits} / {s.tier_queries} blocks; saved {s.tier_saved_blocks} "
                                       f"({s.tier_saved_blocks * mib:.1f} MiB), loaded {s.tier_loaded_blocks} "
                                       f"({s.tier_loaded_blocks * mib:.1f} MiB)")]
+        if any(c.get("role", "both") != "both" for c in s.chains):   # disaggregated: which chain does what
+            rows.append(("chains (role)", ", ".join(f"{c.get('chain_id')} {c.get('role')}" for c in s.chains)))
         if s.kv_moves or s.kv_move_failures:
             mib = s.tier_block_bytes / 2**20
             rows.append(("prefill -> decode moves", f"{s.kv_moves} ({s.kv_moved_blocks} blocks, "

@@ -30,28 +30,13 @@ from .workers import SERVER_OPTIONS, WorkerRegistry
 SERVICE_NAME = metadata_pb2.DESCRIPTOR.services_by_name["MetadataService"].full_name
 
 
-def _read_secret(parser, path: str) -> str:
-    try:
-        with open(path) as f:
-            secret = f.read().strip()
-    except OSError as e:
-        parser.error(f"cannot read {path}: {e}")
-    if not secret:  # an empty secret file would silently mean "no token"
-        parser.error(f"{path} is empty: a token file must hold the token")
-    return secret
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     # secrets are read here, not as argparse defaults, so --help never prints one
-    args.token = cli.token(parser, args.token, "MINIPAGED_TOKEN", "--token")
-    args.worker_token = cli.token(parser, args.worker_token, "MINIPAGED_WORKER_TOKEN", "--worker-token")
-    if args.token_file:
-        args.token = cli.checked_token(parser, _read_secret(parser, args.token_file), args.token_file)
-    if args.worker_token_file:
-        args.worker_token = cli.checked_token(parser, _read_secret(parser, args.worker_token_file),
-                                              args.worker_token_file)
+    args.token = cli.token(parser, args.token, "MINIPAGED_TOKEN", "--token", args.token_file)
+    args.worker_token = cli.token(parser, args.worker_token, "MINIPAGED_WORKER_TOKEN", "--worker-token",
+                                  args.worker_token_file)
     args.worker_host = args.worker_host or args.host
     _check_numbers(parser, args)
     if args.kv_move_part_bytes < 0:
@@ -269,7 +254,7 @@ def main(argv=None) -> int:
 def _end_streams_before_the_grace(servicer, grace: float) -> None:
     """Streams that finish within the grace finish; the rest end a moment before it with a reason
     a caller can act on (the SDK and the gateway show it)."""
-    deadline = time.monotonic() + max(0.0, grace - 1.0)
+    deadline = time.monotonic() + grace - min(1.0, grace / 4)
     while servicer.open_streams and time.monotonic() < deadline:
         time.sleep(0.05)
     if servicer.open_streams:

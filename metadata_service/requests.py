@@ -20,6 +20,7 @@ from minipaged.wire import INT32, WireError, pack, unpack
 from .grammar import GrammarError, new_matcher, spec_of
 from .beam import MAX_BEAM_CANDIDATES, MAX_BEAM_WIDTH, BeamGroup, beam_candidates
 from .beam_scorer import candidates_per_beam, parse_early_stopping
+from .groups import fork_blocks
 from . import prompt_logprobs
 from .sequence import SamplingParams, Sequence
 from .stop import StopChecker
@@ -162,8 +163,7 @@ def _check_fits(req: metadata_pb2.GenerateRequest, prompt_len: int, engine) -> N
         # Choices fork after all but the last prompt token (groups.py), each with its own copy of a
         # partial last block; after that each runs, or is preempted and recomputed, on its own (as
         # vLLM's child requests): one choice must fit, not all of them together.
-        forked = (prompt_len - 1) // bs + (best_of if (prompt_len - 1) % bs else 0)
-        need = max(need, forked)
+        need = max(need, fork_blocks(prompt_len, best_of, bs))
     pool = engine.max_pool_blocks  # a sequence lives in one chain's pool: the largest one bounds it
     if need > pool:
         raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,

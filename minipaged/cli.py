@@ -40,11 +40,18 @@ def _port(text: str, lowest: int, rule: str) -> int:
     return value
 
 
-def token(parser, value: str | None, env: str, flag: str) -> str | None:
-    """A token from its flag, else from the environment variable `env`; None when neither is set.
-    Set but blank (a secret file that held only a newline) is a start error, not "no token", and so
-    is a character that a gRPC or HTTP header cannot carry (a CR of a CRLF file, a control character,
-    non-ASCII), which would otherwise fail every call later with gRPC's "Invalid metadata"."""
+def token(parser, value: str | None, env: str, flag: str, path: str | None = None) -> str | None:
+    """A token from the file `path` (its --*-token-file; the whitespace around it dropped), else
+    its flag, else the environment variable `env`; None when none is set. Set but blank (a secret
+    file that held only a newline) is a start error, not "no token", and so is a character that a
+    gRPC or HTTP header cannot carry (a CR, a control character, non-ASCII), which would otherwise
+    fail every call later with gRPC's "Invalid metadata"."""
+    if path:
+        try:
+            with open(path) as f:
+                return checked_token(parser, f.read().strip(), path)
+        except OSError as e:
+            parser.error(f"cannot read {path}: {e}")
     source = flag if value is not None else env
     value = value if value is not None else os.environ.get(env)
     if value is None:

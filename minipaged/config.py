@@ -270,9 +270,9 @@ def load_model_config(model: str, rope_scaling: dict | None = None) -> ModelConf
         cfg, path = TINY_CONFIG, "tiny"
     else:
         path = os.path.join(model, "config.json")
-        if os.path.isdir(model) and not os.access(model, os.R_OK | os.X_OK):
+        if os.path.isdir(model) and not os.access(model, os.X_OK):   # (entering it is all we need)
             raise PermissionError(f"--model {model!r}: permission denied: this process (uid {os.getuid()}) cannot "
-                                  f"read that directory")
+                                  f"enter that directory")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"--model {model!r}: no config.json there (expected 'tiny' or a local "
                                     f"Hugging Face Qwen3 checkpoint directory)")

@@ -101,7 +101,10 @@ def test_stats_covers_every_proto_field():
     s = Stats.from_proto(reply)
     assert s.used_blocks == 10 and s["free_blocks"] == 54 and s.as_dict()["invariants_ok"] is True
     assert set(s.as_dict()) == set(proto_fields)
-    assert "invariants_ok" in s.table() and "50.0%" in s.table()
+    assert "invariants_ok" in s.table() and "50.0%" in s.table() and "role" not in s.table()
+    reply.chains.add(chain_id=1, role="prefill")
+    reply.chains.add(chain_id=2, role="decode")
+    assert "chains (role)" in Stats.from_proto(reply).table() and "1 prefill, 2 decode" in Stats.from_proto(reply).table()
 
 
 def test_split_layers():

@@ -191,6 +191,24 @@ def test_a_blank_or_unsendable_token_is_a_start_error(module):
                            timeout=60, env={**os.environ, var: value})
         assert p.returncode == 2 and var in p.stderr and message in p.stderr, p.stderr
 
+
+def test_a_token_file_wins_and_is_checked_like_the_variable(tmp_path, monkeypatch):
+    from metadata_service.__main__ import parse_args
+    from worker.flags import resolve_args
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    good.write_text("s3cret\r\n")
+    bad.write_text("t\u00f6k\n")
+    monkeypatch.setenv("MINIPAGED_TOKEN", "")           # blank, but the file is what counts
+    monkeypatch.setenv("MINIPAGED_WORKER_TOKEN", "")
+    args = parse_args(["--port", "0", "--token-file", str(good), "--worker-token-file", str(good)])
+    assert args.token == args.worker_token == "s3cret"
+    assert resolve_args(["--model", "tiny", "--standalone", "--worker-token-file", str(good)]).worker_token == "s3cret"
+    for argv in (["--port", "0", "--token-file", str(bad)], ["--port", "0", "--worker-token-file", str(bad)]):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+    with pytest.raises(SystemExit):
+        resolve_args(["--model", "tiny", "--standalone", "--worker-token-file", str(bad)])
+
 def test_split_ports_and_rogue_workers(tmp_path):
     """Client API on a published port, registration on an unpublished one with a worker token: the
     client port refuses registration, and a worker without the token (or with another model) cannot

@@ -111,7 +111,8 @@ def resolve_args(argv=None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     # not a default: --help would print it
-    args.worker_token = cli.token(parser, args.worker_token, "MINIPAGED_WORKER_TOKEN", "--worker-token") or ""
+    args.worker_token = cli.token(parser, args.worker_token, "MINIPAGED_WORKER_TOKEN", "--worker-token",
+                                  args.worker_token_file) or ""
     if args.standalone or not args.metadata:   # --metadata "" still means standalone, as it used to
         args.metadata = ""
     try:
@@ -156,14 +157,6 @@ def resolve_args(argv=None) -> argparse.Namespace:
         parser.error("--kv-cache-bytes must be > 0")
     if args.advertise_address and not host_port_ok(args.advertise_address):
         parser.error(f"--advertise-address must be HOST:PORT (PORT 1-65535), got {args.advertise_address!r}")
-    if args.worker_token_file:
-        try:
-            with open(args.worker_token_file) as f:
-                args.worker_token = f.read().strip()
-        except OSError as e:
-            parser.error(f"--worker-token-file: {e}")
-        if not args.worker_token:  # an empty secret file would silently mean "no token"
-            parser.error(f"--worker-token-file {args.worker_token_file} is empty")
     return args
 
 

@@ -32,7 +32,8 @@ from .errors import REQUEST_PARAMS, GatewayError, bad_request, error_response
 from .metrics import GatewayMetrics
 from .request_body import json_of, parse_as, raw_body
 from .sse import _chat_events, _collect, _completion_events, _start_sse, _unless_disconnected
-from .state import DEFAULT_CHAT_MAX_TOKENS, MODEL_REFRESH_S, Gateway, GatewayConfig
+from .state import DEFAULT_CHAT_MAX_TOKENS, MODEL_REFRESH_S, Gateway, GatewayConfig, _reported_model
+from .utility_routes import utility_routes
 
 log = logging.getLogger("gateway")
 
@@ -73,6 +74,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.get("/v1/models/{model_id:path}")  # openai's models.retrieve(); a checkpoint path holds slashes
     async def model(model_id: str, request: Request):
         authorize(request)
+        if not model_id:                     # /v1/models/: the list, as vLLM's redirect gives it
+            return await models(request)
         gw.check_model(model_id)
         return await _model_card(gw)
 
@@ -94,6 +97,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def metrics():
         return await _metrics(gw)
 
+    utility_routes(app, gw, authorize)
     dashboard_routes(app, gw)
     return _CountRequests(app, gw.metrics)
 
@@ -123,8 +127,15 @@ async def _model_card(gw: Gateway) -> dict:
             await gw.stats()
         except MiniPagedError:
             pass
+    if not (gw.config.model or gw.config.served_model_name or _reported_model(gw.last_stats)):
+        raise GatewayError(503, "the served model is not known yet: the metadata service has not answered "
+                                "(see /health)", "service_unavailable_error", code="unavailable", retry_after=5)
     card = {"id": gw.model_name, "object": "model", "created": gw.started, "owned_by": "minipaged",
-            "root": gw.config.model or gw.model_name, "parent": None}
+            "root": gw.config.model or gw.model_name, "parent": None,
+            "permission": [{"id": f"modelperm-{gw.model_name}", "object": "model_permission", "created": gw.started,
+                            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                            "organization": "*", "group": None, "is_blocking": False}]}
     if gw.max_model_len:
         card["max_model_len"] = gw.max_model_len
     return card
@@ -164,7 +175,7 @@ async def _completions(gw: Gateway, request: Request):
             item["max_new_tokens"] = _within_context(gw, item["max_new_tokens"], gw.prompt_len(item))
     if req.logprobs is None:      # echo with max_tokens 0 asked the prompt's logprobs only to run
         prompt_ids = None         # (the service wants them for no token): none are shown, as vLLM's
-    rid = oa.new_id("cmpl")
+    rid = oa.new_id("cmpl", request)
     stream = gw.generate_stream(items, req.n, t0, whole=not req.stream)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -196,7 +207,7 @@ async def _chat_completions(gw: Gateway, request: Request):
                            role="assistant" if req.add_generation_prompt else messages[-1]["role"])
     if output.reasoning and not req.include_reasoning:
         kw.pop("logprobs", None)      # vLLM's rule: hidden reasoning must not leak through the logprobs
-    rid = oa.new_id("chatcmpl")
+    rid = oa.new_id("chatcmpl", request)
     stream = gw.generate_stream([{**kw, "prompt": prompt}], req.n, t0, whole=not req.stream)
     echo = _chat_echo(req, messages)
     if req.stream:
@@ -302,7 +313,7 @@ class _CountRequests:
     counts HTTP requests by route and status for /metrics."""
 
     ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics", "/",
-              "/dashboard/state")
+              "/dashboard/state", "/tokenize", "/detokenize", "/version", "/ping")
 
     def __init__(self, app: FastAPI, metrics: GatewayMetrics):
         self.app, self.metrics = app, metrics

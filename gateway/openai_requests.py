@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from minipaged.constants import OPENAI_MAX_TOP_LOGPROBS
 
@@ -19,7 +19,21 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's; others are a 400
 
 
-class StreamOptions(BaseModel):
+class _NullIsUnset(BaseModel):
+    """A field sent as JSON null takes its default, as vLLM's Optional fields do (clients that send
+    every field, unset ones as null: `"stream": null`, `"n": null`)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data):
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            return {k: v for k, v in data.items()
+                    if not (v is None and k in fields and fields[k].default is not None)}
+        return data
+
+
+class StreamOptions(_NullIsUnset):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM: usage on every chunk (refused: usage comes at the end)
 
@@ -32,7 +46,7 @@ UNSUPPORTED_VLLM_FIELDS = {"prompt_logprobs": None, "skip_special_tokens": True,
                            "return_token_ids": False}
 
 
-class _Sampling(BaseModel):
+class _Sampling(_NullIsUnset):
     """Fields shared by completions and chat completions. Unknown fields are ignored, as the
     OpenAI clients send some we have no use for (user, ...), except vLLM's that would change the
     answer (UNSUPPORTED_VLLM_FIELDS)."""
@@ -103,7 +117,8 @@ class ChatCompletionRequest(_Sampling):
 
 def _check_common(req: _Sampling) -> None:
     for name, neutral in UNSUPPORTED_VLLM_FIELDS.items():
-        if (req.model_extra or {}).get(name, neutral) != neutral:
+        value = (req.model_extra or {}).get(name)
+        if value not in (None, neutral, [], {}):    # null and empty ask for nothing (vLLM's bad_words: [])
             raise bad_request(f"{name} is not supported by this server", name)
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")

@@ -159,8 +159,11 @@ def chat_logprobs(choice: Choice, token_text, context=()) -> dict | None:
 
 # ---------------------------------------------------------------- responses
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def new_id(prefix: str, request=None) -> str:
+    """`prefix-<the caller's X-Request-Id>` when it sent one (vLLM's rule, for tracing through
+    proxies), else `prefix-<random hex>`."""
+    given = request.headers.get("x-request-id", "").strip() if request is not None else ""
+    return f"{prefix}-{given[:200] if given else uuid.uuid4().hex}"
 
 
 def completion_response(rid: str, model: str, choices: list[Choice], per_prompt: list[list[Choice]],

@@ -77,7 +77,7 @@ def _prompt_ids(req: metadata_pb2.GenerateRequest, engine) -> np.ndarray:
         ids = engine.tokenizer.encode_array(req.prompt)
     ids = np.asarray(ids, dtype=np.int64)   # vectorized: a job may bring millions of prompt tokens
     if not ids.size:
-        raise RequestError(bad, "the prompt is empty: give prompt or prompt_token_ids with at least one token")
+        raise RequestError(bad, "the prompt is empty: it needs at least one token")
     vocab = engine.vocab_size
     lo, hi = int(ids.min()), int(ids.max())
     if vocab and (lo < 0 or hi >= vocab):

@@ -623,3 +623,32 @@ def test_sdk_jobs_list_delete_snapshot_and_worker_port(cluster, capsys):
         w.stats()
     assert cli_main(["generate", "--address", address, "--prompt", "x"]) == 1
     assert "not the metadata service" in capsys.readouterr().err
+
+
+def test_vllm_utility_routes_request_ids_and_nulls(cluster, ckpt, tok):
+    """Probe S: vLLM's /ping, /version, /tokenize and /detokenize were a bare 404; X-Request-Id was
+    ignored; fields sent as null (vLLM's Optional ones) and `bad_words: []` were a 400."""
+    url = cluster.http_url
+    assert httpx.get(url + "/ping").status_code == 200 and httpx.post(url + "/ping").status_code == 200
+    assert httpx.get(url + "/version").json()["version"]
+    text = "Hello there, world"
+    t = httpx.post(url + "/tokenize", json={"model": ckpt, "prompt": text, "return_token_strs": True}).json()
+    assert t["tokens"] == tok.encode(text, add_special_tokens=False) and t["count"] == len(t["tokens"])
+    assert t["token_strs"] == tok.convert_ids_to_tokens(t["tokens"]) and t["max_model_len"] > 0
+    chat = httpx.post(url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    want = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=True, add_generation_prompt=True)
+    assert chat["tokens"] == list(getattr(want, "input_ids", want))
+    assert httpx.post(url + "/detokenize", json={"tokens": t["tokens"]}).json() == {"prompt": text}
+    assert httpx.post(url + "/detokenize", json={"tokens": [-3]}).status_code == 400
+    assert httpx.post(url + "/tokenize", json={}).json()["error"]["param"] == "prompt"
+    r = httpx.post(url + "/v1/completions", headers={"X-Request-Id": "trace-42"}, timeout=60, json={
+        "prompt": "hi", "max_tokens": 2, "n": None, "stream": None, "echo": None, "logprobs": None,
+        "stream_options": None, "return_token_ids": None, "bad_words": [], "best_of": None})
+    assert r.status_code == 200 and r.json()["id"] == "cmpl-trace-42"
+    r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": None, "stream": None,
+        "logprobs": None, "return_tokens_as_token_ids": None, "stream_options": {"include_usage": None}})
+    assert r.status_code == 200 and r.json()["id"].startswith("chatcmpl-")
+    assert httpx.post(url + "/v1/completions", json={"prompt": "hi", "bad_words": ["x"]}).status_code == 400
+    assert httpx.get(url + "/v1/models/").json()["object"] == "list"
+    assert httpx.get(url + "/v1/models").json()["data"][0]["permission"][0]["object"] == "model_permission"

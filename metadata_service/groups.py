@@ -33,22 +33,11 @@ def choice_seed(seed: int, i: int) -> int:
     return c - (1 << 64) if c & _SIGN else c
 
 
-def fork_blocks(prompt_len: int, copies: int, block_size: int) -> int:
-    """Blocks a request of `copies` choices holds the moment it forks: the full blocks of all of its
-    prompt but the last token, shared, and each choice's own copy of a partial last block."""
-    done = prompt_len - 1
-    return done // block_size + (copies if done % block_size else 0)
-
-
 def blocks_to_run(s: Sequence, block_size: int) -> int:
-    """The least pool a sequence can run in: its whole length, and for a request of several choices
-    not yet forked, the fork too."""
+    """The least pool a sequence can run in: its whole length (a request of several choices forks
+    those whose copies fit, and the others wait and recompute: scheduler._fork_ready)."""
     from .block_append import blocks_for_tokens
-    need = blocks_for_tokens(s.num_prompt_tokens + s.params.max_new_tokens, block_size)
-    g = s.group
-    if g is not None and not g.beam and not g.forked and g.parent is s:
-        need = max(need, fork_blocks(s.num_prompt_tokens, g.size, block_size))
-    return need
+    return blocks_for_tokens(s.num_prompt_tokens + s.params.max_new_tokens, block_size)
 
 
 class SequenceGroup:

@@ -20,7 +20,6 @@ from minipaged.wire import INT32, WireError, pack, unpack
 from .grammar import GrammarError, new_matcher, spec_of
 from .beam import MAX_BEAM_CANDIDATES, MAX_BEAM_WIDTH, BeamGroup, beam_candidates
 from .beam_scorer import candidates_per_beam, parse_early_stopping
-from .groups import fork_blocks
 from . import prompt_logprobs
 from .sequence import SamplingParams, Sequence
 from .stop import StopChecker
@@ -154,16 +153,14 @@ def _check_fits(req: metadata_pb2.GenerateRequest, prompt_len: int, engine) -> N
                            f"However, you requested {total} tokens ({prompt_len} in the prompt, "
                            f"{req.max_new_tokens} in the completion). Please reduce the length of the prompt "
                            f"or completion.")
-    bs, best_of = engine.block_size, req.best_of or max(1, req.n)
+    bs = engine.block_size
     need = -(-total // bs)
     if req.beam_width:   # beams step together after the whole prompt (beam.py): all of them at once
         shared = prompt_len // bs
         need = shared + req.beam_width * -(-(total - shared * bs) // bs)
-    elif best_of > 1:
-        # Choices fork after all but the last prompt token (groups.py), each with its own copy of a
-        # partial last block; after that each runs, or is preempted and recomputed, on its own (as
-        # vLLM's child requests): one choice must fit, not all of them together.
-        need = max(need, fork_blocks(prompt_len, best_of, bs))
+    # n / best_of: the choices fork after all but the last prompt token (groups.py), as many as have
+    # room; the rest, and any preempted later, recompute on their own, as vLLM's child requests: one
+    # choice must fit, not all of them together.
     pool = engine.max_pool_blocks  # a sequence lives in one chain's pool: the largest one bounds it
     if need > pool:
         raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -225,12 +225,18 @@ class Scheduler(DecodePicking, BatchPacking):
             if s.slot != slot or self._todo(s) != 0:
                 continue
             partial = s.num_computed_tokens % self.manager.block_size != 0
-            if partial and self.manager.num_free_blocks < g.size - 1:
-                continue                              # no room for the copies yet: try again later
             self.unforked.remove(s)
-            for c in g.fork():
+            children = g.fork()
+            # Each child shares the full blocks; one ending mid-block needs its own copy of the last
+            # one. Those without room for it wait and recompute the prompt (from the prefix cache),
+            # as vLLM's child requests each prefill: one choice fitting is enough to run (n up to 128).
+            now = len(children) if not partial else min(len(children), self.manager.num_free_blocks)
+            for c in children[:now]:
                 self.copies += self.manager.fork(s.seq_id, c.seq_id)
                 self._admit_running(c, slot)
+            for c in reversed(children[now:]):
+                c.num_computed_tokens, c.status = 0, SeqStatus.WAITING
+                self.waiting.appendleft(c)
             forked = True
         return forked
 

@@ -299,9 +299,8 @@ def test_penalized_batches_decode_ahead_and_equal_transformers(ckpt, workers):
 
 
 def test_choices_are_admitted_when_one_of_them_fits():
-    """n / best_of choices fork after all but the last prompt token (each copies a partial last
-    block), then run or are preempted on their own, as vLLM's child requests: a request is refused
-    as never fitting only when one choice, or the fork itself, overflows the largest pool."""
+    """n / best_of choices fork as many as have room and the rest recompute on their own, as vLLM's
+    child requests: a request is refused as never fitting only when one choice overflows the pool."""
     import types
 
     import grpc
@@ -309,13 +308,11 @@ def test_choices_are_admitted_when_one_of_them_fits():
     from metadata_service.requests import RequestError, _check_fits
     from minipaged.v1 import metadata_pb2
     engine = types.SimpleNamespace(max_model_len=4096, block_size=16, max_pool_blocks=8)
-    _check_fits(metadata_pb2.GenerateRequest(max_new_tokens=40, n=8), 65, engine)     # 105 tokens: 7 blocks
-    with pytest.raises(RequestError) as info:     # the fork: 3 full blocks + 6 copies of the partial one
-        _check_fits(metadata_pb2.GenerateRequest(max_new_tokens=10, best_of=6), 63, engine)
-    assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "needs 9 blocks" in str(info.value)
+    _check_fits(metadata_pb2.GenerateRequest(max_new_tokens=40, n=128), 65, engine)    # 105 tokens: 7 blocks
+    _check_fits(metadata_pb2.GenerateRequest(max_new_tokens=10, best_of=6), 63, engine)
     with pytest.raises(RequestError) as info:
         _check_fits(metadata_pb2.GenerateRequest(max_new_tokens=80, n=2), 64, engine)    # one choice: 9
-    assert "needs 9 blocks" in str(info.value)
+    assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "needs 9 blocks" in str(info.value)
 
 
 def test_choices_that_do_not_fit_together_take_turns():
@@ -328,5 +325,13 @@ def test_choices_that_do_not_fit_together_take_turns():
         tight = [ch.token_ids for ch in r.choices]
         assert r.usage.preemptions > 0 and [len(t) for t in tight] == [45] * 3
         settle(c.client)
+        # Probe R: a prompt ending mid-block needs a copy of its last block per choice at the fork;
+        # 16 choices of one block each in this pool of 10: those without room wait and recompute
+        kw16 = dict(prompt_token_ids=list(range(1, 8)), max_new_tokens=8, n=16, temperature=1.0, seed=3)
+        r16 = c.client.generate(**kw16)
+        tight16 = [ch.token_ids for ch in r16.choices]
+        assert len(tight16) == 16 and r16.usage.completion_tokens == sum(len(t) for t in tight16)
+        settle(c.client)
     with LocalCluster() as c:
         assert tight == [ch.token_ids for ch in c.client.generate(**kw).choices]
+        assert tight16 == [ch.token_ids for ch in c.client.generate(**kw16).choices]

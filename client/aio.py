@@ -132,6 +132,12 @@ class AsyncClient:
         if items is not None:
             for item in items:  # every type error before any RPC
                 build_generate_request(**item)
+            if len(items) > 1:   # (as Client's: no more in flight than the service's queue admits)
+                try:
+                    limit = (await self.stats(timeout=timeout)).max_waiting
+                except MiniPagedError:
+                    limit = 0
+                max_concurrency = min(max_concurrency, limit) if limit > 0 else max_concurrency
             sem = asyncio.Semaphore(max(1, max_concurrency))
 
             async def one(item):

@@ -174,6 +174,12 @@ class Client:
                 raise
             return acc.result()
 
+        if len(items) > 1:   # no more in flight than the service's queue admits (--max-waiting), where
+            try:             # more would be refused "queue full" however often retried (Probe R)
+                limit = self.stats(timeout=timeout).max_waiting
+            except MiniPagedError:
+                limit = 0
+            max_concurrency = min(max_concurrency, limit) if limit > 0 else max_concurrency
         with ThreadPoolExecutor(max_workers=max(1, min(max_concurrency, len(items)))) as pool:
             futures = [pool.submit(one, item) for item in items]
             try:

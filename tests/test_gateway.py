@@ -505,6 +505,9 @@ def test_token_and_queue_full(guarded):
     with pytest.raises(InvalidArgument, match="2 requests in one call"):
         guarded.client.submit([{"prompt": "a", "max_new_tokens": 2}] * 2)
     assert guarded.client.stats().max_waiting == 1
+    # the SDK's list of prompts keeps no more in flight than the queue admits (Probe R: it was refused
+    # "queue full: retry" however often retried)
+    assert [len(r.token_ids) for r in guarded.client.generate(["a", "b", "c"], max_new_tokens=2, ignore_eos=True)] == [2] * 3
     settle(guarded.client)
 
 

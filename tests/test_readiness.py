@@ -188,12 +188,11 @@ def test_the_reason_names_roles_when_the_layers_are_covered():
     assert coverage_gaps([worker(0, 2, "both")]).startswith("layers 2:3 have no worker")
 
 
-def test_sigterm_gives_a_stream_in_flight_the_whole_grace(tmp_path):
-    """Probe J: SIGTERM closed the service's port to new RPCs, heartbeats too, so after one lease
-    the service dropped its own healthy worker and the stream in flight died with "Cancelling all
-    calls". During the grace the leases are not held against the workers: the stream finishes."""
+def _sigterm_during_a_stream(tmp_path, grace: int, new_tokens: int, *service_args):
+    """Start a service and a worker, SIGTERM the service while a stream of `new_tokens` runs:
+    (what the stream ended with: (tokens, finish_reason) or the exception, the service's exit code)."""
     mp, wp = free_port(), free_port()
-    svc = service(mp, str(tmp_path / "jobs.db"), "--grace", 60, "--worker-lease", 1)
+    svc = service(mp, str(tmp_path / "jobs.db"), "--grace", grace, *service_args)
     w = worker(mp, wp, "0:4", "--dtype", "float64", "--threads", 1)
     try:
         c = Client(f"127.0.0.1:{mp}", wait_ready=120)
@@ -203,54 +202,37 @@ def test_sigterm_gives_a_stream_in_flight_the_whole_grace(tmp_path):
         def run():
             try:
                 n = 0
-                for chunk in c.stream(prompt_token_ids=[1, 2, 3], max_new_tokens=600, ignore_eos=True):
+                for chunk in c.stream(prompt_token_ids=[1, 2, 3], max_new_tokens=new_tokens, ignore_eos=True):
                     n += len(chunk.token_ids)
                     first.set()
                 out["r"] = (n, chunk.finish_reason)
-            except Exception as e:   # noqa: BLE001 - the assertion below shows it
-                out["r"] = repr(e)
-            first.set()
-        t = threading.Thread(target=run)
-        t.start()
-        assert first.wait(60)
-        svc.send_signal(signal.SIGTERM)
-        t.join(120)
-        assert out["r"] == (600, "length")
-        assert svc.wait(60) == 0
-    finally:
-        stop(svc, w)
-
-
-
-def test_a_stream_that_outlives_the_grace_is_told_why(tmp_path):
-    """Probe O: a stream still running when the service's grace ran out died with gRPC's bare
-    "Cancelling all calls". It now ends a moment before the grace with UNAVAILABLE and the reason."""
-    mp, wp = free_port(), free_port()
-    svc = service(mp, str(tmp_path / "jobs.db"), "--grace", 1)
-    w = worker(mp, wp, "0:4", "--dtype", "float64", "--threads", 1)
-    try:
-        c = Client(f"127.0.0.1:{mp}", wait_ready=120)
-        c.generate(prompt_token_ids=[1, 2, 3], max_new_tokens=2)
-        first, out = threading.Event(), {}
-
-        def run():
-            try:
-                for _ in c.stream(prompt_token_ids=[1, 2, 3], max_new_tokens=1000, ignore_eos=True):
-                    first.set()
-                out["r"] = "finished"
-            except Exception as e:   # noqa: BLE001 - the assertion below shows it
+            except Exception as e:   # noqa: BLE001 - the callers' assertions show it
                 out["r"] = e
             first.set()
         t = threading.Thread(target=run)
         t.start()
         assert first.wait(60)
         svc.send_signal(signal.SIGTERM)
-        t.join(60)
-        assert isinstance(out["r"], Unavailable), out["r"]
-        assert "the metadata service is shutting down" in out["r"].details and "--grace of 1s" in out["r"].details
-        assert svc.wait(60) == 0
+        t.join(120)
+        return out["r"], svc.wait(60)
     finally:
         stop(svc, w)
+
+
+def test_sigterm_gives_a_stream_in_flight_the_whole_grace(tmp_path):
+    """Probe J: SIGTERM closed the service's port to new RPCs, heartbeats too, so after one lease
+    the service dropped its own healthy worker and the stream in flight died with "Cancelling all
+    calls". During the grace the leases are not held against the workers: the stream finishes."""
+    assert _sigterm_during_a_stream(tmp_path, 60, 600, "--worker-lease", 1) == ((600, "length"), 0)
+
+
+def test_a_stream_that_outlives_the_grace_is_told_why(tmp_path):
+    """Probe O: a stream still running when the service's grace ran out died with gRPC's bare
+    "Cancelling all calls". It now ends a moment before the grace with UNAVAILABLE and the reason."""
+    ended, code = _sigterm_during_a_stream(tmp_path, 1, 1000)
+    assert isinstance(ended, Unavailable), ended
+    assert "the metadata service is shutting down" in ended.details and "--grace of 1s" in ended.details
+    assert code == 0
 
 
 def test_a_lost_connection_is_named_for_what_it_is():

@@ -32,7 +32,7 @@ from .errors import REQUEST_PARAMS, GatewayError, bad_request, error_response
 from .metrics import GatewayMetrics
 from .request_body import json_of, parse_as, raw_body
 from .sse import _chat_events, _collect, _completion_events, _start_sse, _unless_disconnected
-from .state import DEFAULT_CHAT_MAX_TOKENS, MODEL_REFRESH_S, Gateway, GatewayConfig, _reported_model
+from .state import DEFAULT_CHAT_MAX_TOKENS, MODEL_REFRESH_S, Gateway, GatewayConfig
 from .utility_routes import utility_routes
 
 log = logging.getLogger("gateway")
@@ -127,7 +127,7 @@ async def _model_card(gw: Gateway) -> dict:
             await gw.stats()
         except MiniPagedError:
             pass
-    if not (gw.config.model or gw.config.served_model_name or _reported_model(gw.last_stats)):
+    if not gw.known_model_name:
         raise GatewayError(503, "the served model is not known yet: the metadata service has not answered "
                                 "(see /health)", "service_unavailable_error", code="unavailable", retry_after=5)
     card = {"id": gw.model_name, "object": "model", "created": gw.started, "owned_by": "minipaged",
@@ -190,15 +190,8 @@ async def _completions(gw: Gateway, request: Request):
 async def _chat_completions(gw: Gateway, request: Request):
     t0, req = await _accept(gw, request, oa.ChatCompletionRequest)
     REQUEST_PARAMS.set({"prompt": "messages"})   # the service's "prompt" is this request's messages
-    messages = oa.chat_messages(req)
     tools = tc.plan(req.tools, req.tool_choice, req.parallel_tool_calls)
-    template_kwargs = oa.template_kwargs(req)
-    if req.continue_final_message and req.add_generation_prompt:
-        raise bad_request("continue_final_message and add_generation_prompt cannot both be true", "continue_final_message")
-    try:
-        prompt = gw.template.render(messages, req.add_generation_prompt, req.continue_final_message, **template_kwargs)
-    except ValueError as e:
-        raise bad_request(str(e), "messages") from None
+    messages, prompt = gw.render_chat(req)
     kw = oa.chat_kwargs(req, _default_max_tokens(gw, prompt, req.use_beam_search), gw.sampling_defaults)
     kw.update(_forced_tool_kwargs(tools, kw))
     output = OutputOptions(reasoning=gw.config.reasoning_parser == "qwen3" and gw.template.thinks,

@@ -19,7 +19,7 @@ from minipaged import generation_defaults as gd
 from . import model_identity as identity
 from . import reasoning as rs
 from .chat_template import ChatTemplate
-from .errors import GatewayError
+from .errors import GatewayError, bad_request
 from .metrics import GatewayMetrics
 from .request_metrics import Observed
 from .token_bytes import TokenStrings
@@ -100,9 +100,29 @@ class Gateway:
             return None
 
     @property
-    def model_name(self) -> str:
+    def known_model_name(self) -> str:
+        """The served name, or "" while neither the flags nor the service have named it."""
         c = self.config
-        return c.served_model_name or c.model or _reported_model(self.last_stats) or "minipaged"
+        return c.served_model_name or c.model or _reported_model(self.last_stats)
+
+    @property
+    def model_name(self) -> str:
+        return self.known_model_name or "minipaged"
+
+    def render_chat(self, req) -> tuple[list[dict], str]:
+        """A chat request's messages (oa.chat_messages) and the prompt the chat template makes of them:
+        what /v1/chat/completions sends the service, and what /tokenize counts."""
+        from . import openai_api as oa
+        messages = oa.chat_messages(req)
+        template_kwargs = oa.template_kwargs(req)
+        if req.continue_final_message and req.add_generation_prompt:
+            raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
+                              "continue_final_message")
+        try:
+            return messages, self.template.render(messages, req.add_generation_prompt, req.continue_final_message,
+                                                  **template_kwargs)
+        except ValueError as e:
+            raise bad_request(str(e), "messages") from None
 
     def accepts_model(self, name: str | None) -> bool:
         if not name:

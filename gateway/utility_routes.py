@@ -12,6 +12,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict
 
 from .errors import GatewayError, bad_request
+from .openai_requests import ChatCompletionRequest
 from .request_body import json_of, parse_as, raw_body
 
 
@@ -23,14 +24,12 @@ def package_version() -> str:
 
 
 class TokenizeRequest(BaseModel):
+    """vLLM's completion form; its chat form (`messages` and the chat fields) is read as a chat
+    request. add_special_tokens is accepted and changes nothing: Qwen3 adds none."""
     model_config = ConfigDict(extra="allow")
     model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
-    add_special_tokens: bool | None = None        # (Qwen3 adds none either way: the ids are the served ones)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool | None = False
 
 
@@ -52,21 +51,12 @@ def utility_routes(app: FastAPI, gw, authorize) -> None:
     @app.post("/tokenize")
     async def tokenize(request: Request):
         authorize(request)
-        req = parse_as(TokenizeRequest, json_of(await raw_body(request)))
+        body = json_of(await raw_body(request))
+        req = parse_as(TokenizeRequest, body)
         tok = await _tokenizer(gw, req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give prompt or messages (one of them)", "prompt")
-        if req.messages is not None:
-            if req.continue_final_message and req.add_generation_prompt:
-                raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
-                                  "continue_final_message")
-            try:
-                text = gw.template.render(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                          **(req.chat_template_kwargs or {}))
-            except (ValueError, TypeError) as e:
-                raise bad_request(str(e), "messages") from None
-        else:
-            text = req.prompt
+        text = req.prompt if req.messages is None else gw.render_chat(parse_as(ChatCompletionRequest, body))[1]
         ids = [int(t) for t in tok.encode(text)]     # what the service makes of this text
         strs = _pieces(tok, ids) if req.return_token_strs else None
         return {"count": len(ids), "max_model_len": gw.max_model_len or 0, "tokens": ids, "token_strs": strs}

@@ -33,13 +33,6 @@ def choice_seed(seed: int, i: int) -> int:
     return c - (1 << 64) if c & _SIGN else c
 
 
-def blocks_to_run(s: Sequence, block_size: int) -> int:
-    """The least pool a sequence can run in: its whole length (a request of several choices forks
-    those whose copies fit, and the others wait and recompute: scheduler._fork_ready)."""
-    from .block_append import blocks_for_tokens
-    return blocks_for_tokens(s.num_prompt_tokens + s.params.max_new_tokens, block_size)
-
-
 class SequenceGroup:
     beam = False                              # (metadata_service/beam.py's BeamGroup is True)
     def __init__(self, parent: Sequence, engine):

@@ -39,7 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shards", type=int, default=1,
                    help="metadata processes behind the one service (--shards of python -m metadata_service): "
                         "one-stage replicas spread over them")
-    p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: MODEL)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model's name(s) in the API (default: MODEL); responses carry the first, requests may "
+                        "name any")
     p.add_argument("--api-key", default=None,
                    help="clients must send 'Authorization: Bearer KEY' (env MINIPAGED_API_KEY); the "
                         "service and gateway share it")
@@ -172,7 +174,7 @@ def _cluster_kwargs(a) -> dict:
     gateway += ["--override-generation-config", a.override_generation_config] if a.override_generation_config else []
     gateway += ["--default-max-tokens", str(a.default_max_tokens)] if a.default_max_tokens is not None else []
     # the API's model id is what the user typed (vLLM's), though the workers get an absolute path
-    gateway += ["--served-model-name", a.served_model_name or a.model]
+    gateway += ["--served-model-name", *(a.served_model_name or [a.model])]
     return dict(model=a.model, workers=a.stages, replicas=a.replicas, dtype=a.dtype, device=a.device,
                 num_blocks=a.num_blocks, block_size=a.block_size, threads=a.threads, db=a.db,
                 token=a.api_key, http=True, http_host=a.host, http_port=a.port, grace=a.grace,
@@ -269,7 +271,7 @@ def serve(a) -> int:
         except (cl.ClusterError, ValueError, OSError) as e:
             say(f"error: {e}")
             return 1
-        name = a.served_model_name or a.model
+        name = (a.served_model_name or [a.model])[0]
         try:                  # a signal while the ready line prints is a stop like any other
             say(f"ready in {time.monotonic() - t0:.1f}s: model {name!r}, OpenAI API at {c.http_url}/v1 "
                 f"(dashboard {c.http_url}/, SDK Client({c.address!r})); Ctrl-C stops")

@@ -33,7 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=os.environ.get("MINIPAGED_MODEL"),
                    help="the --model the workers load (tiny or a checkpoint directory readable here): names "
                         "the model in /v1/models and supplies its chat template and tokenizer (env MINIPAGED_MODEL)")
-    p.add_argument("--served-model-name", default=None, help="the name in /v1/models instead of --model")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model's name(s) in the API instead of --model, as vLLM: responses carry the first, "
+                        "requests may name any, /v1/models lists each")
     p.add_argument("--default-max-tokens", type=int, default=None,
                    help="max_tokens of chat requests that give none (capped by the model's context; default: the "
                         "checkpoint's generation_config.json max_new_tokens with --generation-config auto, else 256)")

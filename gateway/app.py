@@ -69,7 +69,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request):
         authorize(request)
-        return {"object": "list", "data": [await _model_card(gw)]}
+        card = await _model_card(gw)
+        return {"object": "list", "data": [_named_card(card, name) for name in gw.served_names or [card["id"]]]}
 
     @app.get("/v1/models/{model_id:path}")  # openai's models.retrieve(); a checkpoint path holds slashes
     async def model(model_id: str, request: Request):
@@ -77,7 +78,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         if not model_id:                     # /v1/models/: the list, as vLLM's redirect gives it
             return await models(request)
         gw.check_model(model_id)
-        return await _model_card(gw)
+        card = await _model_card(gw)
+        return _named_card(card, model_id) if model_id in gw.served_names else card
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -139,6 +141,12 @@ async def _model_card(gw: Gateway) -> dict:
     if gw.max_model_len:
         card["max_model_len"] = gw.max_model_len
     return card
+
+
+def _named_card(card: dict, name: str) -> dict:
+    """The card under another of --served-model-name's names (vLLM lists one card per name)."""
+    perm = dict(card["permission"][0], id=f"modelperm-{name}")
+    return dict(card, id=name, permission=[perm])
 
 
 async def _accept(gw: Gateway, request: Request, model):

@@ -36,7 +36,7 @@ class GatewayConfig:
     token: str | None = None              # HTTP clients must send "Authorization: Bearer <token>"
     metadata_token: str | None = None     # presented to the metadata service (default: token)
     model: str | None = None              # what the workers load (tiny or a checkpoint path)
-    served_model_name: str | None = None  # the name in /v1/models (default: model)
+    served_model_name: str | list[str] | None = None  # the API's name(s) (default: model); the first is reported
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -100,10 +100,16 @@ class Gateway:
             return None
 
     @property
+    def served_names(self) -> list[str]:
+        """--served-model-name's names (vLLM's: requests may use any, responses carry the first)."""
+        names = self.config.served_model_name or []
+        return [names] if isinstance(names, str) else [n for n in names if n]
+
+    @property
     def known_model_name(self) -> str:
         """The served name, or "" while neither the flags nor the service have named it."""
         c = self.config
-        return c.served_model_name or c.model or _reported_model(self.last_stats)
+        return (self.served_names or [""])[0] or c.model or _reported_model(self.last_stats)
 
     @property
     def model_name(self) -> str:
@@ -127,7 +133,7 @@ class Gateway:
     def accepts_model(self, name: str | None) -> bool:
         if not name:
             return True
-        known = {self.model_name, self.config.model or "", _reported_model(self.last_stats)}
+        known = {self.model_name, self.config.model or "", _reported_model(self.last_stats), *self.served_names}
         known |= {os.path.basename(os.path.normpath(k)) for k in known if k}
         return name in known - {""}
 

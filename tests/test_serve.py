@@ -113,7 +113,7 @@ def alive(pid: int) -> bool:
 
 def test_serve_qwen3_tool_calls_and_reasoning_then_ctrl_c(ckpt, tok):
     d, script = ckpt
-    s = Serve(d, "--stages", "2", "--dtype", "float64", "--served-model-name", "qwen3-test")
+    s = Serve(d, "--dtype", "float64", "--stages", "2", "--served-model-name", "qwen3-test", "qwen3-alias")
     try:
         ready = s.wait_for("ready in")
         assert f"http://127.0.0.1:{s.port}/v1" in ready
@@ -122,7 +122,10 @@ def test_serve_qwen3_tool_calls_and_reasoning_then_ctrl_c(ckpt, tok):
         kids = s.children()
         assert len(kids) == 4, out                  # service, 2 workers, gateway
         with openai.OpenAI(base_url=f"http://127.0.0.1:{s.port}/v1", api_key="x", max_retries=0) as oai:
-            assert [m.id for m in oai.models.list().data] == ["qwen3-test"]
+            assert [m.id for m in oai.models.list().data] == ["qwen3-test", "qwen3-alias"]   # vLLM's: a card each
+            assert oai.models.retrieve("qwen3-alias").id == "qwen3-alias"
+            r = oai.completions.create(model="qwen3-alias", prompt="hi", max_tokens=1, temperature=0)
+            assert r.model == "qwen3-test"                                  # responses carry the first name
             check_tool_call_and_reasoning(oai, tok, script, d)
             check_tool_turns_and_choices(oai, tok)
         s.p.send_signal(signal.SIGINT)

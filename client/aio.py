@@ -17,14 +17,15 @@ from minipaged.tls import channel_credentials, make_channel
 from minipaged.v1 import metadata_pb2 as pb
 from minipaged.v1 import metadata_pb2_grpc as pb_grpc
 
-from .channel import checked_seconds, checked_token
+from .channel import checked_seconds, checked_token, grpc_seconds
 from .request import job_request
-from .errors import MiniPagedError, Unavailable, explain_not_grpc, explain_unimplemented, from_rpc_error
+from .errors import (Cancelled, ClosedStub, MiniPagedError, Unavailable, explain_not_grpc, explain_unimplemented,
+                     from_rpc_error)
 from .messages import (CHANNEL_OPTIONS, TERMINAL_STATES, Deadline, GenerateResult, JobCollector, JobStatus,
                        PoolSnapshot, ResultAssembler, Stats, StreamChunk, batch_items, build_generate_request,
                        build_submit_request, chunk_from_proto, final_only, job_from_proto, normalize_address,
                        pool_snapshot_from_proto, refuse_unstreamable)
-from .sdk import MAX_BATCH_CONCURRENCY, say_if_waiting
+from .sdk import MAX_BATCH_CONCURRENCY, batch_concurrency, say_if_waiting
 
 # Generate streams one AsyncClient keeps open at once; more wait here, in order. Thousands at once on
 # one channel had gRPC end some CANCELLED, which nobody asked for (338 of 3,000 tiny requests).
@@ -42,15 +43,31 @@ class AsyncClient:
         self.timeout, self.wait_ready = checked_seconds("timeout", timeout), checked_seconds("wait_ready", wait_ready)
         self._metadata = (("authorization", f"Bearer {token}"),) if checked_token(token) else None
         self._tls = (tls_ca, tls_cert, tls_key)
-        creds = channel_credentials(tls_ca, tls_cert, tls_key)
-        self._channel = (grpc.aio.secure_channel(self.address, creds, options=CHANNEL_OPTIONS) if creds else
-                         grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS))
-        self._stub = pb_grpc.MetadataServiceStub(self._channel)
+        self._creds = channel_credentials(tls_ca, tls_cert, tls_key)   # a bad file: refused here
         self._told_waiting = threading.Event()   # "waiting for a worker to register" said once
-        self._stream_slots = asyncio.Semaphore(MAX_OPEN_STREAMS)
+        self._loop = self._channel = self._live_stub = None   # made in the loop that first calls
+        self._closed = False
+
+    @property
+    def _stub(self):
+        """The stub of this event loop's channel. A grpc.aio channel belongs to one loop: it is made
+        on first use (an AsyncClient built outside any loop works), and made again when that loop
+        has closed (asyncio.run twice)."""
+        if self._closed:
+            return ClosedStub("AsyncClient")
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            if self._loop is not None and not self._loop.is_closed():
+                raise RuntimeError("this AsyncClient is in use by another running event loop; make one "
+                                   "AsyncClient per loop")
+            self._channel = (grpc.aio.secure_channel(self.address, self._creds, options=CHANNEL_OPTIONS)
+                             if self._creds else grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS))
+            self._live_stub, self._loop = pb_grpc.MetadataServiceStub(self._channel), loop
+            self._stream_slots = asyncio.Semaphore(MAX_OPEN_STREAMS)
+        return self._live_stub
 
     def _kw(self, timeout: float | None) -> dict:
-        return {"timeout": self.timeout if timeout is None else checked_seconds("timeout", timeout),
+        return {"timeout": grpc_seconds(self.timeout if timeout is None else checked_seconds("timeout", timeout)),
                 "metadata": self._metadata}
 
     async def _error(self, e: grpc.RpcError) -> MiniPagedError:
@@ -68,6 +85,10 @@ class AsyncClient:
             return await method(request, **self._kw(timeout))
         except grpc.RpcError as e:
             raise (await self._error(e)) from None
+        except asyncio.CancelledError:
+            if self._closed_under():
+                raise Cancelled("the AsyncClient was closed while this call ran") from None
+            raise
 
     async def _await_ready(self, timeout: float | None) -> None:
         if not self.wait_ready:
@@ -76,7 +97,7 @@ class AsyncClient:
         deadline, reason = Deadline(budget), "the service did not answer"
         while True:
             try:
-                st = await self._stub.Stats(pb.StatsRequest(), timeout=max(0.05, deadline.left()),
+                st = await self._stub.Stats(pb.StatsRequest(), timeout=deadline.poll(5.0),
                                             metadata=self._metadata, wait_for_ready=True)
                 if st.ready:
                     return
@@ -86,10 +107,10 @@ class AsyncClient:
                 if not isinstance(err, Unavailable) and err.code != grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise err from None
                 reason = err.details or reason
-            if deadline.left() <= 0.0:
+            if deadline.expired():
                 raise Unavailable(f"no ready worker chain at {self.address} after waiting {budget:g}s "
                                   f"(wait_ready): {reason}")
-            await asyncio.sleep(min(0.2, deadline.left()))
+            await asyncio.sleep(deadline.poll(0.2))
 
     async def stream(self, prompt: str | None = None, *, timeout: float | None = None,
                      **params) -> AsyncIterator[StreamChunk]:
@@ -113,14 +134,19 @@ class AsyncClient:
 
     async def _chunks(self, request: pb.GenerateRequest, timeout: float | None) -> AsyncIterator[StreamChunk]:
         await self._await_ready(timeout)
+        stub = self._stub                   # (binds this loop's channel and its stream slots)
         async with self._stream_slots:
-            call = self._stub.Generate(request, **self._kw(timeout))
+            call = stub.Generate(request, **self._kw(timeout))
             try:
                 say_if_waiting(await call.initial_metadata(), self._told_waiting)
                 async for chunk in call:
                     yield chunk_from_proto(chunk)
             except grpc.RpcError as e:
                 raise (await self._error(e)) from None
+            except asyncio.CancelledError:
+                if self._closed_under():
+                    raise Cancelled("the AsyncClient was closed while this call ran") from None
+                raise
             finally:
                 call.cancel()
 
@@ -132,17 +158,19 @@ class AsyncClient:
         if items is not None:
             for item in items:  # every type error before any RPC
                 build_generate_request(**item)
+            deadline = Deadline(self.timeout if timeout is None else checked_seconds("timeout", timeout))
             if len(items) > 1:   # (as Client's: no more in flight than the service's queue admits)
+                await self._await_ready(deadline.remaining())
                 try:
-                    limit = (await self.stats(timeout=timeout)).max_waiting
+                    limit = (await self.stats(timeout=deadline.remaining())).max_waiting
                 except MiniPagedError:
                     limit = 0
-                max_concurrency = min(max_concurrency, limit) if limit > 0 else max_concurrency
-            sem = asyncio.Semaphore(max(1, max_concurrency))
+                max_concurrency = batch_concurrency(max_concurrency, limit)
+            sem = asyncio.Semaphore(max_concurrency)
 
             async def one(item):
                 async with sem:
-                    return await self.generate(timeout=timeout, **item)
+                    return await self.generate(timeout=deadline.remaining(), **item)
             tasks = [asyncio.ensure_future(one(item)) for item in items]
             try:
                 results = await asyncio.gather(*tasks)
@@ -217,12 +245,12 @@ class AsyncClient:
         acc = JobCollector(progress, job_id)
         try:
             while True:
-                call = self._stub.WatchJob(job_request(job_id), timeout=deadline.left(),
+                call = self._stub.WatchJob(job_request(job_id), timeout=deadline.left(),  # None: none
                                            metadata=self._metadata)
                 try:
                     async for msg in call:
                         acc.update(job_from_proto(msg))
-                    acc.update(await self.get_job(job_id, timeout=deadline.left()))
+                    acc.update(await self.get_job(job_id, timeout=deadline.remaining()))
                 except (grpc.RpcError, Unavailable) as e:
                     err = (await self._error(e)) if isinstance(e, grpc.RpcError) else e
                     left = deadline.left()
@@ -237,7 +265,16 @@ class AsyncClient:
             acc.close()
 
     async def close(self) -> None:
-        await self._channel.close()
+        """Calls still running end with Cancelled (not asyncio's CancelledError, which would read as
+        the caller's task being cancelled)."""
+        self._closed = True
+        if self._channel is not None and self._loop is asyncio.get_running_loop():
+            await self._channel.close()
+
+    def _closed_under(self) -> bool:
+        """A CancelledError that close() caused, not a cancellation of the running task."""
+        task = asyncio.current_task()
+        return self._closed and not (task is not None and task.cancelling())
 
     async def __aenter__(self) -> "AsyncClient":
         return self

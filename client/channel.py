@@ -35,9 +35,12 @@ def _checked_port(address: str) -> str:
     return address
 
 
+NO_DEADLINE_S = 1e8   # a timeout this long (~3 years) or inf means none: gRPC's deadline overflows past ~8e9
+
+
 def checked_seconds(name: str, value):
-    """A timeout / wait in seconds: None, or a number >= 0 (a str or a negative one failed later
-    inside gRPC with words that named neither)."""
+    """A timeout / wait in seconds: None, or a number >= 0, inf meaning no limit (a str or a negative
+    one failed later inside gRPC with words that named neither)."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -45,6 +48,12 @@ def checked_seconds(name: str, value):
     if not value >= 0:
         raise ValueError(f"{name} must be >= 0 seconds, got {value}")
     return value
+
+
+def grpc_seconds(value: float | None) -> float | None:
+    """A timeout as gRPC takes it: None for none (inf or >= NO_DEADLINE_S, which gRPC turned into a
+    deadline already past)."""
+    return None if value is None or value >= NO_DEADLINE_S else value
 
 
 def checked_token(token: str | None) -> str | None:

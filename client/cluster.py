@@ -129,6 +129,7 @@ class LocalCluster:
         role = lambda i: ["--role", roles[i // workers]] if roles is not None and i < workers * replicas else []
         self._procs += [self._worker_proc(i, a, b, worker_flags + role(i)) for i, (a, b) in enumerate(self.layers)]
         self.client = Client(self.address, token=token)
+        self.stopped = False              # stop() ran: the processes are gone for good
         self.http_url: str | None = None
         self._http = (http_host, http_port, [str(x) for x in extra_gateway_args])
         try:
@@ -274,6 +275,7 @@ class LocalCluster:
         """Stop in waves, each SIGTERM, up to `grace`, then SIGKILL: the gateway first (its streams in
         flight still have workers to finish on while it drains), then the workers (they deregister
         from a live service), then the service. Idempotent."""
+        self.stopped = True
         self.client.close()
         waves = ([p for p in self._procs if p.name == "gateway"], [p for p in self._procs if p.name.startswith("worker")],
                  [p for p in self._procs if p.name == "metadata_service"])
@@ -283,6 +285,8 @@ class LocalCluster:
             shutil.rmtree(self.log_dir, ignore_errors=True)
 
     def __enter__(self) -> "LocalCluster":
+        if self.stopped:
+            raise ClusterError("this LocalCluster was stopped: its processes are gone; start a new one")
         return self
 
     def __exit__(self, exc_type, *exc) -> None:

@@ -3,20 +3,36 @@
 (JobCollector), under one deadline for calls made of several RPCs (Deadline)."""
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import fields
 
+from .channel import grpc_seconds
 from .results import GenerateResult, JobStatus, StreamChunk, Usage
 
 
 class Deadline:
-    """One overall deadline for calls made of several RPCs (wait = WatchJob... + GetJob)."""
+    """One overall deadline for calls made of several RPCs (wait = WatchJob... + GetJob; a list
+    of prompts given to generate). None or inf: none."""
 
     def __init__(self, timeout: float | None):
-        self.at = None if timeout is None else time.monotonic() + timeout
+        self.at = None if grpc_seconds(timeout) is None else time.monotonic() + timeout
 
     def left(self) -> float | None:
         return None if self.at is None else max(0.0, self.at - time.monotonic())
+
+    def remaining(self) -> float:
+        """As a per-call timeout: inf when there is no deadline (not None, which means "the
+        client's default")."""
+        left = self.left()
+        return math.inf if left is None else left
+
+    def poll(self, cap: float) -> float:
+        """How long one wait of a polling loop may take: at most `cap`, at least 50 ms."""
+        return max(0.05, min(cap, self.remaining()))
+
+    def expired(self) -> bool:
+        return self.at is not None and time.monotonic() >= self.at
 
 
 class _ChoiceAssembler:
@@ -27,8 +43,10 @@ class _ChoiceAssembler:
         self.cumulative, self.beam_score, self.stop_reason = None, None, None
 
     def add(self, c: StreamChunk) -> None:
+        if c.cumulative_logprob is not None:      # beam search and best_of's winners say it
+            self.cumulative = c.cumulative_logprob
         if c.beam_score is not None:
-            self.cumulative, self.beam_score = c.cumulative_logprob, c.beam_score
+            self.beam_score = c.beam_score
         self.token_ids += c.token_ids
         self.text.append(c.text)
         self.logprobs += c.logprobs or []
@@ -41,7 +59,7 @@ class _ChoiceAssembler:
     def result(self) -> GenerateResult:
         return GenerateResult(self.token_ids, "".join(self.text), self.finish_reason, self.usage,
                               self.logprobs or None, top_logprobs=self.top or None, choice=self.index,
-                              cumulative_logprob=self.cumulative if self.beam_score is not None
+                              cumulative_logprob=self.cumulative if self.cumulative is not None
                               else float(sum(self.logprobs)) if self.logprobs else None,
                               beam_score=self.beam_score, stop_reason=self.stop_reason)
 

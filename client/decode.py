@@ -72,7 +72,7 @@ def chunk_from_proto(c: pb.GenerateChunk) -> StreamChunk:
                        usage=Usage.from_proto(c.usage) if c.HasField("usage") else None,
                        logprobs=_floats(c.logprobs), index=c.index,
                        top_logprobs=_top(c.top_logprob_ids, c.top_logprobs, len(ids)),
-                       cumulative_logprob=c.cumulative_logprob if c.HasField("beam_score") else None,
+                       cumulative_logprob=c.cumulative_logprob if c.HasField("cumulative_logprob") else None,
                        beam_score=c.beam_score if c.HasField("beam_score") else None,  # (0.0 is a score)
                        prompt_logprobs=own, prompt_top_logprobs=top, decode_seconds=c.decode_seconds,
                        stop_reason=_stop_reason(c))

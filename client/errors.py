@@ -63,6 +63,17 @@ class Cancelled(MiniPagedError):
     code = grpc.StatusCode.CANCELLED
 
 
+class ClosedStub:
+    """What a closed client calls instead of its stub: every RPC is refused with one clear error
+    (gRPC's own were a ValueError or a UsageError about a "channel")."""
+
+    def __init__(self, what: str):
+        self.what = what
+
+    def __getattr__(self, rpc: str):
+        raise Cancelled(f"this {self.what} is closed (close() or the end of its `with` block): make a new one")
+
+
 class Unimplemented(MiniPagedError):
     """The server does not serve this RPC: an older metadata service, or not the metadata service
     at all (a worker's port answers every MetadataService call with "Method not found")."""

@@ -59,7 +59,7 @@ class StreamChunk:
     logprobs: list[float] | None = None
     index: int = 0                    # which choice (n > 1): chunks of different choices interleave
     top_logprobs: list[dict[int, float]] | None = None
-    cumulative_logprob: float | None = None  # beam search: on each choice's (single) chunk
+    cumulative_logprob: float | None = None  # beam search and best_of's winners: on each choice's (single) chunk
     beam_score: float | None = None
     prompt_logprobs: list[float | None] | None = None          # on the first chunk (prompt_logprobs=k)
     prompt_top_logprobs: list[dict[int, float] | None] | None = None

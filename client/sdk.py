@@ -16,9 +16,9 @@ from minipaged.tls import make_channel
 from minipaged.v1 import metadata_pb2 as pb
 from minipaged.v1 import metadata_pb2_grpc as pb_grpc
 
-from .channel import checked_seconds, checked_token
+from .channel import checked_seconds, checked_token, grpc_seconds
 from .request import job_request
-from .errors import Cancelled, MiniPagedError, Unavailable, explain_unimplemented, from_rpc_error
+from .errors import Cancelled, ClosedStub, MiniPagedError, Unavailable, explain_unimplemented, from_rpc_error
 from .messages import (CHANNEL_OPTIONS, MAX_MESSAGE_BYTES, REQUEST_KEYS, TERMINAL_STATES,  # noqa: F401
                        Deadline, GenerateResult, JobCollector, JobStatus, PoolSnapshot, ResultAssembler, Stats,
                        StreamChunk, Usage, batch_items, build_generate_request, build_submit_request,
@@ -28,6 +28,12 @@ from .messages import (CHANNEL_OPTIONS, MAX_MESSAGE_BYTES, REQUEST_KEYS, TERMINA
 # generate([...]) runs this many requests at once by default: each open stream holds one of the
 # service's RPC threads (128), so a large batch must not take them all.
 MAX_BATCH_CONCURRENCY = 32
+
+
+def batch_concurrency(asked: int, max_waiting: int) -> int:
+    """Requests of a list in flight at once: no more than the service's queue admits (--max-waiting,
+    from Stats; 0 when unknown), where more would be refused "queue full" however often retried."""
+    return max(1, min(asked, max_waiting) if max_waiting > 0 else asked)
 log = logging.getLogger("minipaged.client")  # warnings reach stderr even with logging unconfigured
 
 
@@ -59,7 +65,7 @@ class Client:
         self._told_waiting = threading.Event()  # "waiting for a worker to register" said once
 
     def _kw(self, timeout: float | None) -> dict:
-        return {"timeout": self.timeout if timeout is None else checked_seconds("timeout", timeout),
+        return {"timeout": grpc_seconds(self.timeout if timeout is None else checked_seconds("timeout", timeout)),
                 "metadata": self._metadata}
 
     def _error(self, e: grpc.RpcError) -> MiniPagedError:
@@ -79,7 +85,7 @@ class Client:
         deadline, reason = Deadline(budget), "the service did not answer"
         while True:
             try:
-                st = self._stub.Stats(pb.StatsRequest(), timeout=max(0.05, deadline.left()),
+                st = self._stub.Stats(pb.StatsRequest(), timeout=deadline.poll(5.0),
                                       metadata=self._metadata, wait_for_ready=True)
                 if st.ready:
                     return
@@ -89,10 +95,10 @@ class Client:
                 if not isinstance(err, (Unavailable,)) and err.code != grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise err from None
                 reason = err.details or reason
-            if deadline.left() <= 0.0:
+            if deadline.expired():
                 raise Unavailable(f"no ready worker chain at {self.address} after waiting {budget:g}s "
                                   f"(wait_ready): {reason}")
-            time.sleep(min(0.2, deadline.left()))
+            time.sleep(deadline.poll(0.2))
 
     def stream(self, prompt: str | None = None, *, timeout: float | None = None,
                **params) -> Iterator[StreamChunk]:
@@ -145,6 +151,7 @@ class Client:
             build_generate_request(**item)
         if not items:
             return []
+        deadline = Deadline(self.timeout if timeout is None else checked_seconds("timeout", timeout))  # the list's
         failed = threading.Event()
         calls, lock = set(), threading.Lock()   # RPCs in flight: a failure cancels them at once (their
                                                 # single final chunk may be minutes away)
@@ -166,7 +173,7 @@ class Client:
             if failed.is_set():
                 raise Cancelled("not started: another request of the batch failed")
             try:
-                for chunk in self._chunks(final_only(build_generate_request(**item)), timeout, started):
+                for chunk in self._chunks(final_only(build_generate_request(**item)), deadline.remaining(), started):
                     acc.add(chunk)
             except MiniPagedError:
                 if failed.is_set():
@@ -174,12 +181,9 @@ class Client:
                 raise
             return acc.result()
 
-        if len(items) > 1:   # no more in flight than the service's queue admits (--max-waiting), where
-            try:             # more would be refused "queue full" however often retried (Probe R)
-                limit = self.stats(timeout=timeout).max_waiting
-            except MiniPagedError:
-                limit = 0
-            max_concurrency = min(max_concurrency, limit) if limit > 0 else max_concurrency
+        if len(items) > 1:   # no more in flight than the service's queue admits (--max-waiting)
+            self._await_ready(deadline.remaining())      # (a starting service answers Stats only then)
+            max_concurrency = batch_concurrency(max_concurrency, self._max_waiting(deadline.remaining()))
         with ThreadPoolExecutor(max_workers=max(1, min(max_concurrency, len(items)))) as pool:
             futures = [pool.submit(one, item) for item in items]
             try:
@@ -196,6 +200,12 @@ class Client:
             for c in r.choices or []:
                 c.index = i
         return results
+
+    def _max_waiting(self, timeout) -> int:
+        try:
+            return self.stats(timeout=timeout).max_waiting
+        except MiniPagedError:
+            return 0
 
     def submit(self, requests: Sequence[dict], *, timeout: float | None = None) -> str:
         request = build_submit_request(requests)
@@ -251,12 +261,12 @@ class Client:
         acc = JobCollector(progress, job_id)
         try:
             while True:
-                call = self._stub.WatchJob(job_request(job_id), timeout=deadline.left(),
+                call = self._stub.WatchJob(job_request(job_id), timeout=deadline.left(),  # None: none
                                            metadata=self._metadata)
                 try:
                     for msg in call:
                         acc.update(job_from_proto(msg))
-                    acc.update(self.get_job(job_id, timeout=deadline.left()))  # the stream may end early
+                    acc.update(self.get_job(job_id, timeout=deadline.remaining()))  # the stream may end early
                 except (grpc.RpcError, Unavailable) as e:
                     err = self._error(e) if isinstance(e, grpc.RpcError) else e
                     if not isinstance(err, Unavailable):
@@ -275,6 +285,7 @@ class Client:
             acc.close()
 
     def close(self) -> None:
+        self._stub = ClosedStub("Client")
         self._channel.close()
 
     def __enter__(self) -> "Client":

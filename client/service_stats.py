@@ -8,6 +8,21 @@ from minipaged import wire
 from minipaged.v1 import metadata_pb2 as pb
 
 
+def plain_dict(msg) -> dict:
+    """A message's fields as Python values, every field present (MessageToDict writes int64 as JSON
+    strings: a chain's `steps` was '1262' beside an int `used_blocks`)."""
+    out = {}
+    for f in msg.DESCRIPTOR.fields:
+        value = getattr(msg, f.name)
+        repeated = f.is_repeated if hasattr(f, "is_repeated") else f.label == f.LABEL_REPEATED
+        if f.message_type is not None:
+            value = [plain_dict(m) for m in value] if repeated else plain_dict(value)
+        elif repeated:
+            value = list(value)
+        out[f.name] = value
+    return out
+
+
 @dataclass
 class Stats:
     """Every StatsReply field, by the proto's names (tests check none is missing)."""
@@ -60,10 +75,8 @@ class Stats:
 
     @classmethod
     def from_proto(cls, r: pb.StatsReply) -> "Stats":
-        from google.protobuf.json_format import MessageToDict
         kw = {f.name: getattr(r, f.name) for f in fields(cls) if f.name != "chains"}
-        kw["chains"] = [MessageToDict(c, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
-                        for c in r.chains]
+        kw["chains"] = [plain_dict(c) for c in r.chains]
         return cls(**kw)
 
     def as_dict(self) -> dict:

@@ -74,6 +74,7 @@ def main(argv=None) -> int:
     from client.messages import normalize_address
 
     from minipaged import generation_defaults as gd
+    from minipaged.tls import channel_credentials
     from .app import GatewayConfig, create_app
     from .model_identity import check_model_arg
     try:  # a wrong path or a broken config.json is a start error, not a silently wrong /v1/models
@@ -81,6 +82,7 @@ def main(argv=None) -> int:
         check_model_arg(args.model)
         override = gd.parse_override(args.override_generation_config)
         gd.load(args.generation_config, args.model, override)   # a bad file or value: one line, exit 2
+        channel_credentials(args.tls_ca, args.tls_cert, args.tls_key)  # a missing file, a cert without its key
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2

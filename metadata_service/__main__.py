@@ -181,6 +181,9 @@ def _check_numbers(parser, args) -> None:
                               ("--max-model-len", args.max_model_len, "0: the model's context")):
         if value < 0:
             parser.error(f"{flag} must be >= 0 ({what}), got {value}")
+    for cert, key in (("--tls-cert", "--tls-key"), ("--worker-tls-cert", "--worker-tls-key")):
+        if bool(getattr(args, cert[2:].replace("-", "_"))) != bool(getattr(args, key[2:].replace("-", "_"))):
+            parser.error(f"{cert} and {key} go together: give both or neither")
     if args.num_blocks < 0:
         parser.error(f"--num-blocks must be >= 0 (0: the workers' pools), got {args.num_blocks}")
     if args.num_blocks > MAX_NUM_BLOCKS:  # the block API's pool is allocated at start (a byte per block and more)

@@ -62,9 +62,7 @@ class MetadataServicer(JobRpcs, metadata_pb2_grpc.MetadataServiceServicer):
             left = context.time_remaining()
             wait = self.engine.worker_wait_s if left is None else min(left - 0.2, self.engine.worker_wait_s)
             self._say_waiting(context, max(0.0, wait))
-            if not self.engine.model_known.wait(max(0.0, wait)):
-                context.abort(grpc.StatusCode.UNAVAILABLE,
-                              f"no worker chain is ready ({self.engine.not_ready_reason}); waited {max(0.0, wait):.1f}s")
+            self._wait_for_model(context, max(0.0, wait))
         normed = []
         for i, r in enumerate(reqs):
             try:
@@ -82,6 +80,19 @@ class MetadataServicer(JobRpcs, metadata_pb2_grpc.MetadataServiceServicer):
                               f"(--max-waiting); retry after a short backoff")
             self._pending += len(normed)
         return normed
+
+    def _wait_for_model(self, context, wait: float) -> None:
+        """Park until the first chain names the model; a caller that goes away meanwhile (Ctrl-C, a
+        cancelled task) ends the wait, so its request never runs once a worker comes."""
+        end = time.monotonic() + wait
+        while not self.engine.model_known.wait(max(0.0, min(0.5, end - time.monotonic()))):
+            if not context.is_active():
+                context.abort(grpc.StatusCode.CANCELLED, "the caller went away while waiting for a worker")
+            if time.monotonic() >= end:
+                context.abort(grpc.StatusCode.UNAVAILABLE,
+                              f"no worker chain is ready ({self.engine.not_ready_reason}); waited {wait:.1f}s")
+        if not context.is_active():
+            context.abort(grpc.StatusCode.CANCELLED, "the caller went away while waiting for a worker")
 
     def _say_waiting(self, context, wait: float) -> None:
         """A call parked until the first worker registers is told so at once (initial metadata
@@ -107,8 +118,10 @@ class MetadataServicer(JobRpcs, metadata_pb2_grpc.MetadataServiceServicer):
         req = self._admit([request], context)[0]
         events: queue.SimpleQueue = queue.SimpleQueue()
         seq = to_sequence(req, self.engine, sink=lambda s, ev: events.put((s, ev)))
+        if not context.add_callback(lambda: seq.status.value != "finished" and self.engine.abort(seq)):
+            self._done()                 # the caller is already gone: nothing to run, nothing to answer
+            return
         self.open_streams.add(events)
-        context.add_callback(lambda: seq.status.value != "finished" and self.engine.abort(seq))
         self.engine.add(seq)
         grouped = seq.group is not None
         hold = max((len(s) for s in seq.params.stop), default=1) - 1  # never stream a stop string
@@ -177,6 +190,7 @@ class MetadataServicer(JobRpcs, metadata_pb2_grpc.MetadataServiceServicer):
             if m.output_top:
                 chunk.top_logprob_ids = pack(np.concatenate([t[0] for t in m.output_top]))
                 chunk.top_logprobs = pack(np.concatenate([t[1] for t in m.output_top]), FLOAT32)
+            chunk.cumulative_logprob = float(sum(m.output_logprobs))   # what chose it (a job's result has it too)
             set_stop_reason(chunk, m, self.engine, chunk.finish_reason)
             prompt_logprobs.attach_once(chunk, seq.prompt_lp)   # the request's: on the first winner
             if m.first_token_at:        # whole choices: when their first token came (TTFT, ITL)

@@ -30,6 +30,9 @@ class JobRpcs:
             reqs = self._admit(request.requests, context)
         except RequestError as e:  # pragma: no cover - _admit aborts
             context.abort(e.code, e.message)
+        if not context.is_active():      # gone while parked or checked: no job it never got the id of
+            self._done(len(reqs))
+            context.abort(grpc.StatusCode.CANCELLED, "the caller went away before the job was created")
         try:
             job_id = self.jobs.submit(reqs, request.job_id)
         except sqlite3.IntegrityError:  # the same id submitted twice at once: the store keeps the first

@@ -27,17 +27,22 @@ def add_port(server: grpc.Server, address: str, cert: str | None = None, key: st
         return 0
 
 
-def channel_credentials(ca: str | None, cert: str | None = None, key: str | None = None):
-    """None (plain text) without a CA; else credentials that verify the server against `ca` and
-    present cert/key when given (mutual TLS)."""
-    if not ca:
+def channel_credentials(ca: str | None, cert: str | None = None, key: str | None = None, *,
+                        ca_required: bool = False):
+    """None (plain text) when no TLS file is given; else credentials that verify the server against
+    `ca` (the system's roots without one) and present cert/key when given (mutual TLS). A client
+    certificate without a CA is TLS, never a silent fall back to plain text. `ca_required`: a
+    worker's --tls-cert is its own server's certificate, so only --tls-ca makes its calls TLS."""
+    if not ca and (ca_required or not (cert or key)):
         return None
-    return grpc.ssl_channel_credentials(_read(ca), _read(key) if cert else None, _read(cert))
+    if bool(cert) != bool(key):
+        raise ValueError("a client certificate needs its key: give both tls_cert and tls_key, or neither")
+    return grpc.ssl_channel_credentials(_read(ca), _read(key), _read(cert))
 
 
 def make_channel(address: str, options=(), ca: str | None = None, cert: str | None = None,
-                 key: str | None = None) -> grpc.Channel:
-    creds = channel_credentials(ca, cert, key)
+                 key: str | None = None, *, ca_required: bool = False) -> grpc.Channel:
+    creds = channel_credentials(ca, cert, key, ca_required=ca_required)
     if creds is None:
         return grpc.insecure_channel(address, options=list(options))
     return grpc.secure_channel(address, creds, options=list(options))

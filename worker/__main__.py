@@ -249,7 +249,7 @@ def main(argv=None) -> int:
                               replica_group=args.replica_group, simulate=args.simulate,
                               kv_tier_bytes=args.kv_tier_bytes, role=args.role)
     servicer.channel_factory = lambda address, options: make_channel(address, options, args.tls_ca,
-                                                                     args.tls_cert, args.tls_key)
+                                                                     args.tls_cert, args.tls_key, ca_required=True)
     served = serve(args, servicer)
     if served is None:
         return 1

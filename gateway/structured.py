@@ -17,6 +17,24 @@ from typing import Any
 from .errors import REQUEST_PARAMS, bad_request
 
 _STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "json_object": "json_object"}
+# vLLM's StructuredOutputsParams options: JSON is always compact here (disable_any_whitespace's
+# effect, so whitespace_pattern has none); disable_additional_properties closes the schema's objects
+_STRUCTURED_OPTIONS = {"disable_any_whitespace", "disable_additional_properties", "whitespace_pattern"}
+
+
+def _closed(schema):
+    """disable_additional_properties: every object schema that says nothing of additionalProperties
+    gets `false` (vLLM's option), through properties, items, $defs and combinators."""
+    if isinstance(schema, list):
+        return [_closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _closed(v) if isinstance(v, (dict, list)) and k not in ("enum", "const", "required", "default",
+                                                                      "examples") else v
+           for k, v in schema.items()}
+    if ("properties" in out or out.get("type") == "object") and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def _schema(value: Any, param: str) -> dict | bool:
@@ -25,6 +43,8 @@ def _schema(value: Any, param: str) -> dict | bool:
             value = json.loads(value)
         except json.JSONDecodeError as e:
             raise bad_request(f"{param} is not valid JSON: {e}", param) from None
+        except RecursionError:    # as the request body's own parse says it
+            raise bad_request(f"{param} is not valid JSON: nested too deeply", param) from None
     if not isinstance(value, (dict, bool)):
         raise bad_request(f"{param} must be a JSON schema object, got {type(value).__name__}", param)
     return value
@@ -61,16 +81,23 @@ def _response_format(rf: dict) -> dict:
 def _structured_outputs(so: Any) -> dict:
     if not isinstance(so, dict):
         raise bad_request("structured_outputs must be an object", "structured_outputs")
-    given = {k: v for k, v in so.items() if v is not None and v is not False}
+    given = {k: v for k, v in so.items() if v is not None and v is not False and k not in _STRUCTURED_OPTIONS}
     unknown = set(given) - set(_STRUCTURED_KEYS)
     if unknown:
         raise bad_request(f"structured_outputs: unsupported keys {sorted(unknown)} (supported: "
-                          f"{sorted(_STRUCTURED_KEYS)})", "structured_outputs")
+                          f"{sorted(_STRUCTURED_KEYS | dict.fromkeys(_STRUCTURED_OPTIONS))})", "structured_outputs")
+    for k in ("disable_any_whitespace", "disable_additional_properties"):
+        if not isinstance(so.get(k, False), bool):
+            raise bad_request(f"structured_outputs.{k} must be true or false", f"structured_outputs.{k}")
+    if so.get("whitespace_pattern") is not None and not isinstance(so["whitespace_pattern"], str):
+        raise bad_request("structured_outputs.whitespace_pattern must be a string", "structured_outputs.whitespace_pattern")
     out = {}
     for k, v in given.items():
         param = f"structured_outputs.{k}"
         out[_STRUCTURED_KEYS[k]] = {"json": _schema, "regex": _regex, "choice": _choice}[k](v, param) \
             if k != "json_object" else True
+    if so.get("disable_additional_properties") and "json_schema" in out:
+        out["json_schema"] = _closed(out["json_schema"])
     return out
 
 

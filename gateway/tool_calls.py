@@ -138,12 +138,12 @@ def forced_schema(p: ToolPlan) -> dict | None:
 
 
 def forced_calls(p: ToolPlan, text: str) -> list[dict]:
-    """A constrained output -> message.tool_calls. ValueError when it does not parse (a length
-    cut): the caller then returns the text as content."""
+    """A constrained output -> message.tool_calls. A named function's call holds the text as its
+    arguments even when cut short (vLLM's, and what a stream sends); for "required", ValueError
+    when it does not parse (a length cut): the caller then returns the text as content."""
     # strict=False: a string may hold raw control characters, which the grammar lets through
     # (xgrammar's string with maxLength allows U+0000-U+001F); a length cut still fails to parse
-    if p.mode == "named":
-        json.loads(text, strict=False)  # must be whole JSON; sent as the model wrote it
+    if p.mode == "named":     # vLLM's: the call, whatever was generated (a length cut: partial arguments)
         return [tool_call(p.name, text.strip())]
     calls = json.loads(text, strict=False)
     if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str)
@@ -168,7 +168,8 @@ def parse_block(block: str) -> dict | None:
 
 class HermesParser:
     """Streamed text -> events. States: "text" (content, watching for <tool_call>), "call" (inside
-    a block), with blanks after a call held back (dropped if only blanks follow, as vLLM does)."""
+    a block). As vLLM's hermes parser, content is the text before the first call: text between or
+    after calls is dropped."""
 
     def __init__(self):
         self.state, self.buf, self.calls = "text", "", 0
@@ -182,13 +183,11 @@ class HermesParser:
                 if at < 0:
                     keep = _partial_tail(self.buf, START)
                     text, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
-                    if self.calls and not text.strip():     # blanks between or after calls
-                        self.buf = text + self.buf
-                    elif text:
+                    if text and not self.calls:   # after a call, text is not content (vLLM's hermes)
                         events.append(("content", text))
                     return events
                 text = self.buf[:at]
-                if text and not (self.calls and not text.strip()):
+                if text and not self.calls:
                     events.append(("content", text))
                 self.state, self.buf = "call", self.buf[at + len(START):]
             else:
@@ -211,7 +210,7 @@ class HermesParser:
         if self.state == "call":
             self.state = "text"
             return [self._block(rest, closed=False)]
-        if rest and not (self.calls and not rest.strip()):
+        if rest and not self.calls:
             return [("content", rest)]
         return []
 

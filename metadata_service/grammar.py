@@ -77,6 +77,57 @@ def spec_of(req) -> GrammarSpec | None:
     return GrammarSpec(kind, text)
 
 
+# What xgrammar 0.2.8 would compile and then ignore, so the output would break the schema while
+# finishing "stop": refused instead (vLLM refuses the same under xgrammar). Formats it enforces:
+STRING_FORMATS = {"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri",
+                  "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"}
+_IGNORED = ("not", "if", "dependentRequired", "dependentSchemas", "uniqueItems", "contains", "minContains",
+            "maxContains")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+               "unevaluatedProperties", "unevaluatedItems")
+
+
+def unsupported_keyword(schema, path: str = "#") -> str | None:
+    """The first keyword the grammar could not enforce ("#/properties/x: uniqueItems ..."), or None."""
+    if not isinstance(schema, dict):
+        return None
+    types = schema.get("type")
+    types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else set()
+    why = next((k for k in _IGNORED if k in schema), None)
+    if why is None and "multipleOf" in schema and types & {"integer", "number"}:
+        why = "multipleOf"
+    if why is None and ("pattern" in schema or "format" in schema) and ("minLength" in schema or "maxLength" in schema):
+        why = "minLength / maxLength with a pattern or format"
+    if why is None and "format" in schema and "string" in types and schema["format"] not in STRING_FORMATS:
+        why = f"format {schema['format']!r}"
+    if why is None and isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        why = "allOf of several schemas"
+    if why is None and "propertyNames" in schema and ("properties" in schema or "patternProperties" in schema):
+        why = "propertyNames with properties"
+    if why is None and isinstance(schema.get("patternProperties"), dict) and (
+            "properties" in schema or len(schema["patternProperties"]) > 1):
+        why = "patternProperties with properties, or several of them"
+    if why is not None:
+        return f"{path}: {why} is not supported (the output could break it)"
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            for name, sub in schema[key].items():
+                found = unsupported_keyword(sub, f"{path}/{key}/{name}")
+                if found:
+                    return found
+    for key in ("anyOf", "oneOf", "allOf", "prefixItems"):
+        for i, sub in enumerate(schema.get(key) or () if isinstance(schema.get(key), list) else ()):
+            found = unsupported_keyword(sub, f"{path}/{key}/{i}")
+            if found:
+                return found
+    for key in _SUBSCHEMAS:
+        found = unsupported_keyword(schema.get(key), f"{path}/{key}")
+        if found:
+            return found
+    return None
+
+
 def bitmask_words(vocab_size: int) -> int:
     return -(-vocab_size // 32)
 
@@ -125,6 +176,9 @@ class Grammars:
                 schema = json.loads(spec.text)
                 if not isinstance(schema, (dict, bool)):
                     raise GrammarError(f"json_schema must be a JSON object, got {type(schema).__name__}")
+                unsupported = unsupported_keyword(schema)
+                if unsupported:
+                    raise GrammarError(f"invalid json_schema: {unsupported}")
                 return c.compile_json_schema(spec.text, any_whitespace=False)
             if spec.kind == "json_object":
                 return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
@@ -133,6 +187,8 @@ class Grammars:
             return c.compile_grammar(choice_ebnf(json.loads(spec.text)))
         except json.JSONDecodeError as e:
             raise GrammarError(f"json_schema is not valid JSON: {e}") from None
+        except RecursionError:
+            raise GrammarError("json_schema is nested too deeply") from None
         except (RuntimeError, ValueError, TypeError) as e:
             if isinstance(e, GrammarError):
                 raise

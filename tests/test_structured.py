@@ -9,6 +9,7 @@ byte-level one of checkpoints without a tokenizer, and Qwen's real tokenizer (15
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -188,6 +189,18 @@ def test_byte_vocab_equals_transformers_with_xgrammar(byte_ckpt, workers):
                                   pad_token_id=256)[0, len(p):].tolist()
             assert r.token_ids == ref
         assert all(r.text in CHOICES for r in free[3:])
+        # logprobs are the masked distribution's, as vLLM's (it masks before its sampler computes them)
+        compiled = compile_for(byte_tokenizer_info(300, 256), "choice", CHOICES)
+        r = c.client.generate(prompt_token_ids=prompts[0], choice=CHOICES, logprobs=3, max_new_tokens=16)
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompts[0]]), do_sample=False, max_new_tokens=16, eos_token_id=256,
+                              pad_token_id=256, logits_processor=[LogitsProcessor(compiled)],
+                              output_scores=True, return_dict_in_generate=True)
+        masked = [torch.log_softmax(sc[0].double(), -1) for sc in out.scores]
+        assert r.token_ids == out.sequences[0, len(prompts[0]):].tolist()
+        for t, lp, top, m in zip(r.token_ids, r.logprobs, r.top_logprobs, masked):
+            assert lp == pytest.approx(m[t].item(), abs=1e-5) and next(iter(top)) == t
+            assert all(m[alt].item() > -math.inf or v == -math.inf for alt, v in top.items())
         # n choices: every forked choice has a matcher of its own
         r = c.client.generate(prompt_token_ids=prompts[0], choice=CHOICES, n=3, temperature=1.0, seed=5,
                               max_new_tokens=16)
@@ -231,7 +244,15 @@ def test_invalid_constraints_are_invalid_argument_and_change_nothing(byte_ckpt):
                         ({"json_schema": "{not json"}, "not valid JSON"),
                         ({"regex": "a(b"}, "parenthesis"),
                         ({"regex": "a", "choice": ["x"]}, "at most one"),
-                        ({"choice": ["x", ""]}, "non-empty")]:
+                        ({"choice": ["x", ""]}, "non-empty"),
+                        # keywords xgrammar would ignore (the output would break them): refused, as vLLM
+                        ({"json_schema": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}},
+                         "#: uniqueItems is not supported"),
+                        ({"json_schema": {"type": "object", "properties": {"n": {"type": "number", "multipleOf": 0.5}}}},
+                         "#/properties/n: multipleOf"),
+                        ({"json_schema": {"allOf": [{"type": "string"}, {"enum": ["yes", "no"]}]}}, "allOf"),
+                        ({"json_schema": {"type": "integer", "not": {"const": 3}}}, "#: not is not"),
+                        ({"json_schema": '{"items": ' * 3000 + '{}' + '}' * 3000}, "nested too deeply")]:
             with pytest.raises(InvalidArgument, match=re.escape(why)):
                 cl.generate(prompt_token_ids=[65, 66], max_new_tokens=4, **kw)
         with pytest.raises(InvalidArgument):   # a job with one bad item is refused whole
@@ -334,6 +355,17 @@ def test_http_mapping_of_openai_and_vllm_fields():
     assert kw(structured_outputs={"json": SCHEMA})["json_schema"] == SCHEMA
     comp = oa.completion_kwargs(oa.CompletionRequest(prompt="x", guided_regex=REGEX))
     assert comp["regex"] == REGEX
+    # vLLM's StructuredOutputsParams options: compact JSON is what we make anyway; closed objects
+    assert kw(structured_outputs={"json": SCHEMA, "disable_any_whitespace": True,
+                                  "whitespace_pattern": " "})["json_schema"] == SCHEMA
+    closed = kw(structured_outputs={"json": {"type": "object", "properties": {"a": {"type": "object"}}},
+                                    "disable_additional_properties": True})["json_schema"]
+    assert closed["additionalProperties"] is False and closed["properties"]["a"]["additionalProperties"] is False
+    deep = '{"type": "array", "items": ' * 5000 + '{}' + '}' * 5000
+    for field in (dict(guided_json=deep), dict(structured_outputs={"json": deep})):
+        with pytest.raises(GatewayError, match="nested too deeply") as e:   # was a 500 (RecursionError)
+            kw(**field)
+        assert e.value.status == 400
     for bad in (dict(response_format={"type": "xml"}), dict(response_format={"type": "json_schema"}),
                 dict(guided_json="{nope"), dict(guided_choice=[]), dict(structured_outputs={"grammar": "x"}),
                 dict(guided_regex="a", guided_choice=["b"]), dict(response_format=rf, guided_regex="a")):

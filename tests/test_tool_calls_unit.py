@@ -86,8 +86,8 @@ def test_named_schema_is_the_functions_parameters_and_wraps_the_output():
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
     np_ = tc.plan([NOARGS], {"type": "function", "function": {"name": "ping"}})
     assert tc.forced_schema(np_) == {"type": "object", "properties": {}}
-    with pytest.raises(ValueError):
-        tc.forced_calls(p, '{"city": "Par')            # cut by max_tokens: not a call
+    [call] = tc.forced_calls(p, '{"city": "Par')       # cut by max_tokens: the call, partial (vLLM's; the stream's)
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Par'}
     # a raw control character in a string (xgrammar lets U+0000-U+001F through a string with
     # maxLength): still the call, as the model wrote it (before: returned as content, 13 of 20 seeds)
     [call] = tc.forced_calls(p, '{"city": "C\x0ew"}')
@@ -135,6 +135,8 @@ def test_forced_choices_stream_and_whole_agree():
     assert finish == "tool_calls" and [c["index"] for c in delta["tool_calls"]] == [0, 1]
     assert req.new().message(text)["tool_calls"][1]["function"]["arguments"] == '{"city": "Rome"}'
     assert stream(req, ['[{"name": "pi'], "length") == ({"content": '[{"name": "pi'}, "length")
+    cut = named.new().message('{"city": "Pa')              # named, cut short: a call whole as streamed
+    assert cut["content"] == "" and cut["tool_calls"][0]["function"]["arguments"] == '{"city": "Pa'
 
 
 # ---------------------------------------------------------------- auto: hermes
@@ -153,6 +155,9 @@ def test_hermes_whole_answers_as_vllm():
     bad = '<tool_call>{"name": "a", "argu</tool_call>'
     assert tc.parse(bad) == (bad, [])                                              # kept as written
     assert tc.parse('<tool_call>{"name": "a", "argu') == ('<tool_call>{"name": "a", "argu', [])
+    # text after a call is not content: vLLM's content is what came before the first call
+    content, [call] = tc.parse('Sure!<tool_call>{"name": "a", "arguments": {}}</tool_call>Waiting.')
+    assert content == "Sure!" and call["function"]["name"] == "a"
 
 
 AUTO_TEXTS = [
@@ -161,6 +166,7 @@ AUTO_TEXTS = [
     '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "b", "arguments": '
     '{"y": [1, 2]}}\n</tool_call>\n',
     '<tool_call>{"name": "a"} </tool_call> and then text',
+    'Sure!<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>Waiting.',
     '<tool_call>not json</tool_call>',
     '<think>\nI should call it.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": '
     '{"city": "Oslo"}}\n</tool_call>',

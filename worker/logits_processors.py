@@ -13,7 +13,8 @@ before the sampler draws (vectorized over the batch: one scatter per rule, no pe
   probability at its temperature is at least min_p times its most likely token's, i.e. whose logit
   is >= max + temperature * ln(min_p) (in the logits' dtype); the rest get -inf. Greedy rows ignore it.
 - top-k alternative logprobs: log_softmax of the raw logits (temperature 1, before these rules), as
-  the sampled token's own logprob is.
+  the sampled token's own logprob is; a grammar's mask alone comes first (vLLM's order: it masks
+  the logits before its sampler computes logprobs).
 
 The per-sequence arrays arrive per sequence of the step ([B], CSR for token lists); `rows` narrows
 them to the sampled rows first."""
@@ -114,8 +115,14 @@ def apply_min_p(out: torch.Tensor, min_p: np.ndarray, temperature) -> None:
 def sample_with_rules(logits: torch.Tensor, x: SamplingExtras, temperature, top_p, top_k, seeds, offsets,
                       return_logprobs: bool, keep_raw: bool = False):
     """The sampled rows' logits [S, V] with their rules -> (ids int32 [S], logprobs float32 [S] or
-    None, top alternatives or None). Logprobs and alternatives are those of the raw distribution:
-    one log_softmax before the rules serves both; then the rules run in place unless keep_raw."""
+    None, top alternatives or None). Logprobs and alternatives are those of the raw distribution
+    (one log_softmax before the rules serves both), except that a grammar's mask comes first, as
+    vLLM masks the logits before its sampler: a constrained row's logprobs are over the tokens its
+    grammar allows. Then the rules run in place unless keep_raw."""
+    if x.grammar_rows is not None:
+        logits = logits.clone() if keep_raw else logits
+        grammar_mask.apply(logits, x.grammar_rows, x.grammar_bitmask)
+        x = replace(x, grammar_rows=None, grammar_bitmask=None)
     raw_lp = None
     if return_logprobs or x.top_logprobs:
         raw_lp = sampler.log_softmax_rows(logits)

@@ -22,7 +22,7 @@ REQUEST_KEYS = ("prompt", "prompt_token_ids", "max_new_tokens", "temperature", "
                 "seed", "stop", "stop_token_ids", "ignore_eos", "return_logprobs", "logprobs", "n", "best_of",
                 "min_new_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_p",
                 "json_schema", "regex", "choice", "json_object", "beam_width", "length_penalty", "early_stopping",
-                "prompt_logprobs", "include_stop_str_in_output")
+                "prompt_logprobs", "include_stop_str_in_output", "grammar_after_token_id")
 
 
 def _int_array(name: str, values) -> bytes:
@@ -85,12 +85,14 @@ def build_generate_request(prompt: str | None = None, prompt_token_ids: Sequence
                            length_penalty: float | None = None,
                            early_stopping: bool | str = False,
                            prompt_logprobs: int | None = None,
-                           include_stop_str_in_output: bool = False) -> pb.GenerateRequest:
+                           include_stop_str_in_output: bool = False,
+                           grammar_after_token_id: int | None = None) -> pb.GenerateRequest:
     """Type checks and the few value checks the wire cannot express (top_p=0, both prompt forms);
     the server validates every value and answers INVALID_ARGUMENT.
 
     Structured outputs (at most one): `json_schema` (a dict or its JSON text), `regex`, `choice` (a
-    list of strings), `json_object=True` (any JSON object). beam_width=K: beam search
+    list of strings), `json_object=True` (any JSON object); `grammar_after_token_id`: the constraint
+    starts after that token is generated (a reasoning model's </think>). beam_width=K: beam search
     (transformers' num_beams=K, num_return_sequences=K): K choices, best first, each with its
     cumulative_logprob and beam_score; n must then be unset or K. include_stop_str_in_output
     (vLLM's): the text keeps the matched stop string, or the stop token's text."""
@@ -129,6 +131,10 @@ def build_generate_request(prompt: str | None = None, prompt_token_ids: Sequence
                                  include_stop_str_in_output=bool(include_stop_str_in_output))
         _optional_fields(req, length_penalty, top_p, prompt_token_ids, stop_token_ids, seed)
         _structured(req, json_schema, regex, choice, json_object)
+        if grammar_after_token_id is not None:
+            if isinstance(grammar_after_token_id, bool) or not isinstance(grammar_after_token_id, int):
+                raise TypeError(f"grammar_after_token_id must be an int, got {grammar_after_token_id!r:.40}")
+            req.grammar_after_token_id = grammar_after_token_id
         _set_prompt_logprobs(req, prompt_logprobs)
     except (ValueError, OverflowError) as e:
         raise InvalidArgument(str(e)) from None

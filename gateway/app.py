@@ -208,6 +208,7 @@ async def _chat_completions(gw: Gateway, request: Request):
                            role="assistant" if req.add_generation_prompt else messages[-1]["role"])
     if output.reasoning and not req.include_reasoning:
         kw.pop("logprobs", None)      # vLLM's rule: hidden reasoning must not leak through the logprobs
+    kw.update(_grammar_after_reasoning(gw, output, tools, kw))
     rid = oa.new_id("chatcmpl", request)
     stream = gw.generate_stream([{**kw, "prompt": prompt}], req.n, t0, whole=not req.stream)
     echo = _chat_echo(req, messages)
@@ -275,6 +276,19 @@ def _forced_tool_kwargs(tools: tc.ToolPlan, kw: dict) -> dict:
     # the service's words for a schema that does not compile name json_schema: here it is a tool's
     REQUEST_PARAMS.set({**REQUEST_PARAMS.get(), "json_schema": "tools", "schema": "tools"})
     return {"json_schema": schema}
+
+
+def _grammar_after_reasoning(gw: Gateway, output: OutputOptions, tools: tc.ToolPlan, kw: dict) -> dict:
+    """A template that opened <think> (Qwen3 Thinking-2507's): the model reasons first, so a
+    structured output constrains what follows its </think>, as vLLM applies a grammar once the
+    reasoning has ended; from the first token, the whole answer would be read as reasoning. A
+    forced tool call stays constrained from the start (its output is parsed as calls, not split)."""
+    end_id = gw.think_ids[1]
+    constrained = any(kw.get(k) not in (None, False) for k in ("json_schema", "regex", "choice", "json_object"))
+    if not (output.reasoning and output.reasoning_open and constrained and end_id is not None) \
+            or tools.mode in ("named", "required"):
+        return {}
+    return {"grammar_after_token_id": end_id}
 
 
 def _encode_or_fail(gw: Gateway, text: str) -> list[int]:

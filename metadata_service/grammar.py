@@ -208,8 +208,35 @@ def _reason(e: Exception) -> str:
     return text or type(e).__name__
 
 
-def new_matcher(compiled: "xgr.CompiledGrammar") -> "xgr.GrammarMatcher":
-    return _xgr().GrammarMatcher(compiled)
+def new_matcher(compiled: "xgr.CompiledGrammar", after_token: int = -1):
+    """A GrammarMatcher, or one that waits for `after_token` (>= 0) before it constrains anything."""
+    matcher = _xgr().GrammarMatcher(compiled)
+    return matcher if after_token < 0 else AfterToken(matcher, after_token)
+
+
+class AfterToken:
+    """A matcher dormant until `token` is generated (a reasoning model's </think>: vLLM applies the
+    grammar after the reasoning ends). Dormant, it allows every token and accepts what comes; the
+    token itself is not fed to the grammar, every one after it is. The matcher interface the
+    service uses: fill_next_token_bitmask, accept_token, is_terminated."""
+
+    def __init__(self, matcher, token: int):
+        self.matcher, self.token, self.active = matcher, int(token), False
+
+    def fill_next_token_bitmask(self, mask, row: int) -> None:
+        if self.active:
+            self.matcher.fill_next_token_bitmask(mask, row)
+        else:
+            mask[row] = -1
+
+    def accept_token(self, token: int) -> bool:
+        if self.active:
+            return self.matcher.accept_token(token)
+        self.active = int(token) == self.token
+        return True
+
+    def is_terminated(self) -> bool:
+        return self.active and self.matcher.is_terminated()
 
 
 def fill_bitmask(matchers: list, vocab_size: int) -> np.ndarray:

@@ -52,7 +52,13 @@ def normalize(req: metadata_pb2.GenerateRequest, engine) -> metadata_pb2.Generat
                            "and compute no logits")
     _check_beams(req, engine)
     _check_fits(req, int(ids.size), engine)
-    compile_grammar(req, engine)  # an invalid schema / regex / choice is the caller's error
+    if compile_grammar(req, engine) is None and req.HasField("grammar_after_token_id"):
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                           "grammar_after_token_id needs a structured-output constraint (json_schema, regex, "
+                           "choice or json_object)")
+    if req.HasField("grammar_after_token_id") and not 0 <= req.grammar_after_token_id < engine.vocab_size:
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"grammar_after_token_id must be a token id in "
+                                                             f"[0, {engine.vocab_size}), got {req.grammar_after_token_id}")
     out.prompt_token_ids = pack(ids, INT32)
     out.prompt = ""
     if not out.HasField("seed"):
@@ -228,6 +234,7 @@ def to_sequence(req: metadata_pb2.GenerateRequest, engine, sink=None, tag=None) 
         repetition_penalty=req.repetition_penalty or 1.0, presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty, top_logprobs=req.top_logprobs, min_p=req.min_p,
         show_logprobs=req.return_logprobs or req.top_logprobs > 0, grammar=compile_grammar(req, engine),
+        grammar_after_token=req.grammar_after_token_id if req.HasField("grammar_after_token_id") else -1,
         prompt_logprobs=req.prompt_logprobs if req.HasField("prompt_logprobs") else -1,
         per_token_events=not req.final_only)
     if params.best_of > params.n:   # choosing the best needs every candidate's logprobs
@@ -270,7 +277,7 @@ def prepare(seq: Sequence, engine) -> None:
     """What each sequence of a request needs of its own (a forked child gets its own too)."""
     p = seq.params
     if p.grammar is not None:
-        seq.matcher = new_matcher(p.grammar)
+        seq.matcher = new_matcher(p.grammar, p.grammar_after_token)
     if p.stop:
         seq.stop_checker = StopChecker(engine, p.stop)
     if p.min_new_tokens:

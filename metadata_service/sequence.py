@@ -42,6 +42,7 @@ class SamplingParams:
     min_p: float = 0.0                       # keep tokens with p >= min_p x max p (worker/logits_processors.py)
     show_logprobs: bool = False              # the caller asked for them (best_of computes them anyway)
     grammar: object = None                   # xgrammar CompiledGrammar (structured outputs; grammar.py)
+    grammar_after_token: int = -1            # the grammar starts after this token (a reasoning end), -1: at once
     beam_width: int = 0                      # beam search (metadata_service/beam.py): K beams, 0 = off
     length_penalty: float = 1.0
     early_stopping: object = False           # transformers': False, True or "never"

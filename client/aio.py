@@ -46,6 +46,7 @@ class AsyncClient:
         self._creds = channel_credentials(tls_ca, tls_cert, tls_key)   # a bad file: refused here
         self._told_waiting = threading.Event()   # "waiting for a worker to register" said once
         self._loop = self._channel = self._live_stub = None   # made in the loop that first calls
+        self._stream_slots: asyncio.Semaphore | None = None
         self._closed = False
 
     @property
@@ -57,9 +58,10 @@ class AsyncClient:
             return ClosedStub("AsyncClient")
         loop = asyncio.get_running_loop()
         if loop is not self._loop:
-            if self._loop is not None and not self._loop.is_closed():
-                raise RuntimeError("this AsyncClient is in use by another running event loop; make one "
-                                   "AsyncClient per loop")
+            if self._loop is not None and self._loop.is_running():
+                raise RuntimeError("this AsyncClient's calls run in another event loop (another thread's): "
+                                   "make one AsyncClient per loop")
+            # the old loop has stopped: its channel cannot be closed from here and is dropped
             self._channel = (grpc.aio.secure_channel(self.address, self._creds, options=CHANNEL_OPTIONS)
                              if self._creds else grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS))
             self._live_stub, self._loop = pb_grpc.MetadataServiceStub(self._channel), loop
@@ -134,9 +136,9 @@ class AsyncClient:
 
     async def _chunks(self, request: pb.GenerateRequest, timeout: float | None) -> AsyncIterator[StreamChunk]:
         await self._await_ready(timeout)
-        stub = self._stub                   # (binds this loop's channel and its stream slots)
+        generate = self._stub.Generate      # (binds this loop's channel and its stream slots; Cancelled when closed)
         async with self._stream_slots:
-            call = stub.Generate(request, **self._kw(timeout))
+            call = generate(request, **self._kw(timeout))
             try:
                 say_if_waiting(await call.initial_metadata(), self._told_waiting)
                 async for chunk in call:
@@ -268,13 +270,19 @@ class AsyncClient:
         """Calls still running end with Cancelled (not asyncio's CancelledError, which would read as
         the caller's task being cancelled)."""
         self._closed = True
-        if self._channel is not None and self._loop is asyncio.get_running_loop():
-            await self._channel.close()
+        channel, loop = self._channel, self._loop
+        if channel is None:
+            return
+        if loop is asyncio.get_running_loop():
+            await channel.close()
+        elif loop.is_running():    # bound to another thread's loop: close it there
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(channel.close(), loop))
 
     def _closed_under(self) -> bool:
         """A CancelledError that close() caused, not a cancellation of the running task."""
         task = asyncio.current_task()
-        return self._closed and not (task is not None and task.cancelling())
+        cancelling = getattr(task, "cancelling", None)   # (Python 3.11+; on 3.10 a close is the only cause we can tell)
+        return self._closed and not (cancelling is not None and cancelling())
 
     async def __aenter__(self) -> "AsyncClient":
         return self

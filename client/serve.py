@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "one-stage replicas spread over them")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model's name(s) in the API (default: MODEL); responses carry the first, requests may "
-                        "name any")
+                        "name any. Give MODEL before this flag: the names take every word after it")
     p.add_argument("--api-key", default=None,
                    help="clients must send 'Authorization: Bearer KEY' (env MINIPAGED_API_KEY); the "
                         "service and gateway share it")

@@ -26,18 +26,32 @@ class Choice:
     prompt_logprobs: list | None = None   # echo + logprobs: [None, lp_1, ...] (the request's first chunk)
     prompt_top: list | None = None
 
+    def __post_init__(self):
+        self.logprobs, self.top = _floored(self.logprobs), _floored_top(self.top)
+
     def add(self, c: StreamChunk) -> None:
         if c.prompt_logprobs is not None:
             self.prompt_logprobs, self.prompt_top = c.prompt_logprobs, c.prompt_top_logprobs
         self.token_ids += c.token_ids
         self.text.append(c.text)
-        self.logprobs += c.logprobs or []
-        self.top += c.top_logprobs or []
+        self.logprobs += _floored(c.logprobs or [])
+        self.top += _floored_top(c.top_logprobs or [])
         if c.finish_reason:
             self.finish_reason = FINISH_REASONS.get(c.finish_reason, c.finish_reason)
             self.stop_reason = c.stop_reason
         if c.usage is not None:
             self.usage = c.usage
+
+
+LOGPROB_FLOOR = -9999.0   # vLLM's: JSON has no -inf (a grammar's disallowed alternatives are -inf)
+
+
+def _floored(lps: list) -> list:
+    return [lp if lp >= LOGPROB_FLOOR else LOGPROB_FLOOR for lp in lps]
+
+
+def _floored_top(top: list) -> list:
+    return [{t: (lp if lp >= LOGPROB_FLOOR else LOGPROB_FLOOR) for t, lp in alts.items()} for alts in top]
 
 
 def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:

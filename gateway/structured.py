@@ -22,16 +22,26 @@ _STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice",
 _STRUCTURED_OPTIONS = {"disable_any_whitespace", "disable_additional_properties", "whitespace_pattern"}
 
 
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
+
+
 def _closed(schema):
     """disable_additional_properties: every object schema that says nothing of additionalProperties
-    gets `false` (vLLM's option), through properties, items, $defs and combinators."""
-    if isinstance(schema, list):
-        return [_closed(s) for s in schema]
+    gets `false` (vLLM's option), walked keyword by keyword (a property's name is never a keyword)."""
     if not isinstance(schema, dict):
         return schema
-    out = {k: _closed(v) if isinstance(v, (dict, list)) and k not in ("enum", "const", "required", "default",
-                                                                      "examples") else v
-           for k, v in schema.items()}
+    out = dict(schema)
+    for k in _SCHEMA_MAPS:
+        if isinstance(out.get(k), dict):
+            out[k] = {name: _closed(sub) for name, sub in out[k].items()}
+    for k in _SCHEMA_LISTS:
+        if isinstance(out.get(k), list):
+            out[k] = [_closed(sub) for sub in out[k]]
+    for k in _SCHEMA_ONE:
+        if isinstance(out.get(k), dict):
+            out[k] = _closed(out[k])
     if ("properties" in out or out.get("type") == "object") and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out
@@ -97,7 +107,10 @@ def _structured_outputs(so: Any) -> dict:
         out[_STRUCTURED_KEYS[k]] = {"json": _schema, "regex": _regex, "choice": _choice}[k](v, param) \
             if k != "json_object" else True
     if so.get("disable_additional_properties") and "json_schema" in out:
-        out["json_schema"] = _closed(out["json_schema"])
+        try:
+            out["json_schema"] = _closed(out["json_schema"])
+        except RecursionError:
+            raise bad_request("structured_outputs.json is nested too deeply", "structured_outputs.json") from None
     return out
 
 

@@ -199,8 +199,8 @@ class HermesParser:
 
     def _block(self, block: str, closed: bool) -> tuple[str, object]:
         call = parse_block(block)
-        if call is None:
-            return "content", START + block + (END if closed else "")
+        if call is None:    # not a call: text, which after a call is not content either
+            return "content", "" if self.calls else START + block + (END if closed else "")
         self.calls += 1
         return "call", call
 

@@ -81,8 +81,7 @@ def spec_of(req) -> GrammarSpec | None:
 # finishing "stop": refused instead (vLLM refuses the same under xgrammar). Formats it enforces:
 STRING_FORMATS = {"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri",
                   "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"}
-_IGNORED = ("not", "if", "dependentRequired", "dependentSchemas", "uniqueItems", "contains", "minContains",
-            "maxContains")
+_IGNORED = ("not", "if", "dependentRequired", "dependentSchemas", "contains")
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
                "unevaluatedProperties", "unevaluatedItems")
@@ -95,8 +94,10 @@ def unsupported_keyword(schema, path: str = "#") -> str | None:
     types = schema.get("type")
     types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else set()
     why = next((k for k in _IGNORED if k in schema), None)
-    if why is None and "multipleOf" in schema and types & {"integer", "number"}:
-        why = "multipleOf"
+    if why is None and schema.get("uniqueItems"):            # (false is the default: nothing to enforce)
+        why = "uniqueItems"
+    if why is None and "multipleOf" in schema and "number" in types:   # (an integer's is enforced)
+        why = "multipleOf on a number"
     if why is None and ("pattern" in schema or "format" in schema) and ("minLength" in schema or "maxLength" in schema):
         why = "minLength / maxLength with a pattern or format"
     if why is None and "format" in schema and "string" in types and schema["format"] not in STRING_FORMATS:
@@ -105,9 +106,6 @@ def unsupported_keyword(schema, path: str = "#") -> str | None:
         why = "allOf of several schemas"
     if why is None and "propertyNames" in schema and ("properties" in schema or "patternProperties" in schema):
         why = "propertyNames with properties"
-    if why is None and isinstance(schema.get("patternProperties"), dict) and (
-            "properties" in schema or len(schema["patternProperties"]) > 1):
-        why = "patternProperties with properties, or several of them"
     if why is not None:
         return f"{path}: {why} is not supported (the output could break it)"
     for key in _SUBSCHEMA_MAPS:

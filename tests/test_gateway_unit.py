@@ -200,3 +200,13 @@ def test_a_request_is_counted_when_its_last_choice_finishes():
     late.chunk(StreamChunk(token_ids=[5], text="a", finish_reason=None, index=0))
     late.fail(MiniPagedError("the chain was lost", grpc.StatusCode.INVALID_ARGUMENT))
     assert count("vllm:request_success_total", finished_reason="abort") == 1
+
+
+def test_logprobs_of_disallowed_alternatives_are_floored_for_json():
+    """A grammar's masked alternatives are -inf, which JSON cannot carry: vLLM's floor, -9999.0
+    (before, a structured request with many top_logprobs was a 400 "Out of range float values")."""
+    from client.results import StreamChunk
+    from gateway.openai_responses import Choice
+    c = Choice(0, logprobs=[-0.5], top=[{1: -0.5, 2: float("-inf")}])
+    c.add(StreamChunk(token_ids=[3], text="x", logprobs=[-1.0], top_logprobs=[{3: -1.0, 4: float("-inf")}]))
+    assert c.logprobs == [-0.5, -1.0] and c.top == [{1: -0.5, 2: -9999.0}, {3: -1.0, 4: -9999.0}]

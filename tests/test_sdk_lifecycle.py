@@ -59,6 +59,8 @@ def test_a_closed_client_says_so():
         await ac.close()
         with pytest.raises(Cancelled, match="AsyncClient is closed"):
             await ac.stats()
+        with pytest.raises(Cancelled, match="AsyncClient is closed"):     # (was AttributeError)
+            await ac.generate(prompt_token_ids=[1, 2])
     asyncio.run(use_closed())
 
 
@@ -105,7 +107,7 @@ def test_cancelled_while_parked_never_runs_and_loops_and_deadlines(tmp_path):
         asyncio.run(close_under_a_call())
         wait_for(lambda: c.stats().live_sequences == 0, what="the cancelled calls' sequences to end")
         st = c.stats()
-        assert st.invariants_ok and st.free_blocks == st.num_blocks - st.cached_blocks, st
+        assert st.invariants_ok and st.used_blocks == 0 and st.free_blocks == st.num_blocks, st
         c.close()
     finally:
         stop(*reversed(procs))

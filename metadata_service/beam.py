@@ -60,6 +60,12 @@ class BeamGroup:
         self.aborted = self.closing = self.requeue = False
         self._choice_seqs: list[Sequence] = []
 
+    def adopt_model(self, engine) -> None:
+        """Made before the service knew its model (a job resumed at start): its EOS ids now."""
+        p = self.head.params
+        self.scorer = BeamScorer(p.beam_width, beam_eos(p, engine), p.max_new_tokens, p.length_penalty,
+                                 p.early_stopping)
+
     # ------------------------------------------------------------------ the chain's thread
     def on_report(self, chain, seq: Sequence, ids: np.ndarray, lps: np.ndarray) -> int:
         """A beam's top-M for its next token. Returns tokens generated (for the chain's figures)."""

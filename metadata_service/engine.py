@@ -80,6 +80,7 @@ class Engine(SequenceRouting, ChainUpkeep, ServedModel):
         self.simulated = False                     # the served workers are simulated (--simulate)
         self.model_label = ""                      # its name, for messages (also known after a restart)
         self.on_model_changed = []                 # callbacks(fingerprint, name): the job store records it
+        self.on_model_known = []                   # callbacks(): the first chain named the model (jobs.py)
         self.on_ready_changed = []                 # callbacks(bool): health readiness follows
         self.on_sequence_finished = []             # callbacks(seq): metrics
         self.finish_batch = contextlib.nullcontext  # () -> context: finishes inside it share one store write

@@ -12,7 +12,7 @@ from minipaged.v1 import metadata_pb2
 from .backlog import Backlog, resumed_line
 from .job_store import JobStore
 from .results import result as make_result
-from .requests import to_sequence
+from .requests import RequestError, reprepare, to_sequence
 from .sequence import Sequence
 
 log = logging.getLogger("metadata_service.jobs")
@@ -55,6 +55,8 @@ class JobManager:
         self.jobs: dict[str, JobState] = {}
         self.lock = threading.Lock()
         self.cancel_command = "minipaged jobs --cancel-all"  # main() adds --address when not the default
+        self._before_model: list = []     # (seq, request) made before the model was known (resumed jobs)
+        engine.on_model_known.append(self._model_known)
 
     def submit(self, requests: list[metadata_pb2.GenerateRequest], job_id: str = "") -> str:
         """Requests must already be normalised. Persisted before the id is returned."""
@@ -85,10 +87,28 @@ class JobManager:
         for idx, req in pending:
             seq = to_sequence(req, self.engine, sink=self._on_finish, tag=(job, idx))
             job.seqs[idx] = seq
+            if not self.engine.model_known.is_set():   # parked now (they pin the model); made right later
+                with self.lock:
+                    self._before_model.append((seq, req))
         for seq in list(job.seqs.values()):       # a copy: the first ones may finish (and leave) meanwhile
             self.engine.add(seq)
         if job.state == "done":
             self.store.set_state(job_id, "done")
+
+    def _model_known(self) -> None:
+        """The first chain named the model: the resumed requests made without it (their grammar's
+        vocabulary, EOS ids for min tokens and beams, stop strings' tokenizer) are made right before
+        that chain takes them."""
+        with self.lock:
+            made, self._before_model = self._before_model, []
+        for seq, req in made:
+            if seq.status.value == "finished" or seq.abort_requested:
+                continue
+            try:
+                reprepare(seq, req, self.engine)
+            except RequestError as e:      # its constraint does not compile for this model
+                log.warning("a resumed request cannot run on this model: %s", e.message)
+                self.engine.abort(seq)
 
     def _unfinished(self) -> list[JobState]:
         with self.lock:

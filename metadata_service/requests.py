@@ -254,6 +254,18 @@ def to_sequence(req: metadata_pb2.GenerateRequest, engine, sink=None, tag=None) 
     return seq
 
 
+def reprepare(seq: Sequence, req: metadata_pb2.GenerateRequest, engine) -> None:
+    """A sequence made before the service knew its model (a job resumed at start, before any worker
+    registered): what depends on the model (grammar and its vocabulary, EOS ids for min tokens and
+    beams, the tokenizer for stop strings) is made again, before it runs."""
+    p = seq.params
+    p.grammar = compile_grammar(req, engine)
+    if req.beam_width:
+        _beam_params(p, req, engine)
+        seq.group.adopt_model(engine)
+    prepare(seq, engine)
+
+
 def compile_grammar(req: metadata_pb2.GenerateRequest, engine):
     """The request's structured-output grammar (xgrammar CompiledGrammar, cached), or None."""
     try:

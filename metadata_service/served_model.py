@@ -62,4 +62,8 @@ class ServedModel:
         if self.max_model_len_flag > info.max_position_embeddings:   # the workers would refuse those positions
             log.warning("--max-model-len %d is longer than the model's context, %d tokens: serving %d",
                         self.max_model_len_flag, info.max_position_embeddings, self.max_model_len)
+        first = not self.model_known.is_set()
         self.model_known.set()
+        if first:                       # before its chain takes any sequence (a resumed job's)
+            for cb in self.on_model_known:
+                cb()

@@ -3,6 +3,7 @@ deadlines. Real processes on loopback; tokens checked against transformers in fl
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import os
 import signal
 import sqlite3
@@ -210,3 +211,41 @@ def test_sigterm_exits_cleanly(ckpt):
     for p in procs:
         with pytest.raises(ProcessLookupError):
             os.kill(p.pid, 0)
+
+
+def test_a_job_resumed_before_any_worker_keeps_its_model_rules(tmp_path):
+    """Probe V (ninth round): a job resumed at start is made before any worker has told the service
+    its model. Its grammar then had a 0-token vocabulary (every chain died at its first step, the
+    service wedged), min_new_tokens and beam search had no EOS ids (tokens differed from a run
+    without the restart). They are made again when the first chain names the model."""
+    d = make_checkpoint(num_layers=2, hidden=64, heads=2, kv_heads=1, head_dim=32, tie=False, vocab=300, seed=5,
+                        directory=str(tmp_path / "ckpt"))
+    for name in ("config.json", "generation_config.json"):   # an EOS the greedy path reaches
+        path = os.path.join(d, name)
+        if os.path.isfile(path):
+            with open(path) as f:
+                cfg = json.load(f)
+            cfg["eos_token_id"] = 204
+            with open(path, "w") as f:
+                json.dump(cfg, f)
+    items = [{"prompt": "bar", "min_new_tokens": 8, "max_new_tokens": 12},
+             {"prompt": "Beam prompt 7", "beam_width": 4, "max_new_tokens": 20},
+             {"prompt": "json:", "json_schema": {"type": "object", "properties": {"k": {"enum": ["a", "b"]}},
+                                                 "required": ["k"]}, "max_new_tokens": 40},
+             {"prompt": "pick", "choice": ["yes", "no"], "temperature": 0.8, "seed": 3, "max_new_tokens": 8}]
+    with LocalCluster(model=d, workers=1, dtype="float64", db=str(tmp_path / "jobs.db")) as c:
+        want = [c.client.generate(**item) for item in items]
+        assert want[0].finish_reason == "length" and want[1].choices[0].finish_reason == "stop"   # EOS matters here
+        worker = c.processes[1]
+        worker.send_signal(signal.SIGSTOP)           # nothing runs: the whole job is resumed after the restart
+        try:
+            job = c.client.submit(items)
+            c.processes[0].send_signal(signal.SIGKILL)
+            c.processes[0].wait()
+        finally:
+            worker.send_signal(signal.SIGCONT)
+        c.restart_service()                          # same --db; the worker registers again by itself
+        got = Client(c.address).wait(job, timeout=120)
+        for w, g in zip(want, got):
+            assert [ch.token_ids for ch in (w.choices or [w])] == [ch.token_ids for ch in (g.choices or [g])]
+        settle(c.client)

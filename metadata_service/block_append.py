@@ -26,6 +26,11 @@ def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def kv_tokens(prompt_len: int, max_new_tokens: int) -> int:
+    """The most K/V slots a request fills: its last sampled token is never fed back."""
+    return prompt_len + max(max_new_tokens - 1, 0)
+
+
 class TokenAppend:
     """KVBlockManager's append verbs (mixin: state and row lookups live in block_manager.py)."""
 

@@ -17,6 +17,7 @@ import numpy as np
 from minipaged.constants import MAX_CHOICES, OPENAI_MAX_TOP_LOGPROBS
 from minipaged.wire import INT32, WireError, pack, unpack
 
+from .block_append import blocks_for_tokens, kv_tokens
 from .grammar import GrammarError, new_matcher, spec_of
 from .beam import MAX_BEAM_CANDIDATES, MAX_BEAM_WIDTH, BeamGroup, beam_candidates
 from .beam_scorer import candidates_per_beam, parse_early_stopping
@@ -160,7 +161,7 @@ def _check_fits(req: metadata_pb2.GenerateRequest, prompt_len: int, engine) -> N
                            f"{req.max_new_tokens} in the completion). Please reduce the length of the prompt "
                            f"or completion.")
     bs = engine.block_size
-    need = -(-total // bs)
+    need = blocks_for_tokens(kv_tokens(prompt_len, req.max_new_tokens), bs)
     if req.beam_width:   # beams step together after the whole prompt (beam.py): all of them at once
         shared = prompt_len // bs
         need = shared + req.beam_width * -(-(total - shared * bs) // bs)

@@ -15,7 +15,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from .block_append import blocks_for_tokens
+from .block_append import blocks_for_tokens, kv_tokens
 from .sequence import SeqEvent, Sequence, SeqStatus
 from .step_channel import data_address
 
@@ -168,7 +168,7 @@ class SequenceRouting:
         pool = max(c.manager.pool.num_blocks for c in live)
         fit, never = [], []
         for s in seqs:
-            need = blocks_for_tokens(s.num_prompt_tokens + s.params.max_new_tokens, self.block_size)
+            need = blocks_for_tokens(kv_tokens(s.num_prompt_tokens, s.params.max_new_tokens), self.block_size)
             if need <= pool or s.abort_requested:
                 fit.append((s, need))
             else:

@@ -313,6 +313,11 @@ def test_choices_are_admitted_when_one_of_them_fits():
     with pytest.raises(RequestError) as info:
         _check_fits(metadata_pb2.GenerateRequest(max_new_tokens=80, n=2), 64, engine)    # one choice: 9
     assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "needs 9 blocks" in str(info.value)
+    # the last sampled token is never fed back (Probe U): 128 + 1 fills the 128 slots exactly
+    _check_fits(metadata_pb2.GenerateRequest(max_new_tokens=1), 128, engine)
+    _check_fits(metadata_pb2.GenerateRequest(max_new_tokens=5), 124, engine)
+    with pytest.raises(RequestError, match="needs 9 blocks"):
+        _check_fits(metadata_pb2.GenerateRequest(max_new_tokens=2), 128, engine)
 
 
 def test_choices_that_do_not_fit_together_take_turns():
@@ -335,3 +340,18 @@ def test_choices_that_do_not_fit_together_take_turns():
     with LocalCluster() as c:
         assert tight == [ch.token_ids for ch in c.client.generate(**kw).choices]
         assert tight16 == [ch.token_ids for ch in c.client.generate(**kw16).choices]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sync", [False, True])
+def test_a_request_that_fills_the_pool_exactly_runs(sync):
+    """8 blocks of 4 = 32 slots: prompt 32 + 1 new token, 31 + 2 and 28 + 5 fill them exactly (the
+    last token is never fed back); they were refused "could never run" (Probe U)."""
+    from client import LocalCluster
+    with LocalCluster(model="tiny", workers=1, dtype="float32", block_size=4, num_blocks=8,
+                      extra_service_args=["--no-async-scheduling"] if sync else []) as c:
+        for plen, new in [(28, 5), (31, 2), (32, 1)]:
+            r = c.client.generate(prompt_token_ids=list(range(2, 2 + plen)), max_new_tokens=new, ignore_eos=True)
+            assert len(r.token_ids) == new and r.finish_reason == "length"
+        st = c.client.stats()
+        assert st.invariants_ok and st.used_blocks == 0

@@ -163,7 +163,10 @@ def _check_fits(req: metadata_pb2.GenerateRequest, prompt_len: int, engine) -> N
     bs = engine.block_size
     need = blocks_for_tokens(kv_tokens(prompt_len, req.max_new_tokens), bs)
     if req.beam_width:   # beams step together after the whole prompt (beam.py): all of them at once
-        shared = prompt_len // bs
+        cfg = getattr(engine, "cfg", None)
+        # a preempted beam recomputes its prompt from the prefix cache; without one, on its own:
+        # then the K beams need their blocks unshared, or they would preempt each other forever
+        shared = prompt_len // bs if cfg is None or cfg.enable_prefix_caching else 0
         need = shared + req.beam_width * -(-(total - shared * bs) // bs)
     # n / best_of: the choices fork after all but the last prompt token (groups.py), as many as have
     # room; the rest, and any preempted later, recompute on their own, as vLLM's child requests: one
@@ -172,7 +175,9 @@ def _check_fits(req: metadata_pb2.GenerateRequest, prompt_len: int, engine) -> N
     if need > pool:
         raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                            f"this request needs {need} blocks of {engine.block_size} tokens but the whole pool "
-                           f"holds {pool} ({pool * engine.block_size} tokens): it could never run")
+                           f"holds {pool} ({pool * engine.block_size} tokens): it could never run"
+                           + (" (with --no-prefix-caching a beam search's beams share no prompt block)"
+                              if req.beam_width and not shared else ""))
 
 
 def _check_beams(req: metadata_pb2.GenerateRequest, engine) -> None:

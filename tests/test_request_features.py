@@ -318,6 +318,14 @@ def test_choices_are_admitted_when_one_of_them_fits():
     _check_fits(metadata_pb2.GenerateRequest(max_new_tokens=5), 124, engine)
     with pytest.raises(RequestError, match="needs 9 blocks"):
         _check_fits(metadata_pb2.GenerateRequest(max_new_tokens=2), 128, engine)
+    # beams: the prompt's full blocks are shared, through the prefix cache even after a preemption;
+    # without one (--no-prefix-caching) they share nothing then, and would preempt each other forever
+    beams = metadata_pb2.GenerateRequest(max_new_tokens=8, beam_width=3)
+    engine.cfg = types.SimpleNamespace(enable_prefix_caching=True)
+    _check_fits(beams, 50, engine)                                                     # 3 + 3 x 2 blocks
+    engine.cfg.enable_prefix_caching = False
+    with pytest.raises(RequestError, match="needs 12 blocks.*share no prompt block"):
+        _check_fits(beams, 50, engine)                                                 # 3 x 4 blocks
 
 
 def test_choices_that_do_not_fit_together_take_turns():

@@ -118,7 +118,9 @@ class MetadataServicer(JobRpcs, metadata_pb2_grpc.MetadataServiceServicer):
         req = self._admit([request], context)[0]
         events: queue.SimpleQueue = queue.SimpleQueue()
         seq = to_sequence(req, self.engine, sink=lambda s, ev: events.put((s, ev)))
-        if not context.add_callback(lambda: seq.status.value != "finished" and self.engine.abort(seq)):
+        # a group's head may have ended (a beam not chosen) while its request goes on: abort the group
+        if not context.add_callback(lambda: (seq.group is not None or seq.status.value != "finished")
+                                    and self.engine.abort(seq)):
             self._done()                 # the caller is already gone: nothing to run, nothing to answer
             return
         self.open_streams.add(events)

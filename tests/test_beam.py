@@ -220,3 +220,27 @@ def test_beams_recompute_together_on_the_other_replica_after_a_worker_dies(ckpt,
         for r, p in zip(cl.wait(job, timeout=300), ps):
             check(r, hf_beams(hf, p, 4, 24), 4)
         settle(cl)
+
+
+@pytest.mark.slow
+def test_a_cancelled_beam_search_stops_even_after_its_head_beam_was_dropped():
+    """The Generate call's cancel hook aborted its sequence only while that sequence was unfinished;
+    a beam group's head ends when its beam is not chosen, so a cancelled beam search ran on to its
+    end (Probe V: 4 x 1,500 tokens after the caller had gone)."""
+    import asyncio
+    import time
+
+    from client import AsyncClient, LocalCluster
+    with LocalCluster(model="tiny", workers=1, dtype="float32") as c:
+        async def cut():
+            ac = AsyncClient(c.address)
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(ac.generate(prompt_token_ids=[5, 6, 7], beam_width=4, max_new_tokens=1500,
+                                                   ignore_eos=True), 3.0)
+            await ac.close()
+        asyncio.run(cut())
+        end = time.monotonic() + 30
+        while c.client.stats().live_sequences and time.monotonic() < end:
+            time.sleep(0.2)
+        st = c.client.stats()
+        assert st.live_sequences == 0 and st.generated_tokens < 4 * 1500 and st.used_blocks == 0, st

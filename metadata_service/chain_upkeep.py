@@ -171,8 +171,8 @@ class ChainUpkeep:
         self._init_failures.pop(tuple(w.worker_id for w in stages), None)
         for w in stages:
             self._unreachable.pop(w.address, None)
+        self.max_pool_blocks = max(cap, self.max_pool_blocks if self.chains else 0)   # (before calls wake)
         self._adopt_model(stages)
-        self.max_pool_blocks = max(cap, self.max_pool_blocks if self.chains else 0)
         chain = ChainRunner(next(self._chain_ids), stages, cap, epoch, self.cfg, self, stages[0].info.replica_group)
         if tier:
             chain.manager.attach_tier(tier, self.cfg.kv_tier_policy)

@@ -33,6 +33,7 @@ from minipaged.constants import KV_MOVE_TIMEOUT_S
 from minipaged.v1 import worker_pb2
 from minipaged.wire import pack
 
+from .block_append import blocks_for_tokens, kv_tokens
 from .sequence import SeqStatus, Sequence
 from .step_channel import data_address
 from .step_request import add_tier_moves
@@ -69,7 +70,7 @@ class KvMoves:
             if s.handed_off or s.status is not SeqStatus.RUNNING or not s.output_token_ids:
                 continue
             s.handed_off = True                    # once: a request that stays here decodes here
-            need = -(-(s.num_prompt_tokens + s.params.max_new_tokens) // self.manager.block_size)
+            need = blocks_for_tokens(kv_tokens(s.num_prompt_tokens, s.params.max_new_tokens), self.manager.block_size)
             if s.group is not None or s.finish_reason or not self.engine.decode_chains_for(self, need):
                 continue
             with self.lock:                        # gone from here before another chain owns it

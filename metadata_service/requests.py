@@ -167,7 +167,7 @@ def _check_fits(req: metadata_pb2.GenerateRequest, prompt_len: int, engine) -> N
         # a preempted beam recomputes its prompt from the prefix cache; without one, on its own:
         # then the K beams need their blocks unshared, or they would preempt each other forever
         shared = prompt_len // bs if cfg is None or cfg.enable_prefix_caching else 0
-        need = shared + req.beam_width * -(-(total - shared * bs) // bs)
+        need = shared + req.beam_width * -(-(kv_tokens(prompt_len, req.max_new_tokens) - shared * bs) // bs)
     # n / best_of: the choices fork after all but the last prompt token (groups.py), as many as have
     # room; the rest, and any preempted later, recompute on their own, as vLLM's child requests: one
     # choice must fit, not all of them together.

@@ -169,6 +169,8 @@ class SequenceRouting:
         fit, never = [], []
         for s in seqs:
             need = blocks_for_tokens(kv_tokens(s.num_prompt_tokens, s.params.max_new_tokens), self.block_size)
+            if s.params.beam_width and not self.cfg.enable_prefix_caching:   # (as admission: unshared)
+                need *= s.params.beam_width
             if need <= pool or s.abort_requested:
                 fit.append((s, need))
             else:

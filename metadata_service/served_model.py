@@ -62,8 +62,7 @@ class ServedModel:
         if self.max_model_len_flag > info.max_position_embeddings:   # the workers would refuse those positions
             log.warning("--max-model-len %d is longer than the model's context, %d tokens: serving %d",
                         self.max_model_len_flag, info.max_position_embeddings, self.max_model_len)
-        first = not self.model_known.is_set()
-        self.model_known.set()
-        if first:                       # before its chain takes any sequence (a resumed job's)
-            for cb in self.on_model_known:
+        if not self.model_known.is_set():   # before its chain takes any sequence (a resumed job's), and
+            for cb in self.on_model_known:  # before a parked call wakes to find them half made
                 cb()
+        self.model_known.set()

@@ -88,10 +88,12 @@ class BatchPacking:
         seq_lens = self.manager.lens_of_rows(rows).astype(np.int32)        # after the appends
         P.num_computed_tokens[prog] += 1
         P.inflight[prog] += 1
-        P.pending_sample[prog] = True
-        P.deferred[prog[input_ids == -1]] = True       # their input is the token still being sampled
         B = ids.size
         fixed = np.frombuffer(step_rows, dtype=STEP_ROW)
+        # no decode goes ahead past a request's last token: it is never fed back, and admission
+        # counts no K/V slot for it (requests.kv_tokens): a request filling the pool would preempt itself
+        P.pending_sample[prog] = seq_lens - fixed["prompt_len"] + 1 < fixed["max_new"]
+        P.deferred[prog[input_ids == -1]] = True       # their input is the token still being sampled
         return dict(ids=ids, rows=rows, prog=prog, input_ids=input_ids, seq_lens=seq_lens, positions=seq_lens - 1,
                     num_new=np.ones(B, dtype=np.int32), do_sample=np.ones(B, dtype=np.uint8), gens=P.gen[prog],
                     base=P.blocks_sent[prog],
@@ -141,7 +143,7 @@ class BatchPacking:
         do_sample[num_decodes:] = (P.num_computed_tokens[pc] == P.num_tokens[pc]) & ~unforked \
             & (fixed["max_new"][num_decodes:] > 0)
         P.inflight[prog] += 1
-        P.pending_sample[prog] = do_sample.astype(bool)
+        P.pending_sample[prog] = do_sample.astype(bool) & (offsets + 1 < fixed["max_new"])   # (as decodes')
         P.deferred[prog[defer]] = True
         return dict(ids=ids, rows=rows, prog=prog, input_ids=input_ids, seq_lens=seq_lens,
                     positions=np.repeat(starts, num_new) + inner, num_new=num_new, do_sample=do_sample,

@@ -326,17 +326,19 @@ def test_choices_are_admitted_when_one_of_them_fits():
     engine.cfg.enable_prefix_caching = False
     with pytest.raises(RequestError, match="needs 12 blocks.*share no prompt block"):
         _check_fits(beams, 50, engine)                                                 # 3 x 4 blocks
+    engine.cfg.enable_prefix_caching = True
+    _check_fits(metadata_pb2.GenerateRequest(max_new_tokens=1, beam_width=1), 128, engine)   # (kv_tokens too)
 
 
 def test_choices_that_do_not_fit_together_take_turns():
     """Three choices of 5 blocks each in a pool of 10 (Probe P: refused as "could never run"): they
     run, preempting each other, and give the tokens a roomy pool gives."""
-    kw = dict(prompt_token_ids=list(range(1, 21)), max_new_tokens=45, n=3, temperature=1.0, seed=7,
-              ignore_eos=True)
+    kw = dict(prompt_token_ids=list(range(1, 21)), max_new_tokens=50, n=3, temperature=1.0, seed=7,
+              ignore_eos=True)                       # 69 K/V slots each: 5 blocks, the first shared
     with LocalCluster(num_blocks=10) as c:
         r = c.client.generate(**kw)
         tight = [ch.token_ids for ch in r.choices]
-        assert r.usage.preemptions > 0 and [len(t) for t in tight] == [45] * 3
+        assert r.usage.preemptions > 0 and [len(t) for t in tight] == [50] * 3
         settle(c.client)
         # Probe R: a prompt ending mid-block needs a copy of its last block per choice at the fork;
         # 16 choices of one block each in this pool of 10: those without room wait and recompute
@@ -361,5 +363,6 @@ def test_a_request_that_fills_the_pool_exactly_runs(sync):
         for plen, new in [(28, 5), (31, 2), (32, 1)]:
             r = c.client.generate(prompt_token_ids=list(range(2, 2 + plen)), max_new_tokens=new, ignore_eos=True)
             assert len(r.token_ids) == new and r.finish_reason == "length"
+            assert r.usage.preemptions == 0     # (no decode goes ahead past the last token into a slot)
         st = c.client.stats()
         assert st.invariants_ok and st.used_blocks == 0

@@ -6,6 +6,7 @@ import os
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -211,6 +212,9 @@ def test_a_job_whose_first_requests_finish_while_the_rest_are_added():
     class InstantEngine:                      # finishes every sequence as it is added
         model_name = model_fingerprint = ""
         eos_ids = ()
+        on_model_known: list = []
+        model_known = threading.Event()
+        model_known.set()
 
         def add(self, seq):
             seq.output_token_ids = [7]

@@ -85,14 +85,14 @@ class MetadataServicer(JobRpcs, metadata_pb2_grpc.MetadataServiceServicer):
         """Park until the first chain names the model; a caller that goes away meanwhile (Ctrl-C, a
         cancelled task) ends the wait, so its request never runs once a worker comes."""
         end = time.monotonic() + wait
-        while not self.engine.model_known.wait(max(0.0, min(0.5, end - time.monotonic()))):
-            if not context.is_active():
-                context.abort(grpc.StatusCode.CANCELLED, "the caller went away while waiting for a worker")
-            if time.monotonic() >= end:
-                context.abort(grpc.StatusCode.UNAVAILABLE,
-                              f"no worker chain is ready ({self.engine.not_ready_reason}); waited {wait:.1f}s")
+        while (not self.engine.model_known.wait(max(0.0, min(0.5, end - time.monotonic())))
+               and context.is_active() and time.monotonic() < end):
+            pass
         if not context.is_active():
             context.abort(grpc.StatusCode.CANCELLED, "the caller went away while waiting for a worker")
+        if not self.engine.model_known.is_set():
+            context.abort(grpc.StatusCode.UNAVAILABLE,
+                          f"no worker chain is ready ({self.engine.not_ready_reason}); waited {wait:.1f}s")
 
     def _say_waiting(self, context, wait: float) -> None:
         """A call parked until the first worker registers is told so at once (initial metadata

@@ -109,11 +109,8 @@ class JobManager:
             except Exception as e:  # noqa: BLE001 - one request's problem (its constraint on this model) is its own
                 why = e.message if isinstance(e, RequestError) else f"{type(e).__name__}: {e}"
                 log.warning("a resumed request cannot run on this model: %s", why)
-                with self.engine.route_lock:
-                    if seq in self.engine.parked:
-                        self.engine.parked.remove(seq)
-                self.engine.finish(seq, "error", error=f"resumed on this model, the request cannot run: {why}",
-                                   code="INVALID_ARGUMENT")
+                self.engine.fail_parked(seq, f"resumed on this model, the request cannot run: {why}",
+                                        "INVALID_ARGUMENT")
 
     def _unfinished(self) -> list[JobState]:
         with self.lock:

@@ -160,14 +160,14 @@ def _check_fits(req: metadata_pb2.GenerateRequest, prompt_len: int, engine) -> N
                            f"However, you requested {total} tokens ({prompt_len} in the prompt, "
                            f"{req.max_new_tokens} in the completion). Please reduce the length of the prompt "
                            f"or completion.")
-    bs = engine.block_size
-    need = blocks_for_tokens(kv_tokens(prompt_len, req.max_new_tokens), bs)
+    bs, slots = engine.block_size, kv_tokens(prompt_len, req.max_new_tokens)
+    need = blocks_for_tokens(slots, bs)
     if req.beam_width:   # beams step together after the whole prompt (beam.py): all of them at once
         cfg = getattr(engine, "cfg", None)
         # a preempted beam recomputes its prompt from the prefix cache; without one, on its own:
         # then the K beams need their blocks unshared, or they would preempt each other forever
         shared = prompt_len // bs if cfg is None or cfg.enable_prefix_caching else 0
-        need = shared + req.beam_width * -(-(kv_tokens(prompt_len, req.max_new_tokens) - shared * bs) // bs)
+        need = shared + req.beam_width * blocks_for_tokens(slots - shared * bs, bs)
     # n / best_of: the choices fork after all but the last prompt token (groups.py), as many as have
     # room; the rest, and any preempted later, recompute on their own, as vLLM's child requests: one
     # choice must fit, not all of them together.

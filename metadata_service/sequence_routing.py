@@ -41,6 +41,14 @@ class SequenceRouting:
             return
         self._abort_one(seq)
 
+    def fail_parked(self, seq: Sequence, error: str, code: str) -> None:
+        """A parked sequence that cannot run (a resumed request its model refuses): it ends with
+        an error, not "cancelled"."""
+        with self.route_lock:
+            if seq in self.parked:
+                self.parked.remove(seq)
+        self.finish(seq, "error", error=error, code=code)
+
     def _abort_one(self, seq: Sequence) -> None:
         seq.abort_requested = True
         with self.route_lock:
